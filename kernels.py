@@ -1,0 +1,217 @@
+"""The fast paths: attention dispatch, mask builders and chunked losses.
+
+Every method writes its attention pattern once, as a FlexAttention-style
+``mask_mod(b, h, q_idx, kv_idx) -> bool`` (SPEC §2.2). ``Mask`` turns that one
+function into whichever backend the device wants:
+
+- a ``BlockMask`` for ``flex_attention`` on CUDA (block-sparse: empty blocks skipped),
+- a dense boolean mask for ``scaled_dot_product_attention`` (CPU: torch 2.13 has no
+  FlexAttention backward on CPU; also the reference the tests compare against),
+- ``is_causal=True`` when the pattern is plain causal (``mask=None``).
+
+mask_mods are written with tensor indexing only (no Python ``if`` on values), so the
+dense builder can call them once on broadcast index grids instead of per element.
+
+The losses (SPEC §5) take final hidden states and the LM head weight, never logits:
+``[tokens, vocab]`` logits exist one chunk of tokens at a time, in fp32, in the forward
+and the backward (the gradient is computed chunk by chunk inside the forward and only
+scaled in the backward). ``naive_ce`` / ``naive_kd`` are the slow twins the tests use.
+
+Legend: B batch, H heads, Hkv key/value heads, Q query tokens, S key tokens, hd head dim,
+N flattened tokens, d width, V vocab.
+"""
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # very old torch: dense SDPA everywhere
+    create_block_mask = flex_attention = None
+
+# The one override: None = pick by device; "dense" or "flex" forces a backend (tests).
+BACKEND = None
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask):
+    global _compiled_flex
+    if q.device.type != "cuda":  # eager flex forward on CPU: tests only
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+# -----------------------------------------------------------------------------
+# mask_mods shared by several methods
+
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def causal_after_prefix(prefix_len, key_valid):
+    """Queries are the last Q of S keys: the first prefix_len keys are a prefix (memory
+    or cache) seen by every query where ``key_valid`` (B, S) is True; the rest is causal."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return key_valid[b, kv_idx] & (kv_idx <= q_idx + prefix_len)
+    mask_mod.__name__ = f"causal_after_prefix_{prefix_len}"
+    return mask_mod
+
+
+def bidirectional(key_valid):
+    """Every token sees every valid token (padding is never seen)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return key_valid[b, kv_idx] & (q_idx >= 0)
+    mask_mod.__name__ = "bidirectional"
+    return mask_mod
+
+
+def with_prefix(mask_mod, prefix_len, prefix_valid):
+    """Shift a mask_mod written for the new tokens behind a prefix of prefix_len keys that
+    every query sees where ``prefix_valid`` (B, P) is True (incremental decoding)."""
+    def shifted(b, h, q_idx, kv_idx):
+        in_prefix = kv_idx < prefix_len
+        kv_new = (kv_idx - prefix_len).clamp(min=0)
+        return torch.where(in_prefix, prefix_valid[b, kv_idx.clamp(max=prefix_len - 1)],
+                           mask_mod(b, h, q_idx, kv_new))
+    shifted.__name__ = f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}"
+    return shifted
+
+
+# -----------------------------------------------------------------------------
+# Mask: one mask_mod, several backends
+
+
+def dense_mask(mask_mod, B, Q, S, device):
+    """Evaluate mask_mod on broadcast index grids -> bool (B, 1, Q, S)."""
+    b = torch.arange(B, device=device).view(B, 1, 1)
+    q_idx = torch.arange(Q, device=device).view(1, Q, 1)
+    kv_idx = torch.arange(S, device=device).view(1, 1, S)
+    h = torch.zeros(1, 1, 1, dtype=torch.long, device=device)
+    return mask_mod(b, h, q_idx, kv_idx).expand(B, Q, S).unsqueeze(1)
+
+
+class Mask:
+    """An attention pattern for queries (B, Q) over keys (B, S), built lazily per backend
+    and shared by all layers of one forward."""
+
+    def __init__(self, mask_mod, B, Q, S, device):
+        self.mask_mod, self.B, self.Q, self.S, self.device = mask_mod, B, Q, S, device
+        self._dense = self._block = None
+
+    def backend(self):
+        if BACKEND is not None:
+            return BACKEND
+        use_flex = flex_attention is not None and self.device.type == "cuda" and self.Q >= 128
+        return "flex" if use_flex else "dense"
+
+    def dense(self):
+        if self._dense is None:
+            self._dense = dense_mask(self.mask_mod, self.B, self.Q, self.S, self.device)
+        return self._dense
+
+    def block(self):
+        if self._block is None:
+            self._block = create_block_mask(self.mask_mod, self.B, None, self.Q, self.S,
+                                            device=self.device, _compile=self.device.type == "cuda")
+        return self._block
+
+
+def attention(q, k, v, mask=None):
+    """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S.
+    GQA without repeating K/V (SDPA ``enable_gqa``, flex ``enable_gqa``)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask.backend() == "flex":
+        return _flex(q, k, v, mask.block())
+    dense = mask.dense()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+    # A query row that sees no key (padding) gives NaN in SDPA; flex gives 0. Match flex.
+    return out.masked_fill(~dense.any(-1, keepdim=True), 0.0)
+
+
+# -----------------------------------------------------------------------------
+# chunked losses straight from hidden states (SPEC §5)
+
+CHUNK = 1024  # tokens per chunk: 1024 x 152k fp32 logits = 620 MB at most alive at once
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """Sum over tokens of a per-token loss of logits = h @ w.T, computed chunk by chunk.
+    The forward also computes d loss / d (h, w) chunk by chunk; backward only scales.
+    ``kind`` is "ce" (target ids) or "kd" (teacher hidden states + teacher head)."""
+
+    @staticmethod
+    def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
+        h32, w32 = h.float(), w.float()
+        grad_h = torch.zeros_like(h32)
+        grad_w = torch.zeros_like(w32) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], CHUNK):
+            hc, wt = h32[s:s + CHUNK], weights[s:s + CHUNK].float()
+            logp = torch.log_softmax(hc @ w32.T, dim=-1)  # (n, V)
+            if kind == "ce":
+                tc = target[s:s + CHUNK]
+                loss = -logp.gather(1, tc[:, None]).squeeze(1)
+                grad_logits = logp.exp()
+                grad_logits[torch.arange(len(tc), device=h.device), tc] -= 1.0
+            else:  # KL(teacher || student) = sum p_t (log p_t - log p_s)
+                logq = torch.log_softmax(teacher_h[s:s + CHUNK].float() @ teacher_w.float().T, -1)
+                p_t = logq.exp()
+                loss = (p_t * (logq - logp)).sum(-1)
+                grad_logits = logp.exp() - p_t
+            total += (loss * wt).sum()
+            grad_logits *= wt[:, None]
+            grad_h[s:s + CHUNK] = grad_logits @ w32
+            if grad_w is not None:
+                grad_w += grad_logits.T @ hc
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.has_grad_w, ctx.dtypes = grad_w is not None, (h.dtype, w.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * grad_out).to(ctx.dtypes[0])
+        gw = (grad_w * grad_out).to(ctx.dtypes[1]) if ctx.has_grad_w else None
+        return gh, gw, None, None, None, None, None
+
+
+def _select(h, labels, weights):
+    """Flatten (B, T, d) hidden states and keep the positions with a label != -100."""
+    keep = labels.reshape(-1) != -100
+    h = h.reshape(-1, h.shape[-1])[keep]
+    w = torch.ones(h.shape[0], device=h.device) if weights is None else weights.reshape(-1)[keep]
+    return h, labels.reshape(-1)[keep], w, keep
+
+
+def chunked_ce(h, w_head, labels, weights=None):
+    """Summed next-token CE: h (B, T, d) final hidden states, w_head (V, d), labels (B, T)
+    target ids or -100, optional per-token weights (B, T). Returns (sum, n_tokens)."""
+    h, target, w, _ = _select(h, labels, weights)
+    return _ChunkedLoss.apply(h, w_head, w, "ce", target, None, None), target.numel()
+
+
+def chunked_kd(h, w_head, teacher_h, teacher_w, labels):
+    """Summed KL(teacher || student) over the positions where labels != -100 (meanpool eq. 5).
+    h, teacher_h (B, T, d|d_t) must be aligned: position t of both predicts the same token."""
+    h, _, w, keep = _select(h, labels, None)
+    th = teacher_h.reshape(-1, teacher_h.shape[-1])[keep]
+    return _ChunkedLoss.apply(h, w_head, w, "kd", None, th.detach(), teacher_w.detach()), h.shape[0]
+
+
+def naive_ce(h, w_head, labels, weights=None):
+    logits = h.float() @ w_head.float().T
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    if weights is not None:
+        loss = loss * weights.flatten()
+    return loss.sum()
+
+
+def naive_kd(h, w_head, teacher_h, teacher_w, labels):
+    logp = torch.log_softmax(h.float() @ w_head.float().T, -1)
+    logq = torch.log_softmax(teacher_h.float() @ teacher_w.float().T, -1)
+    kl = (logq.exp() * (logq - logp)).sum(-1)
+    return (kl * (labels != -100)).sum()

@@ -1,0 +1,557 @@
+"""A Llama-family transformer written from scratch, with its own LoRA, prefix memory and
+greedy generation (SPEC §2.1-2.3).
+
+Families: Llama 2/3/3.1/3.2 (rope scaling ``llama3`` or ``linear``), Mistral, Qwen2/2.5
+(q/k/v bias), Qwen3 (q_norm/k_norm, explicit ``head_dim``); tied or untied LM head.
+Module names are the HF checkpoint's (``model.layers.N.self_attn.q_proj``), so loading is
+a key-for-key copy and adapters save in PEFT's key format.
+
+One ``forward`` serves encoders (bidirectional or custom masks), decoders (a ``Memory`` as
+prefix embeddings or prefix K/V) and teachers (plain causal):
+
+    logits = model(ids)                                   # (B, T, V), causal
+    h = model(ids, mask=mask_mod, output="hidden")        # custom attention, final hidden
+    h, kv = model(embeds=e, return_kv=True, output="hidden")
+    logits = model(ids, memory=Memory(...))               # memory, then the tokens
+
+Legend: B batch, T tokens, C memory slots, d width, H/Hkv heads, hd head dim, V vocab.
+Not implemented (documented choices): Mistral/Qwen2 sliding-window attention (all layers
+attend to the full context, exact while sequences are shorter than the window).
+"""
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import kernels
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    """Mirrors the HF ``config.json`` keys; head_dim and n_kv_heads are derived."""
+    model_type: str = "llama"
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 0      # 0 = num_attention_heads (no GQA)
+    head_dim: int = 0                 # 0 = hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = None         # {"rope_type": "llama3" | "linear", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False      # Llama's flag: bias on q, k, v, o
+    mlp_bias: bool = False
+    bos_token_id: int = None
+    eos_token_id: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        self.eos_token_id = list(self.eos_token_id or [])
+
+    @classmethod
+    def from_json(cls, path):
+        with open(path) as f:
+            raw = json.load(f)
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{path}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers v5 | v4
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"{path}: unknown rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        known = {f.name for f in fields(cls)}
+        cfg = {k: v for k, v in raw.items() if k in known and v is not None}
+        cfg["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        cfg["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
+        cfg.setdefault("tie_word_embeddings", False)  # HF's default when the key is absent
+        return cls(**cfg)
+
+    def to_json(self):
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["rope_parameters"] = dict(self.rope_scaling or {"rope_type": "default"}, rope_theta=self.rope_theta)
+        d.pop("rope_scaling")
+        return d
+
+
+# -----------------------------------------------------------------------------
+# Memory: what every compressor hands the decoder (SPEC §2.3)
+
+
+@dataclass
+class Memory:
+    """Embedding memory (prepended to the decoder's input embeddings) or K/V memory (used
+    as prefix K/V); ``mask`` (B, C) marks valid slots; ``next_pos`` (B,) is the position
+    id of whatever follows the memory."""
+    embeds: torch.Tensor = None        # (B, C, d)
+    kv: list = None                    # [(k, v)] per layer, each (B, Hkv, C, hd)
+    mask: torch.Tensor = None          # (B, C) bool
+    next_pos: torch.Tensor = None      # (B,) long
+
+    def __post_init__(self):
+        ref = self.embeds if self.embeds is not None else self.kv[0][0]
+        B = ref.shape[0]
+        C = ref.shape[1] if self.embeds is not None else ref.shape[2]
+        if self.mask is None:
+            self.mask = torch.ones(B, C, dtype=torch.bool, device=ref.device)
+        if self.next_pos is None:
+            self.next_pos = self.mask.sum(-1).long()
+
+    @property
+    def n_slots(self):
+        return self.mask.shape[1]
+
+    def slots(self):
+        """(B,) number of valid slots per example."""
+        return self.mask.sum(-1)
+
+    def bytes_per_slot(self):
+        if self.embeds is not None:
+            return self.embeds.shape[-1] * self.embeds.element_size()
+        return sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k, _ in self.kv)
+
+    def nbytes(self):
+        """(B,) bytes of the valid slots of each example."""
+        return self.slots() * self.bytes_per_slot()
+
+    def tensors(self):
+        t = {"mask": self.mask, "next_pos": self.next_pos}
+        if self.embeds is not None:
+            t["embeds"] = self.embeds
+        for i, (k, v) in enumerate(self.kv or []):
+            t[f"k.{i}"], t[f"v.{i}"] = k, v
+        return t
+
+    def save(self, path):
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}, path)
+
+    @classmethod
+    def load(cls, path, device="cpu"):
+        t = load_file(path, device=str(device))
+        n = sum(1 for k in t if k.startswith("k."))
+        kv = [(t[f"k.{i}"], t[f"v.{i}"]) for i in range(n)] or None
+        return cls(embeds=t.get("embeds"), kv=kv, mask=t["mask"], next_pos=t["next_pos"])
+
+    def to(self, dtype):
+        kv = [(k.to(dtype), v.to(dtype)) for k, v in self.kv] if self.kv else None
+        embeds = self.embeds.to(dtype) if self.embeds is not None else None
+        return Memory(embeds, kv, self.mask, self.next_pos)
+
+
+# -----------------------------------------------------------------------------
+# LoRA: W x + (alpha / r) B A x, several named adapters on one base weight
+#
+#        x ──► W (frozen) ───────────────┐
+#        └──► A (r, in) ──► B (out, r) ──┴─► + ──► y        A kaiming, B zero: a new
+#                  scaled by alpha / r                        adapter is the identity
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear that owns ``weight``/``bias`` (checkpoint keys load unchanged) plus
+    named adapters ``lora_A[name]`` (r, in), ``lora_B[name]`` (out, r)."""
+
+    def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        self.scaling, self.dropout = {}, {}
+        self.active = None
+
+    def add_adapter(self, name, r, alpha, dropout):
+        A = torch.empty(r, self.in_features, device=self.weight.device, dtype=torch.float32)
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+        self.lora_A[name] = nn.Parameter(A)
+        self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, r, device=A.device))
+        self.scaling[name], self.dropout[name] = alpha / r, dropout
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        name = self.active
+        if name is None or name not in self.lora_A:
+            return y
+        A, B = self.lora_A[name], self.lora_B[name]
+        x = F.dropout(x, self.dropout[name], self.training)
+        return y + (x.to(A.dtype) @ A.T @ B.T * self.scaling[name]).to(y.dtype)
+
+    def merge(self, name):
+        with torch.no_grad():
+            delta = self.lora_B[name] @ self.lora_A[name] * self.scaling[name]
+            self.weight += delta.to(self.weight.dtype)
+        del self.lora_A[name], self.lora_B[name]
+
+
+# -----------------------------------------------------------------------------
+# the transformer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg, device):
+    """Inverse frequencies (hd/2,), with llama3 or linear scaling as HF computes them."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv_freq = torch.where(is_medium, smoothed, inv_freq)
+    return inv_freq
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, hd); cos/sin (B, 1, T, hd). Rotate-half convention (HF)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_bias = cfg.attention_bias or cfg.model_type == "qwen2"
+        self.q_proj = LoRALinear(d, H * hd, bias=qkv_bias)
+        self.k_proj = LoRALinear(d, Hkv * hd, bias=qkv_bias)
+        self.v_proj = LoRALinear(d, Hkv * hd, bias=qkv_bias)
+        self.o_proj = LoRALinear(H * hd, d, bias=cfg.attention_bias)
+        if cfg.model_type == "qwen3":
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.H, self.Hkv, self.hd = H, Hkv, hd
+
+    def forward(self, x, cos, sin, mask, prefix_kv):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.hd)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.Hkv, self.hd).transpose(1, 2)  # (B, Hkv, T, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+        if prefix_kv is not None:
+            k = torch.cat([prefix_kv[0].to(k.dtype), k], dim=2)  # (B, Hkv, P + T, hd)
+            v = torch.cat([prefix_kv[1].to(v.dtype), v], dim=2)
+        y = kernels.attention(q, k, v, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = LoRALinear(d, f, bias=bias)
+        self.up_proj = LoRALinear(d, f, bias=bias)
+        self.down_proj = LoRALinear(f, d, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, prefix_kv):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix_kv)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.adapter_configs = {}
+        self._inv_freq = None
+
+    # --- loading ----------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
+        """An HF checkpoint dir: config.json + model.safetensors or a sharded
+        model.safetensors.index.json. Safetensors only: nothing is unpickled."""
+        cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
+        for name in ("generation_config.json",):  # eos ids for generation
+            p = os.path.join(path, name)
+            if os.path.exists(p):
+                eos = json.load(open(p)).get("eos_token_id")
+                if eos is not None:
+                    cfg.eos_token_id = [eos] if isinstance(eos, int) else list(eos)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_base_weights(read_safetensors(path, device), dtype=dtype)
+        return model.to(device)
+
+    def load_base_weights(self, state, dtype=None):
+        """Key-for-key copy with one-line errors for missing/unexpected/mis-shaped tensors."""
+        own = {k: v for k, v in self.state_dict(keep_vars=True).items() if "lora_" not in k}
+        if self.config.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+                  if k in state and state[k].shape != own[k].shape]
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)):
+            if keys:
+                more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
+                raise ValueError(f"checkpoint has {len(keys)} {what} tensors: {', '.join(keys[:5])}{more}")
+        super().load_state_dict({k: v.to(dtype) if dtype and v.is_floating_point() else v
+                                 for k, v in state.items()}, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return self
+
+    def save_pretrained(self, path):
+        """HF layout (config.json + model.safetensors), base weights only."""
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "lora_" not in k}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(self.config.to_json(), f, indent=2)
+
+    # --- forward ----------------------------------------------------------------
+
+    def rope(self, pos):
+        if self._inv_freq is None or self._inv_freq.device != pos.device:
+            self._inv_freq = rope_inv_freq(self.config, pos.device)
+        freqs = pos[..., None].float() * self._inv_freq  # (B, T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, hd)
+        return emb.cos(), emb.sin()
+
+    def forward(self, input_ids=None, embeds=None, pos=None, mask=None, memory=None,
+                valid=None, return_kv=False, output="logits"):
+        """input_ids (B, T) and/or embeds (B, T0, d): the sequence is [embeds, tokens].
+        pos (B, T) position ids of the sequence (default: after the memory, or from 0).
+        mask: a mask_mod(b, h, q_idx, kv_idx) over this forward's keys (None = causal).
+        memory: a ``Memory`` (embeddings are prepended; K/V is a prefix every query sees
+        where memory.mask is True). valid (B, T) marks real tokens (left padding).
+        Returns logits (B, T, V) or final hidden states (output="hidden") of the sequence
+        (memory embedding slots excluded), and with return_kv the per-layer (k, v) of every
+        key (prefix included)."""
+        x = [] if embeds is None else [embeds]
+        if input_ids is not None:
+            x.append(self.model.embed_tokens(input_ids))
+        x = torch.cat(x, dim=1) if len(x) > 1 else x[0]
+        B, T, _ = x.shape
+        if pos is None:
+            start = memory.next_pos if memory is not None else torch.zeros(B, dtype=torch.long, device=x.device)
+            pos = start[:, None] + torch.arange(T, device=x.device)
+        if valid is None and (memory is not None):
+            valid = torch.ones(B, T, dtype=torch.bool, device=x.device)
+        prefix = None
+        n_mem = 0
+        if memory is not None and memory.embeds is not None:
+            n_mem = memory.embeds.shape[1]
+            x = torch.cat([memory.embeds.to(x.dtype), x], dim=1)
+            pos = torch.cat([torch.arange(n_mem, device=x.device).expand(B, n_mem), pos], dim=1)
+            valid = torch.cat([memory.mask, valid], dim=1)
+        elif memory is not None:
+            prefix = memory.kv
+            valid = torch.cat([memory.mask, valid], dim=1)
+        Q = x.shape[1]
+        S = Q + (prefix[0][0].shape[2] if prefix else 0)
+        attn_mask = None
+        if mask is not None:
+            assert n_mem == 0, "custom masks with embedding memory: prepend the embeds yourself"
+            if prefix is not None:
+                mask = kernels.with_prefix(mask, S - Q, valid[:, :S - Q])
+            attn_mask = kernels.Mask(mask, B, Q, S, x.device)
+        elif valid is not None:
+            attn_mask = kernels.Mask(kernels.causal_after_prefix(S - Q, valid), B, Q, S, x.device)
+        cos, sin = self.rope(pos)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        kvs = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, attn_mask, prefix[i] if prefix else None)
+            if return_kv:
+                kvs.append(kv)
+        h = self.model.norm(x[:, n_mem:])
+        out = h if output == "hidden" else self.lm_head(h)
+        return (out, kvs) if return_kv else out
+
+    # --- generation -------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, memory=None, eos_ids=None):
+        """Greedy decoding with a KV cache. prompts: (B, T) ids or a list of id lists
+        (left-padded internally). memory: an optional ``Memory`` per batch. Stops at
+        ``eos_ids`` (default: the checkpoint's). Returns a list of generated id lists
+        (EOS excluded)."""
+        if torch.is_tensor(prompts):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        eos = set(self.config.eos_token_id if eos_ids is None else eos_ids)
+        device = self.lm_head.weight.device
+        B, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        valid = torch.zeros(B, T, dtype=torch.bool, device=device)
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[b, T - len(p):] = True
+        start = memory.next_pos if memory is not None else torch.zeros(B, dtype=torch.long, device=device)
+        pos = start[:, None] + (valid.cumsum(1) - 1).clamp(min=0)
+        left_padded = not bool(valid.all())
+        logits, kv = self(ids, pos=pos, memory=memory, valid=valid if left_padded or memory else None,
+                          return_kv=True)
+        cache_valid = valid if memory is None else torch.cat([memory.mask, valid], dim=1)
+        next_pos = pos[:, -1] + 1
+        out, done = [[] for _ in range(B)], [False] * B
+        for _ in range(max_new_tokens):
+            tok = logits[:, -1].argmax(-1)  # (B,)
+            for b, t in enumerate(tok.tolist()):
+                if not done[b]:
+                    done[b] = t in eos
+                    if not done[b]:
+                        out[b].append(t)
+            if all(done):
+                break
+            cache = Memory(kv=kv, mask=cache_valid, next_pos=next_pos)
+            logits, kv = self(tok[:, None], memory=cache, return_kv=True)
+            cache_valid = torch.cat([cache_valid, torch.ones(B, 1, dtype=torch.bool, device=device)], 1)
+            next_pos = next_pos + 1
+        return out
+
+    # --- LoRA -------------------------------------------------------------------
+
+    def lora_modules(self):
+        return {n: m for n, m in self.named_modules() if isinstance(m, LoRALinear)}
+
+    def add_adapter(self, name, r, alpha, dropout=0.0, targets=LORA_TARGETS):
+        """A named LoRA adapter on every LoRALinear whose name ends with one of targets."""
+        mods = {n: m for n, m in self.lora_modules().items() if n.split(".")[-1] in targets}
+        if not mods:
+            raise ValueError(f"no module matches LoRA targets {targets}")
+        for m in mods.values():
+            m.add_adapter(name, r, alpha, dropout)
+        self.adapter_configs[name] = dict(r=r, alpha=alpha, dropout=dropout, targets=sorted(
+            {n.split(".")[-1] for n in mods}))
+
+    @contextmanager
+    def adapter(self, name):
+        """``with model.adapter("encoder"):`` runs with that adapter active; None = the base."""
+        if name is not None and name not in self.adapter_configs:
+            raise ValueError(f"unknown adapter {name!r}; have {sorted(self.adapter_configs)}")
+        mods = self.lora_modules().values()
+        before = [m.active for m in mods]
+        for m in mods:
+            m.active = name
+        try:
+            yield self
+        finally:
+            for m, a in zip(mods, before):
+                m.active = a
+
+    def adapter_state(self, name):
+        """{module path: (A, B)} tensors of one adapter."""
+        return {n: (m.lora_A[name], m.lora_B[name]) for n, m in self.lora_modules().items() if name in m.lora_A}
+
+    def save_adapter(self, name, path):
+        """PEFT format: adapter_config.json + adapter_model.safetensors."""
+        os.makedirs(path, exist_ok=True)
+        c = self.adapter_configs[name]
+        tensors = {}
+        for n, (A, B) in self.adapter_state(name).items():
+            tensors[f"base_model.model.{n}.lora_A.weight"] = A.detach().contiguous()
+            tensors[f"base_model.model.{n}.lora_B.weight"] = B.detach().contiguous()
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        peft_cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c["r"], "lora_alpha": c["alpha"],
+                    "lora_dropout": c["dropout"], "target_modules": c["targets"], "bias": "none",
+                    "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(peft_cfg, f, indent=2)
+
+    def load_adapter(self, path, name):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            c = json.load(f)
+        self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        mods = self.lora_modules()
+        for key, t in tensors.items():
+            path_, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+            which = "lora_" + ab.split(".")[0]
+            if path_ not in mods or name not in getattr(mods[path_], which):
+                raise ValueError(f"{path}: adapter tensor {key} matches no module of this model")
+            getattr(mods[path_], which)[name].data.copy_(t)
+        return self
+
+    def merge_adapter(self, name):
+        """Fold W + (alpha/r) B A into W (export); the adapter is removed."""
+        for m in self.lora_modules().values():
+            if name in m.lora_A:
+                m.merge(name)
+        self.adapter_configs.pop(name)
+
+
+def read_safetensors(path, device="cpu"):
+    """All tensors of an HF checkpoint dir: model.safetensors or the sharded index."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(single):
+        files = [single]
+    elif os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        for s in files:
+            if not os.path.exists(s):
+                raise ValueError(f"{index}: shard file {os.path.basename(s)} is missing")
+    else:
+        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints are read)")
+    state = {}
+    for fname in files:
+        with safe_open(fname, framework="pt", device=str(device)) as f:
+            for k in f.keys():
+                state[k] = f.get_tensor(k)
+    return state
