@@ -1,0 +1,151 @@
+"""Mean-pooling context compression with multi-ratio distillation.
+
+Paper: "Simple Context Compression: Mean-Pooling and Multi-Ratio Training"
+(../shared/papers/meanpool_multi_ratio.txt), §4, Table 3, Table 6.
+
+    encoder    h = Enc(T)                   base + `encoder` LoRA, full bidirectional attention
+    pool       S_k = {(k-1)r+1 .. min(kr, L)},  z_k = mean_{i in S_k} h_i    (eq. 3-4)
+    project    z_k <- W z_k                 W in R^{d x d}, identity init (§5.1)
+    decoder    p(. | z, P, A_<i)            base + `decoder` LoRA; memory embeddings first
+    loss       L_KD = sum_i KL(Q_i || P_i)  teacher = base with full context  (eq. 5)
+               L_multi = sum_{r in R} L_KD(r)  one encoder pass, one update      (eq. 6)
+
+Choices the paper leaves open, made here:
+- h is the final-layer hidden state after the final norm (HF's last hidden state).
+- Encoder and decoder start from the teacher: a `--teacher` adapter is merged into the
+  shared base before the compressor's adapters are added, so `adapter(None)` is the
+  frozen teacher. On the tiny default the base itself is the teacher.
+- Padding tokens are never attended to nor pooled; a partial last window averages only
+  its real tokens (C = ceil(L / r)).
+- The decoder sees no BOS: its input is [z_1 .. z_C, prompt, answer], positions 0.. in
+  order. The loss is normalised by the number of answer tokens (sum over ratios kept).
+- `--ratio_sampling` (Table 3): one ratio drawn per example instead of all of them.
+- `--no_linear` (Table 3): no W. A decoder of another width gets W in R^{d_dec x d_enc}.
+- `--objective qa`: CE on the answer instead of KD (an alternative, not the paper's).
+"""
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import kernels
+from model import Memory
+
+
+@dataclass
+class MeanPoolConfig:
+    lora_r: int = 16              # Table 6
+    lora_alpha: int = 16
+    no_linear: bool = False       # Table 3 ablation: no projection W
+    ratio_sampling: bool = False  # Table 3 ablation: one ratio per example, not all
+
+
+def mean_pool(h, lengths, r):
+    """h (B, L, d), lengths (B,), r an int or (B,) ratios -> (z (B, C, d), mask (B, C)),
+    C = ceil(max L / min r); window k of example b averages its real tokens k*r_b .. ."""
+    B, L, d = h.shape
+    r = torch.as_tensor(r, device=h.device).expand(B)
+    window = torch.arange(L, device=h.device)[None] // r[:, None]  # (B, L)
+    real = torch.arange(L, device=h.device)[None] < lengths[:, None]  # (B, L)
+    C = int(((lengths + r - 1) // r).max())
+    window = torch.where(real, window, C)  # padding goes to a dropped extra window
+    sums = h.new_zeros(B, C + 1, d).scatter_add_(1, window[..., None].expand(B, L, d), h * real[..., None])
+    counts = torch.zeros(B, C + 1, device=h.device).scatter_add_(1, window, real.float())
+    z = sums[:, :C] / counts[:, :C].clamp(min=1)[..., None]
+    return z, counts[:, :C] > 0
+
+
+class MeanPool(nn.Module):
+    Config = MeanPoolConfig
+    objectives = ("kd", "qa")
+    PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0)
+    TINY = dict(lr=2e-3, max_iters=500, batch_size=16)
+
+    def __init__(self, base, cfg, tok, run):
+        super().__init__()
+        self.base, self.cfg, self.run = base, cfg, run
+        d = base.config.hidden_size
+        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha)
+        base.add_adapter("decoder", cfg.lora_r, cfg.lora_alpha)
+        self.proj = None
+        if not cfg.no_linear:
+            self.proj = nn.Linear(d, d, bias=False)
+            nn.init.eye_(self.proj.weight)
+
+    def encode(self, batch):
+        """Bidirectional encoder over the context: (B, L, d)."""
+        ctx, lengths = batch["context"], batch["context_len"]
+        real = torch.arange(ctx.shape[1], device=ctx.device)[None] < lengths[:, None]
+        with self.base.adapter("encoder"):
+            return self.base(ctx, mask=kernels.bidirectional(real), output="hidden")
+
+    def pool(self, h, lengths, r):
+        z, mask = mean_pool(h, lengths, r)
+        if self.proj is not None:
+            z = self.proj(z.to(self.proj.weight.dtype))
+        return Memory(embeds=z, mask=mask)
+
+    def compress(self, batch, ratio):
+        return self.pool(self.encode(batch), batch["context_len"], ratio)
+
+    def decode_hidden(self, memory, batch):
+        with self.base.adapter("decoder"):
+            return self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
+
+    def forward(self, batch, ratios):
+        """Training loss: (sum over answer tokens and ratios, n answer tokens, metrics)."""
+        h = self.encode(batch)  # one encoder pass serves every ratio (eq. 6)
+        labels = batch["qa_labels"]
+        w_head = self.base.lm_head.weight
+        teacher = None
+        if self.run.objective == "kd":
+            with torch.no_grad(), self.base.adapter(None):
+                th = self.base(batch["full"], output="hidden")
+            teacher = th[batch["full_labels"] != -100]  # (N, d), same order as the student's answer tokens
+        if self.cfg.ratio_sampling:
+            rs = torch.tensor([random.choice(ratios) for _ in range(h.shape[0])], device=h.device)
+            groups = [rs]
+        else:
+            groups = ratios
+        total, metrics = 0.0, {}
+        for r in groups:
+            hs = self.decode_hidden(self.pool(h, batch["context_len"], r), batch)
+            if teacher is not None:
+                loss, n = kernels.chunked_kd(hs[labels != -100], w_head, teacher, w_head)
+            else:
+                loss, n = kernels.chunked_ce(hs, w_head, labels)
+            total = total + loss
+            if not torch.is_tensor(r):
+                metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
+        return total, n, metrics
+
+    @torch.no_grad()
+    def answer(self, batch, ratio, max_new_tokens):
+        """Greedy answers from the compressed context: (list of id lists, Memory)."""
+        memory = self.compress(batch, ratio)
+        prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
+        with self.base.adapter("decoder"):
+            return self.base.generate(prompts, max_new_tokens, memory=memory), memory
+
+    @torch.no_grad()
+    def answer_from_memory(self, memory, prompts, max_new_tokens):
+        with self.base.adapter("decoder"):
+            return self.base.generate(prompts, max_new_tokens, memory=memory)
+
+
+def main():
+    """Print the pooling layout for a toy context: which window each token falls into."""
+    L, r = 11, 4
+    z, mask = mean_pool(torch.eye(L)[None], torch.tensor([L]), r)
+    print(f"mean pooling, L={L}, r={r}: row k = memory slot z_k, column i = context token i")
+    for k in range(z.shape[1]):
+        print("".join("#" if w > 0 else "." for w in z[0, k]), f" z_{k + 1} = mean of {int((z[0, k] > 0).sum())} tokens")
+    print("\nencoder attention (bidirectional, 2 padding tokens):")
+    real = torch.arange(L + 2)[None] < L
+    grid = kernels.dense_mask(kernels.bidirectional(real), 1, L + 2, L + 2, "cpu")[0, 0]
+    print("\n".join("".join("#" if x else "." for x in row) for row in grid.tolist()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Shared fixtures for the method tests: tiny checkpoints, data files and subprocess runs.
+
+- ``tiny_base(dir)``: a random tiny Llama in our default layout (HF config.json +
+  model.safetensors + the default sentencepiece tokenizer.model), standing in for out/base.
+- ``hf_checkpoint(dir, family)``: a tiny random Llama / Qwen3 saved by ``transformers``,
+  with a byte-level BPE ``tokenizer.json`` trained here (no download).
+- ``squad_file(path)``: a small SQuAD v1.1 file.
+- ``run(args)`` / ``torchrun(args)``: train.py / eval.py in a subprocess; raise on failure.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import data  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+
+_TOKENIZER_CACHE = {}
+
+
+def default_tokenizer(dir):
+    """The default sentencepiece tokenizer, trained once per test session (small corpus)."""
+    key = "spm"
+    if key not in _TOKENIZER_CACHE:
+        path = Path(dir) / "tokenizer.model"
+        data.train_default_tokenizer(path, seed=0, vocab_size=512, n_chars=60_000)
+        _TOKENIZER_CACHE[key] = path.read_bytes()
+    Path(dir).mkdir(parents=True, exist_ok=True)
+    (Path(dir) / "tokenizer.model").write_bytes(_TOKENIZER_CACHE[key])
+    return data.load_tokenizer(Path(dir) / "tokenizer.model")
+
+
+def tiny_base(dir, d=64, layers=2, heads=4, kv_heads=2, seed=0):
+    """A random tiny base in the layout `--method base` writes (usable as --init_from)."""
+    tok = default_tokenizer(dir)
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
+    model = Transformer(cfg)
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    model.save_pretrained(str(dir))
+    return str(dir)
+
+
+SQUAD_TEXTS = [
+    ("The Eiffel Tower is in Paris. It was built in 1889 for the World's Fair.", "Where is the Eiffel Tower?", "Paris", 24),
+    ("Marie Curie was a physicist. She won two Nobel Prizes, in physics and chemistry.", "What did Marie Curie win?",
+     "two Nobel Prizes", 37),
+    ("The Nile flows north through Egypt. It is among the longest rivers on Earth.", "Through which country does the Nile flow?",
+     "Egypt", 29),
+    ("Bees make honey from nectar. A colony can hold fifty thousand bees.", "What do bees make honey from?", "nectar", 21),
+]
+
+
+def squad_file(path):
+    """A small SQuAD v1.1-format file (answer_start checked)."""
+    paragraphs = []
+    for i, (ctx, q, a, start) in enumerate(SQUAD_TEXTS):
+        start = ctx.index(a)
+        paragraphs.append({"context": ctx, "qas": [{"id": f"q{i}", "question": q,
+                                                     "answers": [{"text": a, "answer_start": start}]}]})
+    Path(path).write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]}))
+    return str(path)
+
+
+def hf_checkpoint(dir, family="llama"):
+    """A tiny random HF checkpoint saved by transformers, plus a tokenizer.json trained here."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [t for ctx, q, a, _ in SQUAD_TEXTS for t in (ctx, q, a)] * 20 + \
+        [data.synthetic_corpus(0, 20_000)]
+    tk.train_from_iterator(corpus, trainer)
+    tk.save(str(dir / "tokenizer.json"))
+    ids = {s: tk.token_to_id(s) for s in specials}
+    (dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": specials[0], "eos_token": specials[1],
+                                                            "pad_token": specials[2]}))
+    common = dict(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=ids[specials[0]],
+                  eos_token_id=ids[specials[1]], max_position_embeddings=2048)
+    torch.manual_seed(0)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **common))
+    model.save_pretrained(str(dir))
+    return str(dir)
+
+
+def run(args, script="train.py", env=None, check=True):
+    """python <script> args in a subprocess at the repo root; returns the CompletedProcess."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    p = subprocess.run([sys.executable, str(ROOT / script)] + [str(a) for a in args], cwd=ROOT,
+                       capture_output=True, text=True, env=e)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(map(str, args))} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def torchrun(args, nproc=2, check=True):
+    """train.py under torchrun with the gloo backend on CPU."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+           str(ROOT / "train.py")] + [str(a) for a in args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=e)
+    if check and p.returncode != 0:
+        raise AssertionError(f"torchrun failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def read_params(run_dir):
+    from safetensors.torch import load_file
+    name = "model.safetensors" if not (Path(run_dir) / "ckpt.safetensors").exists() else "ckpt.safetensors"
+    return load_file(str(Path(run_dir) / name))
+
+
+def method_smoke(tmp, method, extra=(), family="llama"):
+    """The "as for every method" checks: 2 training steps on a real HF checkpoint and a
+    SQuAD file, then eval.py on it. Returns the run dir."""
+    ckpt = hf_checkpoint(tmp / "hf", family)
+    squad = squad_file(tmp / "squad.json")
+    out = tmp / f"run-{method}"
+    run(["--method", method, "--init_from", ckpt, "--data", squad, "--eval_data", squad, "--max_iters", 2,
+         "--batch_size", 2, "--out_dir", out, "--eval_examples", 4, "--device", "cpu", "--quiet", *extra])
+    assert (out / "metrics.json").exists()
+    return out
