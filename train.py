@@ -69,6 +69,7 @@ class TrainConfig:
 
 
 BASE_DIR = os.path.join("out", "base")
+STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the step
 
 
 # -----------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class BaseConfig:
     d_model: int = 128            # tiny base width (from scratch only)
     n_layers: int = 4
     n_heads: int = 4
-    vocab_size: int = 1024        # default sentencepiece BPE size
+    vocab_size: int = 2048        # default sentencepiece BPE size (answers of 1-2 tokens)
 
 
 class Base(torch.nn.Module):
@@ -236,11 +237,17 @@ def tiny_base_config(bc, tok):
                        bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
 
 
+def base_path(init_from):
+    """The HF checkpoint dir behind --init_from: itself, or the base of a compressor run dir."""
+    path = init_from or BASE_DIR
+    while os.path.exists(os.path.join(path, "run.json")) and not os.path.exists(os.path.join(path, "config.json")):
+        path = json.load(open(os.path.join(path, "run.json")))["train"]["init_from"] or BASE_DIR
+    return path
+
+
 def load_base(cfg, device, dtype):
     """(tokenizer, base Transformer) for cfg.init_from (an HF dir or a run dir)."""
-    path = cfg.init_from or BASE_DIR
-    if os.path.exists(os.path.join(path, "run.json")) and not os.path.exists(os.path.join(path, "config.json")):
-        path = json.load(open(os.path.join(path, "run.json")))["train"]["init_from"] or BASE_DIR
+    path = base_path(cfg.init_from)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise SystemExit(f"error: --init_from {path!r} is not an HF checkpoint dir (no config.json)")
     tok = data.load_tokenizer(path)
@@ -260,11 +267,13 @@ def build(cfg, mcfg, device, dtype):
     for p in base.parameters():
         p.requires_grad_(cfg.method == "base")
     method = cls(base, mcfg, tok, cfg).to(device)
+    if cfg.init_from and cfg.method != "base" and os.path.exists(os.path.join(cfg.init_from, "run.json")):
+        load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata)
     return tok, base, method
 
 
 def is_tiny(cfg):
-    return not cfg.init_from or os.path.abspath(cfg.init_from) == os.path.abspath(BASE_DIR)
+    return os.path.abspath(base_path(cfg.init_from)) == os.path.abspath(BASE_DIR)
 
 
 def apply_defaults(cfg, mcfg, explicit, cls):
@@ -407,24 +416,32 @@ def trainable_state(method):
 
 
 def save_checkpoint(out_dir, method, opt, step, cfg, mcfg):
+    """ckpt-<step>.safetensors (trainable tensors) and optim-<step>.safetensors (AdamW
+    state, torch RNG), then run.json naming them: its rename is the commit point, so a
+    kill at any moment leaves the previous checkpoint whole. Older files go after."""
     os.makedirs(out_dir, exist_ok=True)
-    params = {n: p.detach().contiguous().cpu() for n, p in trainable_state(method).items()}
-    names = {id(p): n for n, p in trainable_state(method).items()}
-    opt_tensors, groups = {}, []
+    named = trainable_state(method)
+    names = {id(p): n for n, p in named.items()}
+    opt_tensors, groups = {"rng::torch": torch.get_rng_state()}, []
     for g in opt.param_groups:
         groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]})
         for p in g["params"]:
             for k, v in opt.state.get(p, {}).items():
                 opt_tensors[f"{names[id(p)]}::{k}"] = v.detach().contiguous().cpu()
-    opt_tensors["rng::torch"] = torch.get_rng_state()
-    atomic_write(os.path.join(out_dir, "optim.safetensors"), lambda p: save_file(opt_tensors, p))
-    if cfg.method == "base":  # the base run dir is an HF checkpoint dir
+    files = {"ckpt": f"ckpt-{step:07d}.safetensors", "optim": f"optim-{step:07d}.safetensors"}
+    params = {n: p.detach().contiguous().cpu() for n, p in named.items()}
+    atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
+    atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(opt_tensors, p))
+    if cfg.method == "base":  # the base run dir is also an HF checkpoint dir
         atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_hf_weights(method.base, p))
-    else:
-        atomic_write(os.path.join(out_dir, "ckpt.safetensors"), lambda p: save_file(params, p))
-    state = {"step": step, "train": asdict(cfg), "method": asdict(mcfg), "param_groups": groups,
+    if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
+        method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
+    state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "param_groups": groups,
              "python_rng": list(random.getstate()[1])}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
+    for f in os.listdir(out_dir):
+        if f.startswith(("ckpt-", "optim-")) and f not in files.values():
+            os.remove(os.path.join(out_dir, f))
 
 
 def save_hf_weights(model, path):
@@ -435,26 +452,20 @@ def save_hf_weights(model, path):
 
 
 def load_checkpoint(out_dir, method, opt=None):
-    """Trainable tensors (and optimizer state) of a run dir; returns the step."""
+    """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
     state = json.load(open(os.path.join(out_dir, "run.json")))
-    own = trainable_state(method) if opt is not None else dict(method.named_parameters())
-    if state["train"]["method"] == "base":
-        tensors = load_file(os.path.join(out_dir, "model.safetensors"))
-        tensors = {"base." + k: v for k, v in tensors.items()}
-    else:
-        tensors = load_file(os.path.join(out_dir, "ckpt.safetensors"))
-    missing = [k for k in tensors if k not in own]
-    if missing:
-        raise SystemExit(f"error: {out_dir}: checkpoint tensors {missing[:5]} do not match this method's parameters")
+    params = trainable_state(method)
+    tensors = load_file(os.path.join(out_dir, state["files"]["ckpt"]))
+    unknown = [k for k in tensors if k not in params]
+    if unknown:
+        raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters")
     with torch.no_grad():
         for k, v in tensors.items():
-            own[k].copy_(v)
+            params[k].copy_(v)
     if opt is not None:
-        opt_t = load_file(os.path.join(out_dir, "optim.safetensors"))
-        params = trainable_state(method)
         for g, saved in zip(opt.param_groups, state["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        for key, v in opt_t.items():
+        for key, v in load_file(os.path.join(out_dir, state["files"]["optim"])).items():
             name, _, slot = key.partition("::")
             if name == "rng":
                 torch.set_rng_state(v)
@@ -539,14 +550,12 @@ def main(argv):
     if "-h" in argv or "--help" in argv:
         print_help([TrainConfig] + [method_config(c) for c in methods.values()])
         return
-    try:
-        (cfg, mcfg), explicit = parse_args(argv, TrainConfig, mcls)
-    except SystemExit as e:
-        other = [c for c in methods.values() if c is not cls]
-        key = str(e).split("--")[-1].split(";")[0] if "unknown flag" in str(e) else None
-        if key and any(key in {f.name for f in fields(method_config(c))} for c in other):
+    own = {f.name for c in (TrainConfig, mcls) for f in fields(c)}
+    for arg in argv:
+        key = arg[2:].split("=")[0].replace("-", "_") if arg.startswith("--") else None
+        if key and key not in own and any(key in {f.name for f in fields(method_config(c))} for c in methods.values()):
             raise SystemExit(f"error: --{key} does not apply to --method {method_name}")
-        raise
+    (cfg, mcfg), explicit = parse_args(argv, TrainConfig, mcls)
     apply_defaults(cfg, mcfg, explicit, cls)
     ratios = ratios_of(cfg.ratio)
     check = getattr(cls, "check_config", None)
@@ -614,8 +623,9 @@ def main(argv):
               f"{cfg.max_iters} steps x {cfg.batch_size * cfg.grad_accum * world} examples, {device} {dtype}")
     eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
     val = Batches(cfg, tok, method, rank, world)
-    interrupted = []
-    old_handler = signal.signal(signal.SIGINT, lambda *a: interrupted.append(1)) if master else None
+    STOP.clear()
+    interrupted = STOP
+    old_handler = signal.signal(signal.SIGINT, lambda *a: STOP.append(1))
     bar = tqdm(total=cfg.max_iters, initial=step, disable=not master or cfg.quiet, desc=cfg.method, dynamic_ncols=True)
     t0, tokens = time.time(), 0
     method.train()
@@ -637,9 +647,11 @@ def main(argv):
             tokens += sum(v.numel() for k, v in mb.items() if torch.is_tensor(v) and v.dim() == 2 and v.dtype == torch.long)
             metrics.update(m)
         # 2) normalise by the global token count (DDP already averaged over ranks)
-        counts = torch.tensor([total, count], device=device, dtype=torch.float64)
+        counts = torch.tensor([total, count, len(STOP)], device=device, dtype=torch.float64)
         if ddp:
-            dist.all_reduce(counts)
+            dist.all_reduce(counts)  # one collective: loss, token count, and rank 0's Ctrl-C
+            if counts[2] > 0 and not STOP:
+                STOP.append(1)
         scale = world / max(counts[1].item(), 1.0)
         for p in params:
             if p.grad is not None:
@@ -661,14 +673,11 @@ def main(argv):
                 f.write(json.dumps(record) + "\n")
             if step % eval_every == 0 or step == cfg.max_iters:
                 save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg)
-        if ddp and interrupted:
-            break
     bar.close()
     if master and interrupted:
         save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
-    if master and old_handler is not None:
-        signal.signal(signal.SIGINT, old_handler)
+    signal.signal(signal.SIGINT, old_handler)
     if ddp:
         dist.barrier()
         dist.destroy_process_group()

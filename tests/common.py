@@ -125,9 +125,10 @@ def torchrun(args, nproc=2, check=True):
 
 
 def read_params(run_dir):
+    """The trainable tensors of a run dir's latest checkpoint."""
     from safetensors.torch import load_file
-    name = "model.safetensors" if not (Path(run_dir) / "ckpt.safetensors").exists() else "ckpt.safetensors"
-    return load_file(str(Path(run_dir) / name))
+    files = json.loads((Path(run_dir) / "run.json").read_text())["files"]
+    return load_file(str(Path(run_dir) / files["ckpt"]))
 
 
 def method_smoke(tmp, method, extra=(), family="llama"):

@@ -1,0 +1,903 @@
+"""Data for nanocompress: tokenizers, prompt formats, dataset readers, the synthetic
+benchmark and batching (SPEC §2.6, §2.7).
+
+Read top to bottom:
+1. Tokenizers. `load_tokenizer(path)` reads an HF checkpoint dir or a tokenizer file:
+   a byte-level BPE `tokenizer.json` (Llama 3, Qwen2) becomes a `tiktoken.Encoding`;
+   a `tokenizer.model` is either a tiktoken ranks file (Llama 3 original, Qwen) or a
+   sentencepiece model (Llama 2, the embedded default). Both sit behind one `Tokenizer`.
+2. Prompt formats. `format_qa` turns (context, question, answer) into token spans
+   `prefix | context | prompt | answer`, so a method can compress the context alone.
+3. Readers. SQuAD, MRQA, HotpotQA, MS MARCO, generic JSONL, plain text; all yield
+   `{"id", "context", "question", "answers", "relevant", "chunks"}` dicts.
+4. The synthetic benchmark: biographies of invented people, and the default tokenizer.
+5. Batching: `collate_qa`, `collate_lm` -> padded LongTensors.
+
+Errors in user files are `ValueError("file:line: what is wrong")`; for JSON files
+(not JSONL) "line" is the 1-based index of the record (question, for SQuAD).
+"""
+import base64
+import gzip
+import io
+import json
+import random
+import re
+import unicodedata
+import zipfile
+import zlib
+from pathlib import Path
+
+import sentencepiece as spm
+import tiktoken
+import torch
+
+# -----------------------------------------------------------------------------
+# 1. Tokenizers
+
+# Pre-tokenizer split regexes. Llama 3: numbers in groups of up to 3 digits;
+# Qwen2: one digit per piece; GPT-2: what ByteLevel(use_regex=True) applies.
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+# Meta's llama3 tokenizer.py: 256 special tokens right after the 128000 ranks.
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+                   "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
+                   *(f"<|reserved_special_token_{i}|>" for i in range(5, 251))]
+# A bare ranks file does not say which model it belongs to; its size does.
+# n ranks -> (regex, special tokens numbered from n, bos, eos list, NFC-normalise text)
+TIKTOKEN_FILES = {
+    128000: (LLAMA3_PATTERN, LLAMA3_SPECIALS, "<|begin_of_text|>", ["<|end_of_text|>", "<|eot_id|>"], False),
+    151643: (QWEN2_PATTERN, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, ["<|endoftext|>"], True),
+}
+UNSUPPORTED = "supported: byte-level BPE tokenizer.json, tiktoken or sentencepiece tokenizer.model"
+
+
+def bytes_to_unicode():
+    """GPT-2's byte -> printable char table: byte-level BPE vocab files spell bytes with it."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+class Tokenizer:
+    """One interface over a tiktoken Encoding or a sentencepiece processor.
+
+    encode() never parses special-token strings in the text unless allow_special=True
+    (then every added token is matched, as HF tokenizers do); non-special added tokens
+    of a tokenizer.json are always matched, as in HF. start=False encodes text that
+    continues earlier text: sentencepiece then adds no dummy-prefix space.
+    """
+
+    def __init__(self, kind, model, specials, bos_id, eos_ids, pad_id=None, nfc=False, always=()):
+        self.kind = kind              # "tiktoken" | "sentencepiece"
+        self.model = model
+        self.specials = dict(specials)  # token text -> id, for special and added tokens
+        self.always = set(always)     # added tokens that are matched in text even when not allowed
+        self.nfc = nfc                # NFC-normalise text first (Qwen)
+        self.bos_id = bos_id
+        self.eos_ids = list(eos_ids)
+        self.pad_id = pad_id          # None until load_tokenizer falls back to eos
+        if kind == "tiktoken":
+            self.vocab_size = model.max_token_value + 1
+        else:
+            self.vocab_size = max([model.get_piece_size() - 1, *self.specials.values()]) + 1
+            self._dummy = model.encode("a", out_type=str)[0].startswith("\u2581")  # add_dummy_prefix?
+            self._marker = model.encode("<unk>")
+
+    def encode(self, text, bos=False, eos=False, allow_special=False, start=True):
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        if self.kind == "tiktoken":
+            allowed = set(self.specials) if allow_special else self.always
+            ids = self.model.encode(text, allowed_special=allowed, disallowed_special=())
+        else:
+            ids, parts = [], [text]
+            if allow_special:  # split out special-token strings; odd parts are specials
+                names = sorted(self.specials, key=len, reverse=True)
+                parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+            for i, part in enumerate(parts):
+                if i % 2:
+                    ids.append(self.specials[part])
+                elif part:
+                    ids += self._sp_encode(part, start or i > 0)
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (self.eos_ids[:1] if eos else [])
+
+    def _sp_encode(self, text, start):
+        if start or not self._dummy:
+            return self.model.encode(text)
+        # HF's legacy=False trick: encode a marker first, so the text gets no dummy prefix.
+        ids = self.model.encode("<unk>" + text)
+        n = len(self._marker)
+        return ids[n:] if ids[:n] == self._marker else self.model.encode(text)
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        if self.kind == "tiktoken":
+            return self.model.decode(ids)
+        # sentencepiece decodes its own pieces; added tokens (ids >= its size) are spliced in
+        n, text, run = self.model.get_piece_size(), "", []
+        names = {i: s for s, i in self.specials.items() if i >= n}
+        for i in ids + [None]:
+            if i is not None and 0 <= i < n:
+                run.append(i)
+            else:
+                text, run = text + self.model.decode(run) + names.get(i, ""), []
+        return text
+
+    def special(self, name):
+        """Id of a special or added token given by its text, e.g. "<|im_start|>"."""
+        if name not in self.specials:
+            raise ValueError(f"tokenizer has no special token {name!r}")
+        return self.specials[name]
+
+    def has_special(self, name):
+        return name in self.specials
+
+    def token_texts(self):
+        """Decoded text of every id (sentencepiece: '▁' -> ' ', a byte piece < 0x80 -> its char)."""
+        names = {i: s for s, i in self.specials.items()}
+        sp, n = self.model, (self.model.get_piece_size() if self.kind == "sentencepiece" else 0)
+
+        def text(i):
+            if i in names:
+                return names[i]
+            if self.kind == "tiktoken":
+                return sp.decode_single_token_bytes(i).decode("utf-8", "replace")
+            if i >= n:
+                return ""
+            if sp.is_byte(i):  # <0xAB>
+                b = int(sp.id_to_piece(i)[3:5], 16)
+                return chr(b) if b < 0x80 else "\ufffd"
+            return sp.id_to_piece(i).replace("\u2581", " ")
+        return [text(i) for i in range(self.vocab_size)]
+
+
+def load_tokenizer(path):
+    """Tokenizer from an HF checkpoint dir, a tokenizer.json or a tokenizer.model file.
+
+    In a dir a byte-level BPE tokenizer.json wins, else tokenizer.model. bos/eos/pad
+    come from tokenizer_config.json, generation_config.json and config.json next to it.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir():
+        tj, tm = path / "tokenizer.json", path / "tokenizer.model"
+        spec = _read_json(tj) if tj.exists() else None
+        if spec is not None and (_is_byte_level(spec) or not tm.exists()):
+            tok = _from_tokenizer_json(tj)
+        elif tm.exists():
+            tok = _from_model_file(tm)
+        else:
+            raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
+    elif not path.exists():
+        raise ValueError(f"{path}: tokenizer file not found")
+    elif path.suffix == ".json":
+        tok = _from_tokenizer_json(path)
+    else:
+        tok = _from_model_file(path)
+    _apply_checkpoint_config(tok, folder)
+    return tok
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+
+
+def _is_byte_level(spec):
+    steps = [spec.get("pre_tokenizer") or {}, spec.get("decoder") or {}]
+    steps += steps[0].get("pretokenizers", []) + steps[1].get("decoders", [])
+    return (spec.get("model") or {}).get("type") == "BPE" and any(s.get("type") == "ByteLevel" for s in steps)
+
+
+def _from_tokenizer_json(path):
+    spec = _read_json(path)
+    model = spec.get("model") or {}
+    if not _is_byte_level(spec):
+        kind = model.get("type", "?") + ("" if model.get("type") != "BPE" else " (not byte-level)")
+        raise ValueError(f"{path}: unsupported tokenizer: found model type {kind!r}; {UNSUPPORTED}")
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    added = {t["content"]: t for t in spec.get("added_tokens", [])}
+    ranks = {}
+    for piece, i in model["vocab"].items():
+        if piece in added:
+            continue  # trainers put special tokens in the vocab too; tiktoken keeps them apart
+        if any(c not in byte_of for c in piece):
+            raise ValueError(f"{path}: vocab entry {piece!r} is not byte-level; {UNSUPPORTED}")
+        ranks[bytes(byte_of[c] for c in piece)] = i
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{path}: byte-level vocab lacks {len(missing)} of the 256 single bytes")
+    # tiktoken merges by the rank of the merged token; that matches HF's merge order
+    # when the merged tokens' ids never decrease along the merges list (true for files
+    # written by `tokenizers` trainers and for Llama 3 / Qwen2, converted from tiktoken).
+    last = -1
+    for m in model.get("merges", []):
+        a, b = m.split(" ") if isinstance(m, str) else m
+        i = model["vocab"].get(a + b, -1)
+        if i < last:  # equal: converted tiktoken files list every pair that makes a token
+            raise ValueError(f"{path}: merge {a!r} {b!r} is out of vocab-id order; tiktoken ranks would differ")
+        last = i
+    pattern, nfc = _pretokenizer(path, spec)
+    specials = {s: t["id"] for s, t in added.items()}
+    always = {s for s, t in added.items() if not t.get("special")}
+    enc = tiktoken.Encoding(name=str(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+    bos = next((specials[s] for s in ("<|begin_of_text|>", "<s>", "<bos>") if s in specials), None)
+    eos = [specials[s] for s in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>") if s in specials][:1]
+    return Tokenizer("tiktoken", enc, specials, bos, eos, nfc=nfc, always=always)
+
+
+def _pretokenizer(path, spec):
+    """(split regex, nfc) from a tokenizer.json: Split(Regex) + ByteLevel, or ByteLevel alone."""
+    norm = spec.get("normalizer")
+    norms = (norm or {}).get("normalizers", [norm] if norm else [])
+    if any(n.get("type") != "NFC" for n in norms):
+        raise ValueError(f"{path}: unsupported normalizer {norm}; only NFC or none")
+    pre = spec.get("pre_tokenizer") or {}
+    pattern = None
+    for step in pre.get("pretokenizers", [pre]):
+        kind, gpt2 = step.get("type"), step.get("use_regex", True)
+        if kind == "Split" and pattern is None and step.get("behavior") == "Isolated" and not step.get("invert"):
+            pattern = step["pattern"].get("Regex") or re.escape(step["pattern"].get("String", ""))
+        elif kind == "ByteLevel" and not step.get("add_prefix_space") and not (gpt2 and pattern):
+            pattern = GPT2_PATTERN if gpt2 else pattern
+        else:
+            raise ValueError(f"{path}: unsupported pre_tokenizer step {json.dumps(step)[:200]}")
+    if pattern is None:
+        raise ValueError(f"{path}: no split regex in the pre_tokenizer")
+    return pattern, bool(norms)
+
+
+def _from_model_file(path):
+    head = path.read_bytes()[:100].split(b"\n")[0]
+    if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", head):  # tiktoken ranks file: "base64 rank" lines
+        ranks = {}
+        for line in path.read_text(encoding="ascii").splitlines():
+            if line:
+                b64, rank = line.split()
+                ranks[base64.b64decode(b64)] = int(rank)
+        if len(ranks) not in TIKTOKEN_FILES:
+            raise ValueError(f"{path}: a tiktoken file with {len(ranks)} ranks; known sizes: 128000 (Llama 3), 151643 (Qwen)")
+        pattern, names, bos, eos, nfc = TIKTOKEN_FILES[len(ranks)]
+        specials = {s: len(ranks) + i for i, s in enumerate(names)}
+        enc = tiktoken.Encoding(name=path.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        return Tokenizer("tiktoken", enc, specials, specials.get(bos), [specials[s] for s in eos], nfc=nfc)
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.load(str(path))
+    except (RuntimeError, OSError):
+        raise ValueError(f"{path}: unsupported tokenizer: found an unknown file format; {UNSUPPORTED}") from None
+    specials = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+    ok = lambda i: i if i >= 0 else None  # noqa: E731
+    return Tokenizer("sentencepiece", sp, specials, ok(sp.bos_id()), [sp.eos_id()] if sp.eos_id() >= 0 else [], ok(sp.pad_id()))
+
+
+def _apply_checkpoint_config(tok, folder):
+    """bos / eos / pad ids from the HF config files next to the tokenizer, when present."""
+    def read(name):
+        return _read_json(folder / name) if (folder / name).exists() else {}
+
+    def ids(v):
+        return [] if v is None else [v] if isinstance(v, int) else list(v)
+
+    def token_id(v, name):
+        text = v.get("content") if isinstance(v, dict) else v
+        if text in tok.specials:
+            return tok.specials[text]
+        if tok.kind == "sentencepiece" and tok.model.piece_to_id(text) != tok.model.unk_id():
+            return tok.model.piece_to_id(text)
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: {name} {text!r} is not a token of this tokenizer")
+
+    tcfg, gcfg, cfg = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+    if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
+        for t in _read_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
+            tok.specials.setdefault(t["content"], t["id"])
+        tok.vocab_size = max(tok.vocab_size, max(tok.specials.values()) + 1)
+    if tcfg:
+        tok.bos_id = token_id(tcfg["bos_token"], "bos_token") if tcfg.get("bos_token") else None
+        if tcfg.get("add_bos_token") is False:
+            tok.bos_id = None
+    elif "bos_token_id" in cfg:
+        tok.bos_id = cfg["bos_token_id"]
+    eos = [token_id(tcfg["eos_token"], "eos_token")] if tcfg.get("eos_token") else []
+    eos += ids(gcfg.get("eos_token_id")) + ids(cfg.get("eos_token_id"))
+    if eos:
+        tok.eos_ids = list(dict.fromkeys(eos))
+    if tcfg.get("pad_token"):
+        tok.pad_id = token_id(tcfg["pad_token"], "pad_token")
+    if tok.pad_id is None:
+        tok.pad_id = tok.eos_ids[0] if tok.eos_ids else 0
+
+
+# -----------------------------------------------------------------------------
+# 2. Prompt formats
+
+# Plain extractive-QA wordings in the spirit of meanpool_multi_ratio A.1
+# ("<C>\n Extract the answer from the text above. \n Question: <Q>\n Answer: <A>").
+# Each follows the context; ANSWER_CUE ends the prompt in the plain format.
+QA_TEMPLATES = [
+    "\nQuestion: {question}",
+    "\nExtract the answer from the text above.\nQuestion: {question}",
+    "\nAnswer the question using the text above.\nQuestion: {question}",
+    "\nRead the passage above and answer briefly.\nQuestion: {question}",
+    "\nBased only on the text above, reply with a short answer.\nQuestion: {question}",
+    "\nFind the answer in the context.\nQuestion: {question}",
+]
+ANSWER_CUE = "\nAnswer:"
+
+
+def chat_format(tok):
+    """"llama3" or "chatml" when the tokenizer has that chat format's special tokens, else None."""
+    if tok.has_special("<|start_header_id|>") and tok.has_special("<|eot_id|>"):
+        return "llama3"
+    if tok.has_special("<|im_start|>") and tok.has_special("<|im_end|>"):
+        return "chatml"
+    return None
+
+
+def chunk_ends(context, chunks):
+    """Character offset where each chunk ends; chunks must occur in the context in order."""
+    ends, pos = [], 0
+    for chunk in chunks:
+        at = context.find(chunk, pos)
+        if at < 0:
+            raise ValueError(f"chunk {chunk[:40]!r} is not in the context (after the previous chunk)")
+        pos = at + len(chunk)
+        ends.append(pos)
+    return ends
+
+
+def encode_chunks(tok, context, chunks=None, start=True):
+    """Tokens of `context` and the (start, end) token span of each chunk in it.
+
+    Chunks are non-overlapping substrings of the context, in order. Each is tokenized on
+    its own together with the text before it (the separator, e.g. "\\n"), so the spans are
+    exact and tile the context (text after the last chunk is in no span). No chunks: one.
+    """
+    ids, spans, pos = [], [], 0
+    for end in chunk_ends(context, chunks or [context]):
+        first = len(ids)
+        ids += tok.encode(context[pos:end], start=start and pos == 0)
+        spans.append((first, len(ids)))
+        pos = end
+    if pos < len(context):
+        ids += tok.encode(context[pos:], start=start and pos == 0)
+    return ids, spans
+
+
+def format_qa(tok, context, question, answer, template=None, rng=None, chunks=None, format="plain"):
+    """Token spans of one QA example: {bos, prefix, context, prompt, answer, chunk_spans}.
+
+    The sequence a model reads is prefix + context + prompt + answer. `prefix` is what
+    starts a sequence before the context: `bos` ([] or [bos_id]) and, for chat formats,
+    the user-turn header. The context span holds the context tokens only, so a method
+    can compress it alone; `prompt` ends with the answer cue ("\\nAnswer:" or the
+    assistant header); `answer` ends with the first eos id (chat: the turn-end token).
+    template: an index into QA_TEMPLATES or a string with {question}; None draws one with
+    rng, or takes template 0 without rng. format: "plain", "llama3", "chatml", or "auto"
+    (the tokenizer's chat format if it has one, else plain). Chat formats add no system turn.
+    """
+    if template is None:
+        template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
+    text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
+    fmt = (chat_format(tok) or "plain") if format == "auto" else format
+    bos = [tok.bos_id] if tok.bos_id is not None else []
+    enc = lambda s: tok.encode(s, start=False)  # noqa: E731
+    if fmt == "plain":
+        if not tok.eos_ids:
+            raise ValueError("tokenizer has no eos token; answers need one")
+        prefix, prompt, end = bos, enc(text + ANSWER_CUE), tok.eos_ids[:1]
+        answer = " " + answer if answer else ""
+    elif fmt == "llama3":
+        def head(role):
+            return [tok.special("<|start_header_id|>")] + enc(role) + [tok.special("<|end_header_id|>")] + enc("\n\n")
+        end = [tok.special("<|eot_id|>")]
+        prefix, prompt = bos + head("user"), enc(text) + end + head("assistant")
+    elif fmt == "chatml":
+        start, end = [tok.special("<|im_start|>")], [tok.special("<|im_end|>")]
+        prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc("assistant\n")
+    else:
+        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, auto")
+    ctx, spans = encode_chunks(tok, context, chunks, start=not prefix[len(bos):])
+    return {"bos": bos, "prefix": prefix, "context": ctx, "prompt": prompt, "answer": enc(answer) + end, "chunk_spans": spans}
+
+
+# -----------------------------------------------------------------------------
+# 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}
+# chunks: the context's natural units (sentences, paragraphs, passages), in order, or None;
+# relevant: the chunks that hold the answer, or None. Every reader takes skip_bad (count
+# malformed records instead of raising) and stats (a dict it updates: "records",
+# "skipped_bad", "unanswerable", "no_answer").
+
+def _record(id, context, question, answers, relevant=None, chunks=None):
+    return {"id": str(id or ""), "context": context, "question": question, "answers": list(answers),
+            "relevant": relevant, "chunks": chunks}
+
+
+def _field(rec, key, kind, what=None):
+    """rec[key], checked to be of type kind (and its items of type what: list[str])."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+    if key not in rec:
+        raise ValueError(f"missing field {key!r}")
+    v = rec[key]
+    if not isinstance(v, kind) or (what and not all(isinstance(x, what) for x in v)):
+        want = kind.__name__ + (f"[{what.__name__}]" if what else "")
+        raise ValueError(f"field {key!r} should be {want}, got {json.dumps(v)[:60]}")
+    return v
+
+
+def _count(stats, key):
+    stats[key] = stats.get(key, 0) + 1
+
+
+def _parsed(path, items, parse, skip_bad, stats):
+    """Records from parse(raw) for each (line, raw) item. A ValueError from parse becomes
+    "path:line: what is wrong", or is counted as skipped_bad with skip_bad=True. Records
+    without an id get "file:line"."""
+    for line, raw in items:
+        try:
+            records = parse(raw)
+        except ValueError as e:
+            if not skip_bad:
+                raise ValueError(f"{path}:{line}: {e}") from None
+            _count(stats, "skipped_bad")
+            continue
+        for k, r in enumerate(records):
+            if isinstance(r, dict) and not r["id"]:
+                r["id"] = f"{Path(path).name}:{line}" + (f":{k}" if len(records) > 1 else "")
+            _count(stats, "records")
+            yield r
+
+
+def _open_text(path):
+    return gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _load_json(path):
+    """A JSON file, or the one .json member of a .zip."""
+    path = Path(path)
+    try:
+        if path.suffix != ".zip":
+            with _open_text(path) as f:
+                return json.load(f)
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith(".json")]
+            if len(names) != 1:
+                raise ValueError(f"{path}: expected one .json file in the zip, found {names}")
+            return json.loads(z.read(names[0]).decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+
+
+def _jsonl(path):
+    """(line number, text) of each non-empty line of a JSONL(.gz) file; parsers json.loads it."""
+    with _open_text(path) as f:
+        yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+
+
+def _loads(line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON: {e.msg}") from None
+
+
+def split_sentences(text):
+    """Sentences of text: split after . ! or ? followed by whitespace (a simple rule)."""
+    return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+
+
+def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
+    """SQuAD v1.1 / v2.0 JSON (or a .zip holding it). One record per question.
+
+    chunks = the context's sentences; relevant = the sentence holding the first answer.
+    v2 unanswerable questions are skipped and counted, or kept with answers=[].
+    Error "line" = 1-based index of the question in the file.
+    """
+    stats = {} if stats is None else stats
+    doc = _load_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
+    items = ((para, qa) for article in doc["data"] for para in article.get("paragraphs", []) for qa in para.get("qas", []))
+
+    def parse(item):
+        para, qa = item
+        context, question = _field(para, "context", str), _field(qa, "question", str)
+        answers = _field(qa, "answers", list)
+        if qa.get("is_impossible") or not answers:
+            _count(stats, "unanswerable")
+            if not keep_unanswerable:
+                return []
+        texts, starts = [_field(a, "text", str) for a in answers], [_field(a, "answer_start", int) for a in answers]
+        chunks = split_sentences(context)
+        ends = chunk_ends(context, chunks)
+        relevant = [next((c for c, e in zip(chunks, ends) if e > starts[0]), chunks[-1])] if starts else None
+        return [_record(qa.get("id"), context, question, texts, relevant, chunks)]
+    return _parsed(path, enumerate(items, 1), parse, skip_bad, stats)
+
+
+def read_mrqa(path, skip_bad=False, stats=None):
+    """MRQA shared-task JSONL(.gz): an optional {"header"} line, then {"context", "qas"} per line."""
+    def parse(line):
+        obj = _loads(line)
+        if isinstance(obj, dict) and "header" in obj:
+            return []
+        context = _field(obj, "context", str)
+        return [_record(qa.get("qid") or qa.get("id"), context, _field(qa, "question", str),
+                        _field(qa, "answers", list, str)) for qa in _field(obj, "qas", list)]
+    return _parsed(path, _jsonl(path), parse, skip_bad, {} if stats is None else stats)
+
+
+def read_hotpot(path, distractors=False, skip_bad=False, stats=None):
+    """HotpotQA JSON list. chunks = "Title: sentences" paragraphs, the gold ones (titles in
+    supporting_facts) or all ten with distractors=True; relevant = the gold paragraphs.
+    Error "line" = 1-based index of the record."""
+    recs = _load_json(path)
+    if not isinstance(recs, list):
+        raise ValueError(f"{path}:1: not a HotpotQA file (expected a JSON list)")
+
+    def parse(rec):
+        facts, context = _field(rec, "supporting_facts", list), _field(rec, "context", list)
+        answer, question = _field(rec, "answer", str), _field(rec, "question", str)
+        if not all(isinstance(f, list) and f and isinstance(f[0], str) for f in facts):
+            raise ValueError("supporting_facts should be [title, sentence index] pairs")
+        if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[1], list) for p in context):
+            raise ValueError("context should be [title, [sentences]] pairs")
+        gold, titles = {f[0] for f in facts}, {t for t, _ in context}
+        if not gold <= titles:
+            raise ValueError(f"supporting fact titles {sorted(gold - titles)} not in context")
+        paras = [(t, f"{t}: {''.join(s)}") for t, s in context]
+        relevant = [p for t, p in paras if t in gold]
+        chunks = [p for _, p in paras] if distractors else relevant
+        return [_record(rec.get("_id"), "\n".join(chunks), question, [answer], relevant, chunks)]
+    return _parsed(path, enumerate(recs, 1), parse, skip_bad, {} if stats is None else stats)
+
+
+def read_msmarco(path, skip_bad=False, stats=None):
+    """MS MARCO v2.1: the official columnar JSON ({"query": {"0": ...}, "passages": ...}; error
+    "line" = 1-based record index) or JSONL records {"query", "passages": [{"passage_text",
+    "is_selected"}], "answers"}. chunks = passages, relevant = the selected ones; records
+    answered "No Answer Present." are skipped and counted."""
+    stats = {} if stats is None else stats
+    if ".jsonl" in Path(path).name:
+        items = _jsonl(path)
+    else:
+        cols = _load_json(path)
+        if not isinstance(cols, dict) or not isinstance(cols.get("query"), dict):
+            raise ValueError(f"{path}:1: not an MS MARCO file (no 'query' column)")
+        items = enumerate(({c: v[k] for c, v in cols.items() if isinstance(v, dict) and k in v} for k in cols["query"]), 1)
+
+    def parse(rec):
+        rec = _loads(rec) if isinstance(rec, str) else rec
+        question, answers = _field(rec, "query", str), _field(rec, "answers", list, str)
+        passages = _field(rec, "passages", list)
+        chunks = [_field(p, "passage_text", str) for p in passages]
+        if not answers or answers == ["No Answer Present."]:
+            _count(stats, "no_answer")
+            return []
+        relevant = [c for c, p in zip(chunks, passages) if p.get("is_selected")]
+        return [_record(rec.get("query_id"), "\n".join(chunks), question, answers, relevant, chunks)]
+    return _parsed(path, items, parse, skip_bad, stats)
+
+
+def read_jsonl(path, skip_bad=False, stats=None):
+    """Generic JSONL(.gz): {"context", "question", "answers": [str], "relevant"?: [str],
+    "chunks"?: [str] (substrings of the context, in order), "id"?}."""
+    def parse(line):
+        rec = _loads(line)
+        context, question = _field(rec, "context", str), _field(rec, "question", str)
+        answers = _field(rec, "answers", list, str)
+        if not answers:
+            raise ValueError("field 'answers' is empty")
+        relevant = _field(rec, "relevant", list, str) if rec.get("relevant") is not None else None
+        chunks = _field(rec, "chunks", list, str) if rec.get("chunks") is not None else None
+        chunk_ends(context, chunks or [])
+        if relevant and chunks and not set(relevant) <= set(chunks):
+            raise ValueError("'relevant' entries must be chunks")
+        return [_record(rec.get("id"), context, question, answers, relevant, chunks)]
+    return _parsed(path, _jsonl(path), parse, skip_bad, {} if stats is None else stats)
+
+
+def read_text(path, skip_bad=False, stats=None):
+    """Strings for LM training: paragraphs (split at blank lines) of a plain-text file, or
+    the "text" field of each line of a JSONL(.gz) file."""
+    if ".jsonl" in Path(path).name:
+        parse = lambda line: [_field(_loads(line), "text", str)]  # noqa: E731
+        return _parsed(path, _jsonl(path), parse, skip_bad, {} if stats is None else stats)
+    with _open_text(path) as f:
+        return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+
+
+def read_dataset(path, **kw):
+    """Pick the reader from the file: .zip / JSON with "data" -> SQuAD; JSON list with
+    "supporting_facts" -> HotpotQA; JSON(L) with "passages" -> MS MARCO; JSONL whose
+    first line has "header" or "qas" -> MRQA; other JSONL -> generic."""
+    path = Path(path)
+    if path.suffix == ".zip":
+        return read_squad(path, **kw)
+    if ".jsonl" in path.name:
+        with _open_text(path) as f:
+            first = next((line for line in f if line.strip()), "{}")
+        try:
+            first = json.loads(first)
+        except json.JSONDecodeError:
+            first = {}  # read_jsonl reports it with its line number
+        if isinstance(first, dict) and ("header" in first or "qas" in first):
+            return read_mrqa(path, **kw)
+        return read_msmarco(path, **kw) if isinstance(first, dict) and "passages" in first else read_jsonl(path, **kw)
+    doc = _load_json(path)
+    if isinstance(doc, dict) and "data" in doc:
+        return read_squad(path, **kw)
+    if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "supporting_facts" in doc[0]:
+        return read_hotpot(path, **kw)
+    if isinstance(doc, dict) and "passages" in doc:
+        return read_msmarco(path, **kw)
+    raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
+
+
+# -----------------------------------------------------------------------------
+# 4. The synthetic benchmark (SPEC §2.6): biographies of invented people.
+# Values avoid long digit strings (a small tokenizer splits years into digits, which
+# was the main error source of the pilot run); each attribute has many values, drawn
+# uniformly, so the answer cannot be guessed without the context.
+
+FIRST_NAMES = """Ada Alan Alma Amir Anna Arlo Aurora Basil Bianca Boris Carmen Cedric Clara Dario Delia
+Dmitri Edith Elias Elsa Emil Farah Felix Flora Gideon Greta Hana Hugo Ilse Ines Ivan Jonas Juno Kai Kira
+Lars Leona Linus Lucia Magnus Maren Milo Mira Nadia Nico Nora Olaf Olive Oscar Petra Quinn Rafael Rosa
+Silas Sofia Tariq Thea Tobias Una Vera Viktor Wanda Yusuf Zara Zeno""".split()
+LAST_NAMES = """Abbott Alvarez Baker Bauer Becker Castillo Chen Dubois Eriksen Fischer Fontaine Garcia Gupta
+Hansen Hartmann Ito Jansen Kaur Keller Kowalski Larsen Lindqvist Lopez Marino Moreau Murphy Nakamura Novak
+Okafor Olsen Patel Petrov Quinlan Reyes Rossi Russo Sato Schmidt Silva Sokolov Suzuki Tanaka Torres Varga
+Vogel Walsh Weber Wright Yamamoto Zielinski Brennan Delgado Holm Ivanova Kim Mendes Nilsen Park Romero
+Stone Tran Ward Young""".split()
+MONTHS = "January February March April May June July August September October November December".split()
+CITIES = """Amsterdam Athens Austin Bangkok Barcelona Berlin Bogota Boston Brisbane Cairo Chicago Denver
+Dublin Geneva Glasgow Hamburg Havana Helsinki Istanbul Jakarta Kyoto Lagos Lima Lisbon London Lyon Madrid
+Manila Marseille Melbourne Miami Milan Montreal Mumbai Munich Nairobi Naples Oslo Ottawa Paris Porto Prague
+Quito Riga Rome Santiago Seattle Seoul Seville Sydney Taipei Tallinn Tokyo Toronto Tunis Valencia Vienna
+Warsaw Zagreb Zurich""".split()
+COMPANY = ["Acme", "Bluebird", "Copperleaf", "Driftwood", "Evergreen", "Foxglove", "Granite", "Harbor",
+           "Ironwood", "Juniper", "Kestrel", "Lighthouse", "Maple", "Northwind", "Orchid", "Pinecrest",
+           "Quartz", "Redwood", "Silverline", "Tidewater", "Umber", "Violet", "Willow", "Zephyr"]
+UNIVERSITY = ["Ashford", "Bellmont", "Carrow", "Dunmore", "Elmhurst", "Fairhaven", "Glenwood", "Hollis",
+              "Kingsley", "Lakeside", "Marlow", "Norwood", "Oakridge", "Preston", "Ravenscroft", "Stanmore",
+              "Thornbury", "Westbrook"]
+
+ATTRIBUTES = {  # name -> (values, sentence templates, question templates)
+    "birthday": (
+        [f"{m} {d}" for m in MONTHS for d in range(1, 29)],
+        ["{name} was born on {value}.", "{name} celebrates a birthday on {value}.",
+         "The birthday of {name} is {value}.", "{name} came into the world on {value}.",
+         "On {value}, {name} was born."],
+        ["When was {name} born?", "What is the birthday of {name}?", "On what day was {name} born?"]),
+    "city": (
+        CITIES,
+        ["{name} lives in {value}.", "{name} has a home in {value}.", "{name} moved to {value} years ago.",
+         "These days {name} resides in {value}.", "The city where {name} lives is {value}."],
+        ["Where does {name} live?", "In which city does {name} live?", "What city is home to {name}?"]),
+    "employer": (
+        [f"{a} {b}" for a in COMPANY for b in ("Labs", "Foods", "Motors", "Bank", "Studios", "Systems", "Airlines")],
+        ["{name} works for {value}.", "{name} is employed by {value}.", "{name} has a job at {value}.",
+         "The employer of {name} is {value}.", "Every weekday {name} goes to work at {value}."],
+        ["Where does {name} work?", "Which company employs {name}?", "Who is the employer of {name}?"]),
+    "university": (
+        [f"{a} {b}" for a in UNIVERSITY for b in ("University", "College", "Institute", "Academy", "Polytechnic")],
+        ["{name} studied at {value}.", "{name} graduated from {value}.", "{name} earned a degree at {value}.",
+         "{name} is an alumnus of {value}.", "As a student, {name} attended {value}."],
+        ["Where did {name} study?", "Which school did {name} graduate from?", "What university did {name} attend?"]),
+    "profession": (
+        """accountant actor architect baker biologist carpenter chef chemist dentist designer economist
+        editor electrician engineer farmer firefighter florist geologist historian journalist judge lawyer
+        librarian mechanic musician nurse optician painter pharmacist photographer physicist pilot plumber
+        poet professor programmer sculptor surgeon tailor teacher translator veterinarian writer""".split(),
+        ["{name} works as {a_value}.", "By profession, {name} is {a_value}.", "{name} earns a living as {a_value}.",
+         "{name} trained to be {a_value}.", "The job of {name} is {a_value}."],
+        ["What does {name} do for a living?", "What is the profession of {name}?", "What job does {name} have?"]),
+    "hobby": (
+        ["archery", "baking bread", "birdwatching", "bouldering", "calligraphy", "chess", "cycling",
+         "fencing", "fishing", "gardening", "hiking", "juggling", "kayaking", "knitting", "origami",
+         "painting", "pottery", "rowing", "sailing", "salsa dancing", "skiing", "stargazing", "surfing",
+         "swimming", "tennis", "woodworking", "yoga", "playing the cello", "writing poems", "solving puzzles"],
+        ["In free time, {name} enjoys {value}.", "The favourite hobby of {name} is {value}.",
+         "{name} spends most weekends on {value}.", "{name} has a passion for {value}.",
+         "{name} took up {value} as a hobby."],
+        ["What hobby does {name} enjoy?", "What is the favourite hobby of {name}?", "How does {name} spend free time?"]),
+    "colour": (
+        """amber beige black blue bronze coral crimson cyan gold green grey indigo ivory lavender lilac
+        magenta maroon mint navy olive orange peach pink purple red rust scarlet silver teal turquoise
+        violet white yellow""".split(),
+        ["The favourite colour of {name} is {value}.", "{name} loves the colour {value}.",
+         "{name} likes {value} more than any other colour.", "{name} always picks {value} clothes.",
+         "No colour pleases {name} more than {value}."],
+        ["What is the favourite colour of {name}?", "Which colour does {name} like best?"]),
+    "pet": (
+        """beagle budgie canary cat chameleon chinchilla cockatoo corgi dalmatian donkey ferret gecko goat
+        goldfish hamster hedgehog iguana lizard parrot pony poodle rabbit snake spaniel terrier tortoise""".split(),
+        ["{name} has a pet {value}.", "{name} owns {a_value}.", "{name} takes care of {a_value}.",
+         "At home, {name} keeps {a_value}.", "The pet of {name} is {a_value}."],
+        ["What pet does {name} have?", "What animal does {name} own?", "What kind of pet does {name} keep?"]),
+}
+SPLITS = {"train": range(0, 8), "val": range(8, 9), "test": range(9, 10)}
+
+
+def _render(template, name, value=""):
+    article = "an" if value[:1] in "aeiou" else "a"
+    return template.format(name=name, value=value, a_value=f"{article} {value}")
+
+
+def name_split(first, last):
+    """The split ("train", "val" or "test") a full name belongs to: a stable hash, 8/1/1."""
+    bucket = zlib.crc32(f"{first} {last}".encode()) % 10
+    return next(s for s, r in SPLITS.items() if bucket in r)
+
+
+class Synthetic:
+    """Reading comprehension over biographies of invented people, deterministic from a seed.
+
+    Splits are disjoint by person: every (first, last) name belongs to one split.
+    """
+
+    def __init__(self, seed=0, split="train"):
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+        self.seed, self.split = seed, split
+        self.names = [f"{f} {l}" for f in FIRST_NAMES for l in LAST_NAMES if name_split(f, l) == split]
+
+    def example(self, rng, n_people, n_attrs, same_attrs=True, n_questions=1):
+        """A context of n_people biographies (one chunk each) and n_questions QA pairs.
+
+        same_attrs: every person carries the same attributes, so each is a distractor.
+        The answer is the attribute value exactly as written in the context.
+        """
+        n_attrs = min(n_attrs, len(ATTRIBUTES))
+        shared = rng.sample(list(ATTRIBUTES), n_attrs)
+        bios, facts = [], []
+        for name in rng.sample(self.names, n_people):
+            attrs = shared[:] if same_attrs else rng.sample(list(ATTRIBUTES), n_attrs)
+            rng.shuffle(attrs)
+            sentences = []
+            for a in attrs:
+                values, sentence_templates, _ = ATTRIBUTES[a]
+                value = rng.choice(values)
+                sentences.append(_render(rng.choice(sentence_templates), name, value))
+                facts.append((len(bios), name, a, value))
+            bios.append(" ".join(sentences))
+        qas, relevant = [], []
+        for i, name, a, value in rng.sample(facts, min(n_questions, len(facts))):
+            qas.append((_render(rng.choice(ATTRIBUTES[a][2]), name), value))
+            relevant.append(bios[i])
+        return {"id": f"syn-{self.split}-{rng.getrandbits(48):012x}", "context": "\n".join(bios), "chunks": bios,
+                "qas": qas, "question": qas[0][0], "answers": [qas[0][1]], "relevant": relevant[:1],
+                "qa_relevant": relevant}
+
+    def qa_examples(self, n, n_people=(2, 8), n_attrs=(3, 6), seed_offset=0):
+        """n fixed examples (eval sets, or a fixed training set); same arguments, same list."""
+        rng = random.Random(f"{self.seed}/{self.split}/{seed_offset}")
+        out = []
+        for i in range(n):
+            ex = self.example(rng, rng.randint(*n_people), rng.randint(*n_attrs), same_attrs=rng.random() < 0.5)
+            ex["id"] = f"syn-{self.split}-{self.seed}-{seed_offset}-{i}"
+            out.append(ex)
+        return out
+
+    def lm_text(self, rng, n_people):
+        """Plain biography text (one per line) for LM streams."""
+        return self.example(rng, n_people, rng.randint(3, len(ATTRIBUTES)), same_attrs=False)["context"]
+
+
+def synthetic_corpus(seed, n_chars):
+    """Text to train the default tokenizer: every name and value, the QA template words,
+    then biographies followed by questions and answers, until n_chars."""
+    rng, syn = random.Random(seed), Synthetic(seed, "train")
+    lines = [" ".join(FIRST_NAMES), " ".join(LAST_NAMES)] + [" ".join(v[0]) for v in ATTRIBUTES.values()]
+    lines += [t.format(question="Q") + ANSWER_CUE + " A" for t in QA_TEMPLATES]
+    n = sum(map(len, lines))
+    while n < n_chars:
+        ex = syn.example(rng, rng.randint(1, 4), rng.randint(1, len(ATTRIBUTES)), same_attrs=False, n_questions=3)
+        new = ex["chunks"] + [f"{rng.choice(QA_TEMPLATES).format(question=q)[1:]}{ANSWER_CUE} {a}" for q, a in ex["qas"]]
+        lines += new
+        n += sum(map(len, new))
+    return "\n".join(lines)
+
+
+def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
+    """Train the embedded default tokenizer (sentencepiece BPE) on synthetic_corpus.
+
+    Deterministic: fixed input order, one thread, no sampling. Byte fallback covers any
+    character; no dummy-prefix space and identity normalisation, so text round-trips
+    exactly and spans tokenized separately concatenate cleanly. out_path: a .model file
+    or a directory (then DIR/tokenizer.model).
+    """
+    out = Path(out_path)
+    out = out if out.suffix == ".model" else out / "tokenizer.model"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in synthetic_corpus(seed, n_chars).split("\n") if line]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
+        character_coverage=1.0, byte_fallback=True, split_digits=False, num_threads=1,
+        add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False,
+        minloglevel=2)
+    out.write_bytes(buf.getvalue())
+    return load_tokenizer(out)
+
+
+# -----------------------------------------------------------------------------
+# 5. Batching
+
+def _pad(rows, value, multiple):
+    """(B, T) LongTensor of right-padded rows, T rounded up to a multiple."""
+    T = max([1] + [len(r) for r in rows])
+    T = -(-T // multiple) * multiple
+    out = torch.full((len(rows), T), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def _answer_labels(n_before, answer):
+    """Next-token targets: position t predicts token t+1 where t+1 is an answer token."""
+    labels = [-100] * (n_before + len(answer))
+    labels[n_before - 1:n_before - 1 + len(answer)] = answer
+    return labels
+
+
+def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_multiple=64, stats=None,
+               format="plain", template=None):
+    """Tensors for a batch of QA records (spans as in format_qa; format/template passed on).
+
+    context (B, L); qa (B, T) = prompt + answer; full (B, S) = prefix + context + prompt +
+    answer; noctx = prefix + prompt + answer (the no-context baseline); each with `_len` (B,)
+    and, but context, `_labels`: -100 except where the next token is an answer token (the
+    last prompt token predicts the first answer token). prompt_len, answer_len (B,). Pads
+    are tok.pad_id; lengths round up to pad_multiple. The context keeps its first
+    max_context tokens, the answer its first max_answer (counted in stats as
+    "truncated_context", "truncated_answer"). chunk_spans: per example the (start, end) of
+    each chunk in `context`; relevant_idx: the relevant chunks (all when the record has no
+    "relevant"). prefix, bos: the shared sequence start as lists. answers, questions, ids,
+    records: the raw values.
+    """
+    stats = {} if stats is None else stats
+    rows = {k: [] for k in ("context", "qa", "qa_labels", "full", "full_labels", "noctx", "noctx_labels")}
+    spans_all, rel_all, prompt_len, answer_len, prefix = [], [], [], [], []
+    for r in records:
+        answer = r["answers"][0] if r["answers"] else ""  # unanswerable (kept on request): just eos
+        f = format_qa(tok, r["context"], r["question"], answer, template, rng, r.get("chunks"), format)
+        ctx, spans, prefix, prompt, ans = f["context"], f["chunk_spans"], f["prefix"], f["prompt"], f["answer"]
+        if len(ctx) > max_context:
+            ctx, spans = ctx[:max_context], [(s, min(e, max_context)) for s, e in spans if s < max_context]
+            _count(stats, "truncated_context")
+        if len(ans) > max_answer:
+            ans = ans[:max_answer]
+            _count(stats, "truncated_answer")
+        rel, chunks = r.get("relevant"), r.get("chunks") or [r["context"]]
+        rel_all.append([i for i, c in enumerate(chunks[:len(spans)]) if rel is None or c in rel])
+        spans_all.append(spans)
+        rows["context"].append(ctx)
+        for k, before in (("qa", []), ("full", prefix + ctx), ("noctx", prefix)):
+            rows[k].append(before + prompt + ans)
+            rows[k + "_labels"].append(_answer_labels(len(before) + len(prompt), ans))
+        prompt_len.append(len(prompt))
+        answer_len.append(len(ans))
+    batch = {k: _pad(v, -100 if k.endswith("_labels") else tok.pad_id, pad_multiple) for k, v in rows.items()}
+    batch.update({k + "_len": torch.tensor([len(x) for x in rows[k]], dtype=torch.long)
+                  for k in ("context", "qa", "full", "noctx")})
+    batch.update(prompt_len=torch.tensor(prompt_len, dtype=torch.long), answer_len=torch.tensor(answer_len, dtype=torch.long),
+                 chunk_spans=spans_all, relevant_idx=rel_all, prefix=prefix, bos=[tok.bos_id] if tok.bos_id is not None else [],
+                 answers=[r["answers"] for r in records], questions=[r["question"] for r in records],
+                 ids=[r["id"] for r in records], records=list(records))
+    return batch
+
+
+def collate_lm(texts, tok, max_len, pad_multiple=64):
+    """LM batch: ids (B, T) = [bos] + text + [eos], cut to max_len; labels (B, T) next-token
+    targets (-100 on the last token and padding); lengths (B,)."""
+    rows = [tok.encode(t, bos=True, eos=True)[:max_len] for t in texts]
+    labels = [r[1:] + [-100] for r in rows]
+    return {"ids": _pad(rows, tok.pad_id, pad_multiple), "labels": _pad(labels, -100, pad_multiple),
+            "lengths": torch.tensor([len(r) for r in rows], dtype=torch.long)}

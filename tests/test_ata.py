@@ -1,0 +1,177 @@
+"""ata.py: encoder prompt, policy (eq. 5), Huber (eq. 10), "compute k_max, keep k" equals
+"append k", the objectives and ablations, Memory round trips, bad input, the real-checkpoint
+path and DDP."""
+import pytest
+import torch
+
+import ata
+import data
+import eval as evaluate
+import train
+from common import method_smoke, read_params, run, tiny_base, torchrun
+from model import Memory, Transformer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return tiny_base(tmp_path_factory.mktemp("base"))
+
+
+def _method(base_dir, objective="qa+rel", n=3, **kw):
+    tok = data.load_tokenizer(base_dir)
+    base = Transformer.from_pretrained(base_dir)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(0)
+    m = ata.ATA(base, ata.ATAConfig(lora_r=4, lora_dropout=0.0, **kw), tok, train.TrainConfig(objective=objective, ratio="10"))
+    for name, p in m.named_parameters():  # non-zero adapters so the encoder is not the base
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    recs = data.Synthetic(0, "val").qa_examples(n, n_people=(2, 4))
+    return m, m.prepare(data.collate_qa(recs, tok, pad_multiple=8))
+
+
+def test_encoder_prompt_three_chunks():
+    got = ata.encoder_prompt("Who won?", ["Ann ran.", "Bob won the race.", "Cid slept."])
+    assert got == ("<QUESTION> Who won? </QUESTION> <CONTEXT> <PA> Ann ran. </PA> <PA> Bob won the race. </PA> "
+                   "<PA> Cid slept. </PA> </CONTEXT> <INST> Please identify and extract the <PA> sections that "
+                   "can answer the question (which may not be unique) </INST>")
+
+
+def test_policy_hand_cases():
+    L = torch.tensor([-5.0, 0.0, 0.4, 10.0, 10.1, 35.0, 80.0, 81.0, 1000.0])
+    assert ata.policy(L, 10, 8).tolist() == [1, 1, 1, 1, 2, 4, 8, 8, 8]  # ceil, floor 1, cap 8
+    assert ata.policy(torch.tensor([3.0, 7.2, 9.0]), 1, 8).tolist() == [3, 8, 8]
+    assert ata.policy(torch.tensor([120.0, 49.0]), 50, 8).tolist() == [3, 1]
+
+
+def test_huber_hand_values():
+    pred, gold = torch.tensor([3.0, -30.0, 10.0, 12.0]), torch.tensor([0.0, 0.0, 0.0, 20.0])
+    # 0.5*3^2 = 4.5 ; 10*(30 - 5) = 250 ; 0.5*10^2 = 50 (|x| = delta) ; 0.5*8^2 = 32
+    assert ata.huber(pred, gold, 10.0).item() == pytest.approx(4.5 + 250 + 50 + 32)
+    assert ata.huber(torch.tensor([7.0]), torch.tensor([0.0]), 2.0).item() == pytest.approx(2 * (7 - 1))
+
+
+def test_prepare_prompt_target_and_gold_length(base_dir):
+    m, batch = _method(base_dir)
+    tok, rec = m.tok, batch["records"][0]
+    T = batch["enc_ids"].shape[1]
+    ids = batch["enc_ids"][0, T - batch["enc_len"][0]:].tolist()  # left-padded
+    assert ids == tok.encode(ata.encoder_prompt(rec["question"], rec["chunks"]), bos=True)
+    assert tok.decode(ids).endswith("</INST>") and batch["enc_ids"][0, :T - batch["enc_len"][0]].eq(tok.pad_id).all()
+    gold = tok.encode(rec["relevant"][0])  # the asked person's biography
+    assert batch["rel_len"][0] == len(gold)
+    assert batch["rel_ids"][0, :len(gold) + 2].tolist() == [tok.bos_id] + gold + tok.eos_ids[:1]
+    assert batch["rel_labels"][0, :len(gold) + 2].tolist() == gold + tok.eos_ids[:1] + [-100]
+    _, whole = _method(base_dir, no_selective=True)
+    assert whole["rel_len"][0] == len(tok.encode(" ".join(rec["chunks"]))) > batch["rel_len"][0]
+
+
+def test_compute_kmax_keep_k_equals_append_k(base_dir):
+    m, batch = _method(base_dir)
+    with torch.no_grad():
+        h8, kv8 = m.encode(batch)  # all k_max = 8
+        for k in range(1, 9):
+            hk, kvk = m.encode(batch, n=k)  # append only k
+            for (k8, v8), (kk, vk) in zip(kv8, kvk):  # every layer
+                assert torch.allclose(k8[:, :, :k], kk, atol=1e-5) and torch.allclose(v8[:, :, :k], vk, atol=1e-5)
+            assert torch.allclose(h8, hk, atol=1e-5)  # the probe's input does not see compression tokens
+        kb = torch.tensor([2, 5, 8])  # per-example k through the validity mask
+        keep = m.memory(kv8, kb, batch["enc_len"])
+        assert keep.slots().tolist() == [2, 5, 8] and (keep.next_pos == batch["enc_len"] + kb).all()
+        with m.base.adapter(None):
+            got = m.base(batch["qa"], memory=keep)
+            for b, k in enumerate(kb.tolist()):
+                one = {key: batch[key][b:b + 1] for key in ("enc_ids", "enc_len", "qa")}
+                mem = m.memory(m.encode(one, n=k)[1], torch.tensor([k]), one["enc_len"])
+                assert torch.allclose(got[b:b + 1], m.base(one["qa"], memory=mem), atol=1e-4)
+
+
+def test_loss_terms_and_ablations(base_dir):
+    m, batch = _method(base_dir, objective="rel", rel_ratios="1000", huber_lambda=0.0)
+    loss0, n, metrics = m(batch, [10])
+    assert metrics["k_rel"] == 1.0 and "qa_ce" not in metrics  # r = 1000: one slot each
+    assert n == int((batch["rel_labels"] != -100).sum())
+    m.cfg.huber_lambda, m.cfg.huber_delta = 0.5, 3.0
+    with torch.no_grad():
+        L_hat = m.length(batch, m.encode(batch)[0])
+    loss1, _, _ = m(batch, [10])
+    assert (loss1 - loss0).item() == pytest.approx(0.5 * ata.huber(L_hat, batch["rel_len"], 3.0).item(), rel=1e-4)
+    m.cfg.no_aac = True
+    assert m(batch, [10])[2]["k_rel"] == 8.0  # w/o AAC: k = k_max
+    m, batch = _method(base_dir, objective="qa+rel", k_max=3)
+    loss, n, metrics = m(batch, [1])
+    assert metrics["k_qa"] == 3.0 and n == int((batch["rel_labels"] != -100).sum() + (batch["qa_labels"] != -100).sum())
+    loss.backward()
+    for name in ("comp", "probe.mlp.2.weight", "base.model.layers.0.self_attn.q_proj.lora_A.encoder"):
+        assert dict(m.named_parameters())[name].grad.abs().sum() > 0, name
+
+
+def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
+    m, batch = _method(base_dir)
+    outs, memory = m.answer(batch, 10, 6)
+    k = torch.tensor(memory.stats["k"])
+    with torch.no_grad():
+        L_hat = m.length(batch, m.encode(batch)[0])
+    assert k.tolist() == ata.policy(L_hat, 10, 8).float().tolist() and (memory.slots() == k).all()
+    assert memory.stats["probe_abs_err"] == pytest.approx((L_hat - batch["rel_len"]).abs().tolist(), rel=1e-5)
+    memory.save(tmp_path / "m.safetensors")
+    prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
+    assert m.answer_from_memory(Memory.load(tmp_path / "m.safetensors"), prompts, 6) == outs
+
+
+@pytest.mark.slow
+def test_eval_one_shot_save_and_load_memory(base_dir, tmp_path):
+    out = tmp_path / "run"
+    run(["--method", "ata", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--out_dir", out,
+         "--eval_examples", 2, "--lora_r", 4, "--quiet"])
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Ada Lovelace lives in Paris. Ada Lovelace works for Acme Labs.")
+    q = "Where does Ada Lovelace live?"
+    first = run([out, "--context", doc, "--question", q, "--save_memory", tmp_path / "doc.mem"], script="eval.py")
+    again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
+    answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
+    assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]
+    rows = evaluate.main([str(out), "--ratio", "5,20", "--n", "2"])[0]["rows"]  # policy r changed without retraining
+    assert [r["ratio_requested"] for r in rows] == [5, 20] and all("k" in r and "probe_abs_err" in r for r in rows)
+
+
+@pytest.mark.parametrize("args, msg", [(["--ratio", "0"], "--ratio"), (["--no_linear"], "--no_linear")])
+def test_bad_input_one_line_error(base_dir, tmp_path, args, msg):
+    p = run(["--method", "ata", "--init_from", base_dir, "--out_dir", tmp_path / "x", *args], check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error:") and msg in p.stderr
+
+
+@pytest.mark.parametrize("args, msg", [(["--k_max", "0"], "--k_max"), (["--rel_ratios", "5,x"], "--rel_ratios"),
+                                       (["--objective", "kd"], "--objective")])
+def test_bad_method_flags(base_dir, tmp_path, args, msg):  # in process: the same SystemExit line, no start-up cost
+    with pytest.raises(SystemExit) as e:
+        train.main(["--method", "ata", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *args])
+    assert str(e.value).startswith("error:") and msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_real_checkpoint_smoke(tmp_path):
+    out = method_smoke(tmp_path, "ata", extra=["--lora_r", "4", "--objective", "rel", "--no_selective"])
+    assert (out / "ckpt.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_ddp_matches_single_process(base_dir, tmp_path):
+    common = ["--method", "ata", "--init_from", base_dir, "--max_iters", 2, "--lora_r", 4, "--lora_dropout", 0,
+              "--eval_examples", 2, "--objective", "rel", "--lr", 1e-3, "--quiet"]
+    torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
+    assert a.keys() == b.keys() and len(a) > 3
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key

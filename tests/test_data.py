@@ -1,0 +1,465 @@
+"""Tests for data.py: tokenizers token-exact against HF tokenizers / sentencepiece and the
+real Llama 2 / Llama 3 / Qwen files, readers on fixtures and the real QA files, the
+synthetic benchmark, and batching."""
+import gzip
+import json
+import os
+import random
+import re
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = Path(os.environ.get("NANOCOMPRESS_ASSETS", ROOT.parent / "shared" / "assets"))
+
+
+def need(path):
+    if not path.exists():
+        pytest.skip(f"asset {path} not present")
+    return path
+
+
+# -----------------------------------------------------------------------------
+# texts that stress a tokenizer
+
+FRAGMENTS = [
+    "Hello world", " Hello World!", "Hello, world!", "I've been 'told he's there, 'RE you sure?",
+    "we'Ve a'lL", "don't", "It'S", "ied 4 ½ months", "Äpfel", "naïve café", "e\u0301te\u0301",
+    "нещо на Български", "我想在apple工作1314151天～", "កាន់តែពិសេសអាច😁", "🦙.cpp", "😶\u200d🌫️",
+    "🚀 (normal)", "✅ 🦙🦙", "3 33 333 3333 33333 333333", "3.3 3..3 3...3", "2024-03-14", "1,234,567.89",
+    "------=======", "''''''```````\"\"\"\"......!!!!!!??????", "def f(x):\n    return x**2  # square",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}", "<div class=\"a\">text</div>", "SELECT * FROM t;",
+    "   leading spaces", "trailing spaces   ", "\n\n\nnewlines\n\n", "\t\ttabs\t", " \n \n\n \t \t\t \t\n  \n",
+    "Ελληνικά κείμενα", "עברית", "العربية", "हिन्दी", "日本語のテキスト", "한국어 텍스트", "ÀÉÎÕÜ àéîõü ß",
+    "x\u00a0y", "\u3000full width\u3000", "a\r\nb\rc", "MiXeD CaSe WoRdS", "snake_case_name", "camelCaseName",
+    "https://example.com/path?q=1&r=2", "user@example.org", "$100 and 50% off", "(parentheses) [brackets]",
+]
+
+
+def varied_texts(n=300, seed=0):
+    rng = random.Random(seed)
+    seps = [" ", "  ", "\n", "\n\n", "\t", "", " \n ", "   "]
+    texts = list(FRAGMENTS)
+    while len(texts) < n:
+        k = rng.randint(1, 6)
+        texts.append("".join(rng.choice(FRAGMENTS) + rng.choice(seps) for _ in range(k)))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return varied_texts()
+
+
+# -----------------------------------------------------------------------------
+# byte-level BPE tokenizer.json trained with HF tokenizers, loaded into tiktoken
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def train_hf_bpe(pattern, specials_first, nfc, vocab_size=600):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=SPECIALS if specials_first else [], show_progress=False)
+    corpus = varied_texts(400, seed=1) + data.synthetic_corpus(0, 30_000).split("\n")
+    tok.train_from_iterator(corpus, trainer)
+    if not specials_first:
+        tok.add_special_tokens(SPECIALS)
+    tok.add_tokens(["<tool_call>"])  # a non-special added token: HF matches it in any text
+    return tok
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+def hf_pair(request, tmp_path_factory):
+    llama = request.param == "llama3"
+    hf = train_hf_bpe(data.LLAMA3_PATTERN if llama else data.QWEN2_PATTERN, specials_first=llama, nfc=not llama)
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [hf.token_to_id("<|end_of_text|>"),
+                                                                           hf.token_to_id("<|eot_id|>")]}))
+    return hf, data.load_tokenizer(d)
+
+
+def test_bpe_json_matches_hf(hf_pair, texts):
+    hf, tok = hf_pair
+    assert tok.kind == "tiktoken"
+    assert tok.vocab_size == hf.get_vocab_size(with_added_tokens=True)
+    for t in texts:
+        ids = tok.encode(t, allow_special=True)
+        assert ids == hf.encode(t, add_special_tokens=False).ids, repr(t)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+        if t == t.encode("utf-8").decode("utf-8") and hf.normalizer is None:
+            assert tok.decode(ids) == t
+
+
+def test_bpe_json_specials(hf_pair):
+    hf, tok = hf_pair
+    for s in SPECIALS:
+        assert tok.special(s) == hf.token_to_id(s)
+    assert tok.bos_id == hf.token_to_id("<|begin_of_text|>")
+    assert tok.eos_ids == [hf.token_to_id("<|end_of_text|>"), hf.token_to_id("<|eot_id|>")]
+    assert data.chat_format(tok) == "llama3"
+    text = "Hi<|eot_id|>there<tool_call>x"
+    allowed = tok.encode(text, allow_special=True)
+    assert allowed == hf.encode(text, add_special_tokens=False).ids
+    assert tok.special("<|eot_id|>") in allowed
+    plain = tok.encode(text)  # special strings are ordinary text unless allowed ...
+    assert tok.special("<|eot_id|>") not in plain and tok.decode(plain) == text
+    assert tok.special("<tool_call>") in plain  # ... non-special added tokens always match, as in HF
+    assert tok.encode("a", bos=True, eos=True) == [tok.bos_id] + tok.encode("a") + [tok.eos_ids[0]]
+    with pytest.raises(ValueError, match="no special token"):
+        tok.special("<|im_start|>")
+    assert not tok.has_special("<|im_start|>")
+    texts = tok.token_texts()
+    assert len(texts) == tok.vocab_size and texts[tok.special("<|eot_id|>")] == "<|eot_id|>"
+
+
+def test_sentencepiece_matches_spm(tmp_path, texts):
+    import sentencepiece as spm
+    lines = [t for t in varied_texts(400, seed=2) if t.strip() and "\n" not in t]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "sp"), model_type="bpe",
+                                   vocab_size=700, byte_fallback=True, num_threads=1, minloglevel=2,
+                                   character_coverage=0.99)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    tok = data.load_tokenizer(tmp_path / "sp.model")
+    assert tok.kind == "sentencepiece" and tok.vocab_size == sp.get_piece_size()
+    assert (tok.bos_id, tok.eos_ids) == (sp.bos_id(), [sp.eos_id()])
+    for t in texts:
+        assert tok.encode(t) == sp.encode(t), repr(t)
+        assert tok.decode(tok.encode(t)) == sp.decode(sp.encode(t))
+    # continuation text gets no dummy-prefix space
+    assert tok.encode("Question", start=False) != tok.encode("Question")
+    assert sp.decode(tok.encode("Hello") + tok.encode(" world", start=False)) == "Hello world"
+
+
+def test_unsupported_tokenizers(tmp_path):
+    from tokenizers import Tokenizer, models
+    wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wp.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="unsupported tokenizer: found model type 'WordPiece'"):
+        data.load_tokenizer(tmp_path)
+    (tmp_path / "junk.model").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(ValueError, match="junk.model: unsupported tokenizer"):
+        data.load_tokenizer(tmp_path / "junk.model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        data.load_tokenizer(tmp_path / "empty")
+
+
+# -----------------------------------------------------------------------------
+# the real tokenizer files against llama.cpp's HF-generated test vectors
+
+VOCAB_TESTS = [("llama-spm", "llama2_tokenizer.model"), ("llama-bpe", "llama3_tokenizer.model"),
+               ("qwen2", "qwen.tiktoken")]
+
+
+@pytest.mark.parametrize("name,file", VOCAB_TESTS)
+def test_real_tokenizers_match_hf_ids(name, file):
+    folder = need(ASSETS / "tokenizers" / "llamacpp_vocab_tests")
+    tok = data.load_tokenizer(need(ASSETS / "tokenizers" / file))
+    inputs = (folder / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    outputs = (folder / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    assert len(inputs) == len(outputs) > 40
+    # llama-spm: the ids are HF LlamaTokenizer (legacy) = sentencepiece with its dummy
+    # prefix, e.g. " " -> [259] ("▁▁"), "Hello" -> "▁Hello"; qwen2: NFC-normalised text.
+    for text, line in zip(inputs, outputs):
+        assert tok.encode(text) == [int(x) for x in line.split()], repr(text)
+        if name != "llama-spm":
+            assert tok.decode(tok.encode(text)) == text
+    if name == "llama-bpe":
+        assert tok.vocab_size == 128256 and tok.special("<|eot_id|>") == 128009 and tok.bos_id == 128000
+        assert data.chat_format(tok) == "llama3"
+    if name == "qwen2":
+        assert tok.special("<|im_end|>") == 151645 and tok.bos_id is None and data.chat_format(tok) == "chatml"
+
+
+@pytest.mark.parametrize("name,file", VOCAB_TESTS[1:])
+def test_real_vocab_as_tokenizer_json(name, file, tmp_path):
+    """The tokenizer.json path at full scale: transformers converts the real ranks file to
+    a byte-level BPE tokenizer.json (as HF did for Llama 3 / Qwen2); we load that back."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    ranks = need(ASSETS / "tokenizers" / file)
+    pattern, specials = (data.LLAMA3_PATTERN, data.LLAMA3_SPECIALS) if name == "llama-bpe" else \
+        (data.QWEN2_PATTERN, data.TIKTOKEN_FILES[151643][1])
+    hf = TikTokenConverter(vocab_file=str(ranks), pattern=pattern).converted()
+    hf.add_special_tokens(specials)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = data.load_tokenizer(tmp_path)
+    assert tok.vocab_size == data.load_tokenizer(ranks).vocab_size and tok.specials == data.load_tokenizer(ranks).specials
+    folder = ASSETS / "tokenizers" / "llamacpp_vocab_tests"
+    inputs = (folder / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    outputs = (folder / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    for text, line in zip(inputs, outputs):
+        assert tok.encode(text) == [int(x) for x in line.split()], repr(text)
+    for text in varied_texts(300, seed=5):
+        assert tok.encode(text, allow_special=True) == hf.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_stories260k_dir():
+    tok = data.load_tokenizer(need(ASSETS / "stories260K-hf"))
+    assert tok.kind == "sentencepiece" and tok.vocab_size == 512
+    assert (tok.bos_id, tok.eos_ids, tok.pad_id) == (1, [2], 2)
+
+
+# -----------------------------------------------------------------------------
+# prompt formats
+
+def test_format_qa_plain_and_chat(tmp_path):
+    tok = data.load_tokenizer(need(ASSETS / "tokenizers" / "llama3_tokenizer.model"))
+    f = data.format_qa(tok, "Anna lives in Oslo.", "Where does Anna live?", "Oslo")
+    assert f["bos"] == f["prefix"] == [128000]
+    assert tok.decode(f["context"]) == "Anna lives in Oslo."
+    assert tok.decode(f["prompt"]) == "\nQuestion: Where does Anna live?\nAnswer:"
+    assert f["answer"] == tok.encode(" Oslo") + [128001]
+    draws = {tuple(data.format_qa(tok, "c", "q?", "a", rng=random.Random(i))["prompt"]) for i in range(40)}
+    assert len(draws) == len(data.QA_TEMPLATES) >= 5
+    c = data.format_qa(tok, "Anna lives in Oslo.", "Where does Anna live?", "Oslo", format="auto")
+    assert tok.decode(c["prefix"] + c["context"] + c["prompt"] + c["answer"]) == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nAnna lives in Oslo.\nQuestion: Where does "
+        "Anna live?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nOslo<|eot_id|>")
+    sp = data.load_tokenizer(need(ASSETS / "tokenizers" / "llama2_tokenizer.model"))  # dummy-prefix sentencepiece
+    f = data.format_qa(sp, "Anna lives in Oslo.\nBob works.", "Where?", "Oslo", chunks=["Anna lives in Oslo.", "Bob works."])
+    assert sp.decode(f["prefix"] + f["context"] + f["prompt"] + f["answer"]) == \
+        "Anna lives in Oslo.\nBob works.\nQuestion: Where?\nAnswer: Oslo"
+    assert f["context"] == sp.encode("Anna lives in Oslo.\nBob works.")  # chunk-wise = whole, here
+    q = data.load_tokenizer(need(ASSETS / "tokenizers" / "qwen.tiktoken"))
+    c = data.format_qa(q, "ctx", "q?", "ans", format="auto")
+    assert q.decode(c["prefix"] + c["context"] + c["prompt"] + c["answer"]) == (
+        "<|im_start|>user\nctx\nQuestion: q?<|im_end|>\n<|im_start|>assistant\nans<|im_end|>")
+
+
+# -----------------------------------------------------------------------------
+# readers: fixtures in the real formats, each with one malformed record
+
+def squad_fixture(path):
+    good = {"id": "q1", "question": "Who?", "answers": [{"text": "Ann", "answer_start": 13}]}
+    doc = {"version": "v2.0", "data": [{"title": "T", "paragraphs": [{"context": "First one. Ann did it! Yes.", "qas": [
+        good, {"id": "q2", "question": "Why?", "answers": [], "is_impossible": True},
+        {"id": "q3", "answers": [{"text": "x", "answer_start": 0}]},  # no question
+        {"id": "q4", "question": "What?", "answers": [{"text": "Yes", "answer_start": 23}]}]}]}]}
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("dev.json", json.dumps(doc))
+
+
+def test_read_squad(tmp_path):
+    p = tmp_path / "dev.json.zip"
+    squad_fixture(p)
+    with pytest.raises(ValueError, match=r"dev\.json\.zip:3: missing field 'question'"):
+        list(data.read_squad(p))
+    stats = {}
+    recs = list(data.read_squad(p, skip_bad=True, stats=stats))
+    assert [r["id"] for r in recs] == ["q1", "q4"] and stats == {"records": 2, "unanswerable": 1, "skipped_bad": 1}
+    assert recs[0]["chunks"] == ["First one.", "Ann did it!", "Yes."] and recs[0]["relevant"] == ["Ann did it!"]
+    assert recs[1]["relevant"] == ["Yes."] and recs[0]["answers"] == ["Ann"]
+    assert len(list(data.read_squad(p, skip_bad=True, keep_unanswerable=True))) == 3
+    assert [r["id"] for r in data.read_dataset(p, skip_bad=True)] == ["q1", "q4"]
+
+
+def test_read_mrqa(tmp_path):
+    p = tmp_path / "x.jsonl.gz"
+    lines = [{"header": {"dataset": "X"}},
+             {"context": "Ann did it.", "qas": [{"qid": "a", "question": "Who?", "answers": ["Ann"]},
+                                                {"qid": "b", "question": "What?", "answers": ["it"]}]},
+             {"context": "Broken.", "qas": [{"qid": "c", "question": "Who?", "answers": "Ann"}]}]
+    with gzip.open(p, "wt") as f:
+        f.write("\n".join(map(json.dumps, lines)) + "\n")
+    with pytest.raises(ValueError, match=r"x\.jsonl\.gz:3: field 'answers' should be list\[str\]"):
+        list(data.read_mrqa(p))
+    stats = {}
+    recs = list(data.read_dataset(p, skip_bad=True, stats=stats))
+    assert [r["id"] for r in recs] == ["a", "b"] and stats["skipped_bad"] == 1 and recs[0]["context"] == "Ann did it."
+
+
+def test_read_hotpot(tmp_path):
+    para = lambda t: [t, [f"{t} is a place.", f" It is in {t}land."]]  # noqa: E731
+    good = {"_id": "h1", "question": "Q?", "answer": "A", "supporting_facts": [["B", 0], ["D", 1]],
+            "context": [para(t) for t in "ABCD"]}
+    bad = dict(good, _id="h2", supporting_facts=[["Z", 0]])
+    p = tmp_path / "hotpot.json"
+    p.write_text(json.dumps([good, bad]))
+    with pytest.raises(ValueError, match=r"hotpot\.json:2: supporting fact titles \['Z'\] not in context"):
+        list(data.read_hotpot(p))
+    (r,) = data.read_dataset(p, skip_bad=True)
+    assert r["chunks"] == r["relevant"] == ["B: B is a place. It is in Bland.", "D: D is a place. It is in Dland."]
+    assert r["context"] == "\n".join(r["chunks"]) and r["answers"] == ["A"]
+    (r,) = data.read_hotpot(p, distractors=True, skip_bad=True)
+    assert len(r["chunks"]) == 4 and len(r["relevant"]) == 2
+
+
+def test_read_msmarco(tmp_path):
+    passages = [{"passage_text": "P one.", "is_selected": 0}, {"passage_text": "P two.", "is_selected": 1}]
+    cols = {"query": {"0": "q0?", "1": "q1?", "2": "q2?"}, "query_id": {"0": 10, "1": 11, "2": 12},
+            "passages": {"0": passages, "1": passages, "2": [{"text": "no passage_text"}]},
+            "answers": {"0": ["two"], "1": ["No Answer Present."], "2": ["x"]}}
+    p = tmp_path / "dev_v2.1.json"
+    p.write_text(json.dumps(cols))
+    with pytest.raises(ValueError, match=r"dev_v2\.1\.json:3: missing field 'passage_text'"):
+        list(data.read_msmarco(p))
+    stats = {}
+    (r,) = data.read_dataset(p, skip_bad=True, stats=stats)
+    assert (r["id"], r["chunks"], r["relevant"], r["context"]) == ("10", ["P one.", "P two."], ["P two."], "P one.\nP two.")
+    assert stats == {"records": 1, "no_answer": 1, "skipped_bad": 1}
+    q = tmp_path / "m.jsonl"
+    q.write_text(json.dumps({"query": "q?", "passages": passages, "answers": ["two"]}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: invalid JSON"):
+        list(data.read_dataset(q))
+    assert len(list(data.read_dataset(q, skip_bad=True))) == 1
+
+
+def test_read_jsonl_and_text(tmp_path):
+    p = tmp_path / "g.jsonl"
+    p.write_text(json.dumps({"context": "A. B.", "question": "q", "answers": ["A"], "relevant": ["A."],
+                             "chunks": ["A.", "B."]}) + "\n\n" + json.dumps({"context": "x", "question": "q"}) + "\n")
+    with pytest.raises(ValueError, match=r"g\.jsonl:3: missing field 'answers'"):
+        list(data.read_dataset(p))
+    (r,) = data.read_jsonl(p, skip_bad=True)
+    assert r["id"] == "g.jsonl:1" and r["chunks"] == ["A.", "B."]
+    t = tmp_path / "t.txt"
+    t.write_text("para one\nstill one\n\n\npara two\n")
+    assert list(data.read_text(t)) == ["para one\nstill one", "para two"]
+    j = tmp_path / "t.jsonl"
+    j.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: missing field 'text'"):
+        list(data.read_text(j))
+    assert list(data.read_text(j, skip_bad=True)) == ["a"]
+
+
+def test_real_qa_files():
+    squad = need(ASSETS / "qa" / "squad" / "dev-v1.1.json.zip")
+    recs = list(data.read_dataset(squad))
+    assert len(recs) == 10570
+    assert all(r["relevant"][0] in r["chunks"] for r in recs)
+    assert sum(r["answers"][0] in r["relevant"][0] for r in recs) > 0.97 * len(recs)  # rest: answer spans a split
+    assert len(list(data.read_dataset(need(ASSETS / "qa" / "mrqa" / "SQuAD_dev_mrqa_format.jsonl.gz")))) == 10507
+    assert len(list(data.read_dataset(ASSETS / "qa" / "mrqa" / "NewsQA_sample.jsonl"))) > 0
+    hotpot = list(data.read_dataset(need(ASSETS / "qa" / "hotpotqa" / "hotpot_dev_distractor_v1_first53.json")))
+    assert len(hotpot) == 53 and all(len(r["chunks"]) >= 2 for r in hotpot)
+
+
+# -----------------------------------------------------------------------------
+# synthetic benchmark and default tokenizer
+
+def test_synthetic_deterministic_and_disjoint():
+    a = data.Synthetic(seed=3, split="train").qa_examples(20)
+    assert a == data.Synthetic(seed=3, split="train").qa_examples(20)
+    assert a != data.Synthetic(seed=4, split="train").qa_examples(20)
+    names = {s: set(data.Synthetic(0, s).names) for s in data.SPLITS}
+    assert all(len(v) > 100 for v in names.values())
+    assert not (names["train"] & names["val"] or names["train"] & names["test"] or names["val"] & names["test"])
+    every = re.compile(r"\b(" + "|".join(n for v in names.values() for n in v) + r")\b")
+    for split in ("val", "test"):
+        for ex in data.Synthetic(0, split).qa_examples(30):
+            people = set(every.findall(ex["context"]))
+            assert people and people <= names[split]
+
+
+def test_synthetic_answers_in_context():
+    syn = data.Synthetic(seed=0, split="test")
+    rng = random.Random(0)
+    for _ in range(200):
+        ex = syn.example(rng, rng.randint(1, 8), rng.randint(1, 8), same_attrs=rng.random() < 0.5, n_questions=4)
+        assert ex["context"] == "\n".join(ex["chunks"]) and ex["relevant"][0] in ex["chunks"]
+        assert ex["answers"][0] in ex["relevant"][0] and ex["question"] == ex["qas"][0][0]
+        for (q, a), bio in zip(ex["qas"], ex["qa_relevant"]):
+            assert a in bio and a in ex["context"]
+    assert max(len(v[1]) for v in data.ATTRIBUTES.values()) >= 5 and min(len(v[2]) for v in data.ATTRIBUTES.values()) >= 2
+    assert not any(len(tok) > 2 for v in data.ATTRIBUTES.values() for val in v[0] for tok in val.split() if tok.isdigit())
+
+
+def test_synthetic_answers_not_guessable():
+    """The best constant answer per attribute (values are uniform) scores a low token F1."""
+    def f1(pred, gold):
+        common = sum((Counter(pred.lower().split()) & Counter(gold.lower().split())).values())
+        return 0.0 if common == 0 else 2 * common / (len(pred.split()) + len(gold.split()))
+    best = {a: max(sum(f1(v, u) for u in values) / len(values) for v in values)
+            for a, (values, _, _) in data.ATTRIBUTES.items()}
+    assert sum(best.values()) / len(best) < 0.10, best
+    assert all(len(values) >= 20 for values, _, _ in data.ATTRIBUTES.values())
+
+
+def test_default_tokenizer_deterministic(tmp_path):
+    a = data.train_default_tokenizer(tmp_path / "a", seed=0, vocab_size=800, n_chars=120_000)
+    data.train_default_tokenizer(tmp_path / "b" / "tok.model", seed=0, vocab_size=800, n_chars=120_000)
+    assert (tmp_path / "a" / "tokenizer.model").read_bytes() == (tmp_path / "b" / "tok.model").read_bytes()
+    assert a.vocab_size == 800 and a.bos_id == 1 and a.eos_ids == [2] and a.pad_id == 3
+    ex = data.Synthetic(seed=1, split="val").example(random.Random(1), 8, 6)
+    text = ex["context"] + "\n" + data.QA_TEMPLATES[1].format(question=ex["question"]) + data.ANSWER_CUE
+    ids = a.encode(text)
+    assert a.decode(ids) == text and 0 not in ids  # round trip, no <unk>
+    bio = a.encode(ex["chunks"][0])
+    assert 40 <= len(bio) <= 120, len(bio)  # a 6-attribute biography
+    assert a.decode(a.encode(" Paris", start=False)) == " Paris"
+    ends = [t for t in a.token_texts() if t.rstrip().endswith((".", "?"))]
+    assert ends
+
+
+# -----------------------------------------------------------------------------
+# batching
+
+@pytest.fixture(scope="module")
+def small_tok(tmp_path_factory):
+    return data.train_default_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=600, n_chars=60_000)
+
+
+def test_collate_qa_labels(small_tok):
+    tok = small_tok
+    recs = data.Synthetic(0, "val").qa_examples(6, n_people=(1, 4))
+    stats = {}
+    b = data.collate_qa(recs, tok, rng=random.Random(0), stats=stats)
+    B = len(recs)
+    for key in ("context", "qa", "full", "noctx"):
+        assert b[key].shape[0] == B and b[key].shape[1] % 64 == 0
+        if key + "_labels" in b:
+            assert b[key + "_labels"].shape == b[key].shape
+    assert stats == {}
+    for i, r in enumerate(recs):
+        for seq, lab in (("qa", "qa_labels"), ("full", "full_labels"), ("noctx", "noctx_labels")):
+            pos = (b[lab][i] != -100).nonzero().flatten()
+            assert torch.equal(b[lab][i][pos], b[seq][i][pos + 1])
+            assert tok.decode(b[lab][i][pos].tolist()) == " " + r["answers"][0]  # answer then eos (decodes to "")
+            assert b[lab][i][pos][-1].item() == tok.eos_ids[0]
+        L = b["context_len"][i].item()
+        assert tok.decode(b["context"][i, :L].tolist()) == r["context"]
+        assert b["full"][i, 1:1 + L].tolist() == b["context"][i, :L].tolist() and b["full"][i, 0] == tok.bos_id
+        assert (b["context"][i, L:] == tok.pad_id).all()
+        spans = b["chunk_spans"][i]
+        assert len(spans) == len(r["chunks"]) and spans[-1][1] == L
+        for (s, e), chunk in zip(spans, r["chunks"]):
+            assert tok.decode(b["context"][i, s:e].tolist()).lstrip("\n") == chunk
+        assert [r["chunks"][j] for j in b["relevant_idx"][i]] == r["relevant"]
+        assert b["qa"][i, :b["prompt_len"][i]].tolist() == b["full"][i, 1 + L:1 + L + b["prompt_len"][i]].tolist()
+    assert b["ids"] == [r["id"] for r in recs] and b["prefix"] == [tok.bos_id]
+
+
+def test_collate_qa_truncation_and_padding(small_tok):
+    tok = small_tok
+    recs = data.Synthetic(0, "train").qa_examples(4, n_people=(6, 8), n_attrs=(6, 8))
+    stats = {}
+    b = data.collate_qa(recs, tok, max_context=50, max_answer=2, pad_multiple=1, stats=stats)
+    assert stats["truncated_context"] == 4 and stats["truncated_answer"] >= 1
+    assert b["context"].shape[1] == 50 and (b["context_len"] == 50).all()
+    assert all(e <= 50 for spans in b["chunk_spans"] for _, e in spans)
+    assert (b["answer_len"] <= 2).all() and b["qa"].shape[1] == b["qa_len"].max()
+
+
+def test_collate_lm(small_tok):
+    b = data.collate_lm(["Anna lives in Oslo.", "Hi"], small_tok, max_len=6, pad_multiple=8)
+    assert b["ids"].shape == (2, 8) and b["lengths"].tolist()[0] == 6
+    n = b["lengths"][1].item()
+    assert b["ids"][1, :n].tolist() == small_tok.encode("Hi", bos=True, eos=True)
+    assert b["labels"][1, :n - 1].tolist() == b["ids"][1, 1:n].tolist() and (b["labels"][1, n - 1:] == -100).all()

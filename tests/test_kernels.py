@@ -1,0 +1,181 @@
+"""kernels.py: mask builders against hand-written grids, the attention backends against
+each other, and the chunked losses (values and gradients) against their naive twins."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+N_B, N_T, D, V = 2, 7, 16, 11  # 14 tokens in chunks of 3: five chunks, the last one short
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine
+    OpenMP spin-waiting makes them 10x slower; restored afterwards for other modules."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(kernels, "CHUNK", 3)
+
+
+def rand(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def labels_with_ignores(seed=0):
+    labels = torch.randint(0, V, (N_B, N_T), generator=torch.Generator().manual_seed(seed))
+    labels[0, :2] = -100
+    labels[1, 5] = -100
+    return labels
+
+
+# -----------------------------------------------------------------------------
+# masks and attention
+
+
+def test_dense_mask_literal_grids():
+    key_valid = torch.tensor([[True, False, True, True, True]])
+    grid = kernels.dense_mask(kernels.causal_after_prefix(2, key_valid), 1, 3, 5, "cpu")
+    assert grid.shape == (1, 1, 3, 5)
+    assert grid[0, 0].int().tolist() == [[1, 0, 1, 0, 0],
+                                         [1, 0, 1, 1, 0],
+                                         [1, 0, 1, 1, 1]]
+    doc = torch.tensor([[0, 0, 1, 1, 1]])
+
+    def document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+    assert kernels.dense_mask(document, 1, 5, 5, "cpu")[0, 0].int().tolist() == [[1, 0, 0, 0, 0],
+                                                                                 [1, 1, 0, 0, 0],
+                                                                                 [0, 0, 1, 0, 0],
+                                                                                 [0, 0, 1, 1, 0],
+                                                                                 [0, 0, 1, 1, 1]]
+    # 2 prefix keys (the second invalid) before 3 new keys seen bidirectionally (the last is padding)
+    m = kernels.with_prefix(kernels.bidirectional(torch.tensor([[True, True, False]])), 2,
+                            torch.tensor([[True, False]]))
+    assert kernels.dense_mask(m, 1, 3, 5, "cpu")[0, 0].int().tolist() == [[1, 0, 1, 1, 0]] * 3
+    # with_prefix of causal: the decoding step after a 2-key cache
+    m = kernels.with_prefix(kernels.causal, 2, torch.tensor([[True, True]]))
+    assert kernels.dense_mask(m, 1, 2, 4, "cpu")[0, 0].int().tolist() == [[1, 1, 1, 0],
+                                                                         [1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_attention_backends_match_reference(monkeypatch, backend):
+    """GQA attention under a document mask with one fully masked query row, against a
+    hand-rolled softmax(QK^T / sqrt(hd)) V with K/V repeated per head; the empty row gives 0."""
+    monkeypatch.setattr(kernels, "BACKEND", backend)
+    B, H, Hkv, Q, hd = 2, 4, 2, 20, 8
+    q, k, v = rand(B, H, Q, hd, seed=0), rand(B, Hkv, Q, hd, seed=1), rand(B, Hkv, Q, hd, seed=2)
+    doc = torch.tensor([[0] * 8 + [1] * 12, [0] * 3 + [1] * 17])
+    valid = torch.ones(B, Q, dtype=torch.bool)
+    valid[1, 3] = False  # example 1, query 3 starts a document with an invalid key: sees nothing
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx]) & valid[b, kv_idx]
+    out = kernels.attention(q, k, v, kernels.Mask(mask_mod, B, Q, Q, q.device))
+    dense = kernels.dense_mask(mask_mod, B, Q, Q, "cpu")
+    kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    scores = (q @ kr.transpose(-1, -2) / hd ** 0.5).masked_fill(~dense, float("-inf"))
+    ref = torch.nan_to_num(scores.softmax(-1)) @ vr
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert out[1, :, 3].abs().max() == 0
+    # mask=None is plain causal
+    torch.testing.assert_close(kernels.attention(q, k, v), kernels.attention(
+        q, k, v, kernels.Mask(kernels.causal, B, Q, Q, q.device)), atol=1e-5, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# chunked losses == naive twins, values and gradients
+
+
+def grads(loss_fn, *tensors):
+    ts = [t.detach().clone().requires_grad_(rg) for t, rg in tensors]
+    loss = loss_fn(*ts)
+    (0.5 * loss).backward()  # not 1: the backward must scale by the upstream gradient
+    return loss.detach(), [None if t.grad is None else 2 * t.grad for t in ts]
+
+
+@pytest.mark.parametrize("freeze_head", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_chunked_ce_matches_naive(small_chunks, freeze_head, weighted):
+    h, w = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1, scale=0.5)
+    labels = labels_with_ignores()
+    weights = rand(N_B, N_T, seed=2).abs() if weighted else None
+    n = int((labels != -100).sum())
+    assert n == 11 and kernels.chunked_ce(h, w, labels, weights)[1] == n
+    got, (gh, gw) = grads(lambda h, w: kernels.chunked_ce(h, w, labels, weights)[0], (h, True), (w, not freeze_head))
+    ref, (rh, rw) = grads(lambda h, w: kernels.naive_ce(h, w, labels, weights), (h, True), (w, not freeze_head))
+    # the oracle's oracle: plain cross entropy
+    plain = F.cross_entropy((h @ w.T).flatten(0, 1), labels.flatten(), reduction="none")
+    plain = (plain * (1 if weights is None else weights.flatten())).sum()
+    torch.testing.assert_close(ref, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh, rh, atol=1e-5, rtol=1e-5)
+    assert gh[0, :2].abs().max() == 0  # ignored positions get no gradient
+    if freeze_head:
+        assert gw is None
+    else:
+        torch.testing.assert_close(gw, rw, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_ce_weights_respected(small_chunks):
+    h, w = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1)
+    labels = labels_with_ignores()
+    weights = torch.ones(N_B, N_T)
+    weights[1] = 0.0
+    only0 = labels.clone()
+    only0[1] = -100
+    torch.testing.assert_close(kernels.chunked_ce(h, w, labels, weights)[0], kernels.chunked_ce(h, w, only0)[0])
+    torch.testing.assert_close(kernels.chunked_ce(h, w, labels, 2 * torch.ones(N_B, N_T))[0],
+                               2 * kernels.chunked_ce(h, w, labels)[0])
+
+
+@pytest.mark.parametrize("freeze_head", [False, True])
+def test_chunked_kd_matches_naive(small_chunks, freeze_head):
+    h, w = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1, scale=0.5)
+    th, tw = rand(N_B, N_T, 24, seed=3), rand(V, 24, seed=4, scale=0.5)  # a wider teacher
+    labels = labels_with_ignores()
+    got, (gh, gw) = grads(lambda h, w: kernels.chunked_kd(h, w, th, tw, labels)[0], (h, True), (w, not freeze_head))
+    ref, (rh, rw) = grads(lambda h, w: kernels.naive_kd(h, w, th, tw, labels), (h, True), (w, not freeze_head))
+    plain = F.kl_div(torch.log_softmax(h @ w.T, -1), torch.log_softmax(th @ tw.T, -1), log_target=True,
+                     reduction="none").sum(-1)
+    torch.testing.assert_close(ref, (plain * (labels != -100)).sum(), atol=1e-5, rtol=1e-5)
+    assert ref > 1.0
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh, rh, atol=1e-5, rtol=1e-5)
+    if freeze_head:
+        assert gw is None
+    else:
+        torch.testing.assert_close(gw, rw, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_kd_zero_when_student_is_teacher(small_chunks):
+    h, w = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1)
+    labels = labels_with_ignores()
+    loss, (gh, gw) = grads(lambda h, w: kernels.chunked_kd(h, w, h.detach(), w.detach(), labels)[0], (h, True), (w, True))
+    assert abs(loss.item()) < 1e-5
+    assert gh.abs().max() < 1e-6 and gw.abs().max() < 1e-6
+
+
+def test_chunked_losses_bf16(small_chunks):
+    h, w = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1, scale=0.5)
+    th, tw = rand(N_B, N_T, D, seed=3), rand(V, D, seed=4, scale=0.5)
+    labels = labels_with_ignores()
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    ce = kernels.chunked_ce(hb, wb, labels)[0]
+    ce.backward()
+    assert ce.dtype == torch.float32 and hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    _, (rh, rw) = grads(lambda h, w: kernels.naive_ce(h, w, labels), (h, True), (w, True))
+    torch.testing.assert_close(ce, kernels.naive_ce(h, w, labels), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(hb.grad.float(), rh, atol=0.02, rtol=0.05)
+    torch.testing.assert_close(wb.grad.float(), rw, atol=0.02, rtol=0.05)
+    kd = kernels.chunked_kd(hb, wb, th.bfloat16(), tw.bfloat16(), labels)[0]
+    torch.testing.assert_close(kd, kernels.naive_kd(h, w, th, tw, labels), atol=0.05, rtol=0.02)

@@ -1,0 +1,306 @@
+"""pic.py: the three masks as literal grids, receptive fields checked through outputs,
+padding and positions, eq. 6-8 by hand, encoder/decoder of different widths, Memory round
+trip, CLI errors, DDP and real checkpoints."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import kernels
+import pic
+import train
+from common import method_smoke, read_params, run, tiny_base, torchrun
+from model import Memory, ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return tiny_base(tmp_path_factory.mktemp("base") / "base")
+
+
+def make(base_dir, objective="qa", ratio="3", **kw):
+    """A PIC on the tiny base with random (non-zero) encoder adapters."""
+    tok = data.load_tokenizer(base_dir)
+    base = Transformer.from_pretrained(str(base_dir))
+    for p in base.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(0)
+    m = pic.PIC(base, pic.PICConfig(**kw), tok, train.TrainConfig(objective=objective, ratio=ratio))
+    for n, p in m.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return m, tok
+
+
+# -----------------------------------------------------------------------------
+# masks
+
+# Z = [c_1 = 3 tokens, c_2 = 3 tokens, m_1, m_2]; row = query, column = key. Rules (eq. 5):
+# context -> context causal; memory -> memory causal; m_t -> context of chunk t only.
+BLOCKWISE = ["#.......",
+             "##......",
+             "###.....",
+             "####....",
+             "#####...",
+             "######..",
+             "###...#.",   # m_1: c_1 and itself
+             "...#####"]   # m_2: c_2, m_1 and itself
+CAUSAL = ["#" * (i + 1) + "." * (7 - i) for i in range(8)]
+BIDIR = CAUSAL[:6] + ["########", "########"]
+
+
+@pytest.mark.parametrize("name,expected", [("blockwise", BLOCKWISE), ("causal", CAUSAL), ("bidir", BIDIR)])
+def test_masks_are_the_literal_grids(name, expected):
+    is_mem, chunk, valid, pos, n_mem = pic.layout(torch.tensor([6]), 6, 3)
+    assert pic.grid(getattr(pic, name)(is_mem, chunk, valid), 8).split("\n") == expected
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]] and n_mem.tolist() == [2]
+
+
+def test_padding_keys_are_never_seen():
+    # example 1: 4 real tokens of 6 (chunks {0,1,2} {3}, then 2 pads): 2 memory slots at positions 4, 5
+    is_mem, chunk, valid, pos, n_mem = pic.layout(torch.tensor([6, 4]), 6, 3)
+    dense = kernels.dense_mask(pic.blockwise(is_mem, chunk, valid), 2, 8, 8, "cpu")[1, 0]
+    assert ["".join("#" if x else "." for x in row) for row in dense.tolist()] == [
+        "#.......",
+        "##......",
+        "###.....",
+        "####....",
+        "####....",   # padding queries (outputs unused) see the real tokens only
+        "####....",
+        "###...#.",
+        "...#..##"]   # m_2: the real part of c_2, m_1, itself
+    assert pos[1].tolist() == [0, 1, 2, 3, 4, 5, 4, 5] and n_mem.tolist() == [2, 2]
+
+
+# -----------------------------------------------------------------------------
+# receptive fields, through the encoder's outputs (L = 9, r = 3: three chunks, N = 3)
+
+
+def memory_states(m, ctx, mem_embed=None):
+    with torch.no_grad():
+        if mem_embed is not None:
+            m.mem_embed.copy_(mem_embed)
+        return m.encode(ctx, torch.tensor([ctx.shape[1]]), 3)[0][0]  # (N, d)
+
+
+def changed(a, b):
+    return (a - b).abs().max().item() > 1e-4
+
+
+def test_blockwise_receptive_field(base_dir):
+    m, _ = make(base_dir, mask="blockwise")
+    ctx = torch.randint(5, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+    h = memory_states(m, ctx)
+    for lo in (3, 6):  # change chunk 2 or chunk 3: m_1 is unchanged
+        other = ctx.clone()
+        other[0, lo:lo + 3] = (other[0, lo:lo + 3] + 7) % 500
+        h2 = memory_states(m, other)
+        assert torch.allclose(h[0], h2[0], atol=1e-6)
+        assert changed(h[lo // 3], h2[lo // 3])  # m_t changes with chunk t
+    assert torch.allclose(h[1], h2[1], atol=1e-6)  # chunk 3 changed: m_2 unchanged
+    first = ctx.clone()
+    first[0, 1] = (first[0, 1] + 7) % 500
+    assert changed(h[0], memory_states(m, first)[0])
+    table = m.mem_embed.detach().clone()
+    table[2] += 1.0  # m_3's input embedding: m_1 is causal over memory
+    assert torch.allclose(h[0], memory_states(m, ctx, table)[0], atol=1e-6)
+
+
+def test_causal_receptive_field(base_dir):
+    m, _ = make(base_dir, mask="causal")
+    ctx = torch.randint(5, 500, (1, 9), generator=torch.Generator().manual_seed(1))
+    h = memory_states(m, ctx)
+    last = ctx.clone()
+    last[0, 8] = (last[0, 8] + 7) % 500
+    assert changed(h[0], memory_states(m, last)[0])  # m_1 reads the last chunk
+    table = m.mem_embed.detach().clone()
+    table[2] += 1.0
+    assert torch.allclose(h[0], memory_states(m, ctx, table)[0], atol=1e-6)  # but not m_3
+
+
+def test_bidir_receptive_field(base_dir):
+    m, _ = make(base_dir, mask="bidir")
+    ctx = torch.randint(5, 500, (1, 9), generator=torch.Generator().manual_seed(2))
+    h = memory_states(m, ctx)
+    table = m.mem_embed.detach().clone()
+    table[2] += 1.0
+    assert changed(h[0], memory_states(m, ctx, table)[0])  # m_1 reads m_N
+
+
+def test_single_memory_token_is_one_row(base_dir):
+    m, _ = make(base_dir, mem="single", mask="bidir")
+    assert m.mem_embed.shape[0] == 1
+    ctx = torch.randint(5, 500, (1, 9), generator=torch.Generator().manual_seed(3))
+    h = memory_states(m, ctx)
+    assert changed(h, memory_states(m, ctx, m.mem_embed.detach() + 1.0))
+
+
+def test_batch_padding_and_positions_match_one_example_alone(base_dir):
+    m, tok = make(base_dir, mask="blockwise")
+    recs = data.Synthetic(0, "val").qa_examples(3)
+    batch = data.collate_qa(recs, tok, pad_multiple=64)  # training padding, pad id in the gaps
+    batch["context"][batch["context"] == tok.pad_id] = 9  # garbage in the padding
+    with torch.no_grad():
+        mem = m.compress(batch, 16)
+        for b, r in enumerate(recs):
+            alone = m.compress(data.collate_qa([r], tok, pad_multiple=1), 16)  # eval padding: none
+            n = int(alone.slots()[0])
+            assert int(mem.slots()[b]) == n == -(-int(batch["context_len"][b]) // 16)
+            assert torch.allclose(mem.embeds[b, :n], alone.embeds[0], atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# losses
+
+
+def test_ae_lm_is_eq8_per_example_by_hand(base_dir):
+    m, tok = make(base_dir, objective="ae+lm")
+    rng = random.Random(0)
+    syn = data.Synthetic(0, "train")
+    texts = [syn.lm_text(rng, n) for n in (1, 2, 3)]
+    batch = data.collate_lm(texts, tok, 1024)
+    loss, n, metrics = m(batch, [4])
+    assert n == 3 and set(metrics) == {"tr_r4", "tc_r4"}
+    expected, emb, base = 0.0, m.base.model.embed_tokens, m.base
+    with torch.no_grad(), base.adapter(None):
+        for t in texts:
+            x = tok.encode(t, bos=False, eos=True)
+            k = len(x) // 2
+            mem = m.compress({"context": torch.tensor([x[:k]]), "context_len": torch.tensor([k])}, 4).embeds
+            N = mem.shape[1]
+            tr_in = torch.cat([mem, m.ae[None, None], emb(torch.tensor([x[:k - 1]]))], 1)  # [H, <AE>, x_<k]
+            tr = F.cross_entropy(base(embeds=tr_in)[0, N:], torch.tensor(x[:k]))  # eq. 6
+            tc_in = torch.cat([mem, emb(torch.tensor([x[k - 1:-1]]))], 1)  # [H, x_k .. x_{L-1}]
+            tc = F.cross_entropy(base(embeds=tc_in)[0, N:], torch.tensor(x[k:]))  # eq. 7
+            expected += 0.5 * tc + 0.5 * tr  # eq. 8
+    assert torch.allclose(loss, expected, rtol=1e-4)
+    loss.backward()
+    assert m.ae.grad.abs().sum() > 0 and m.mem_embed.grad.abs().sum() > 0
+
+
+def test_qa_loss_counts_answer_tokens_and_trains_the_encoder(base_dir):
+    m, tok = make(base_dir)
+    assert not m.ae.requires_grad  # <AE> is only trained by ae+lm
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    loss, n, metrics = m(batch, [4, 8])
+    assert n == int((batch["qa_labels"] != -100).sum()) and set(metrics) == {"loss_r4", "loss_r8"}
+    loss.backward()
+    trained = {k for k, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert {"mem_embed", "converter.0.weight"} <= trained and any("lora_A.encoder" in k for k in trained)
+    assert not any(k.startswith("base.") and "lora_" not in k for k in trained)
+
+
+def tiny_model(path, vocab, d, layers=1):
+    torch.manual_seed(d)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+                      num_attention_heads=2, tie_word_embeddings=True, eos_token_id=[2])
+    model = Transformer(cfg)
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
+    vocab = Transformer.from_pretrained(str(base_dir)).config.vocab_size
+    enc, dec = tiny_model(tmp_path / "enc", vocab, 32), tiny_model(tmp_path / "dec", vocab, 48)
+    batch = None
+    for objective, lora_r in (("kd", 4), ("qa", 0)):
+        m, tok = make(base_dir, objective=objective, encoder=enc, decoder=dec, lora_r=lora_r)
+        batch = batch or data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+        mem = m.compress(batch, 4)
+        assert mem.embeds.shape[2] == 48 and m.enc.config.hidden_size == 32
+        loss, n, _ = m(batch, [4])
+        loss.backward()
+        assert loss.item() > 0 and m.converter[0].weight.grad.shape == (48, 32)
+        assert all(not p.requires_grad for p in m.dec_model.parameters())  # the decoder is frozen
+        full = m.enc_model.model.layers[0].mlp.down_proj.weight
+        assert full.requires_grad == (lora_r == 0) and (lora_r > 0 or full.grad.abs().sum() > 0)
+        outs, _ = m.answer(batch, 4, 3)
+        assert len(outs) == 2
+    wrong = tiny_model(tmp_path / "wrong", vocab + 1, 32)
+    with pytest.raises(SystemExit, match="vocab_size"):
+        make(base_dir, encoder=wrong)
+
+
+# -----------------------------------------------------------------------------
+# Memory round trip, one-shot eval, CLI errors
+
+
+def test_memory_round_trip(base_dir, tmp_path):
+    m, tok = make(base_dir)
+    m.eval()
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
+    outs, mem = m.answer(batch, 8, 6)
+    mem.save(tmp_path / "mem.safetensors")
+    loaded = Memory.load(tmp_path / "mem.safetensors")
+    prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]
+    assert torch.equal(loaded.embeds, mem.embeds) and m.answer_from_memory(loaded, prompts, 6) == outs
+
+
+def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):
+    out = tmp_path / "run"
+    run(["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--out_dir", out,
+         "--eval_examples", 2, "--device", "cpu", "--quiet", "--max_context", 256, "--mask", "causal"])
+    ctx = tmp_path / "doc.txt"
+    ctx.write_text(data.Synthetic(0, "val").qa_examples(1)[0]["context"])
+    q = "Where was the first person born?"
+    first = run([out, "--context", ctx, "--question", q, "--save_memory", tmp_path / "doc.mem"], script="eval.py")
+    again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
+    answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
+    assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]
+
+
+def test_check_config_errors():
+    cfg = train.TrainConfig(ratio="1", max_context=600)
+    for kw, message in ((dict(), "--max_mem 256"), (dict(mask="diag"), "--mask"), (dict(mem="two"), "--mem"),
+                        (dict(lora_r=0, max_mem=600), "needs a separate --encoder")):
+        with pytest.raises(SystemExit, match=message):
+            pic.PIC.check_config(cfg, pic.PICConfig(**kw))
+    pic.PIC.check_config(cfg, pic.PICConfig(mem="single"))  # one token repeated has no table to outgrow
+
+
+@pytest.mark.parametrize("extra,message", [(["--ratio", "0"], "--ratio"), (["--no_linear"], "does not apply"),
+                                           (["--max_context", "4000"], "max_position_embeddings 2048")])
+def test_cli_errors_are_one_line(base_dir, tmp_path, extra, message):
+    p = run(["--method", "pic", "--init_from", base_dir, "--out_dir", tmp_path / "x", "--quiet", *extra], check=False)
+    err = p.stderr.strip()
+    assert p.returncode != 0 and err.startswith("error:") and message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+# -----------------------------------------------------------------------------
+# DDP and real checkpoints
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["qa", "ae+lm"])
+def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path, objective):
+    common = ["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--ratio", "8", "--objective", objective,
+              "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 2, "--lr", "1e-2",
+              "--eval_examples", 1]
+    torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
+    assert a.keys() == b.keys() and "mem_embed" in a and ("ae" in a) == (objective == "ae+lm")
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_real_checkpoints(tmp_path):
+    method_smoke(tmp_path / "llama", "pic")
+    method_smoke(tmp_path / "qwen3", "pic", extra=["--objective", "ae+lm", "--mem", "single", "--mask", "bidir"],
+                 family="qwen3")

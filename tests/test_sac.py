@@ -1,0 +1,288 @@
+"""sac.py: anchor positions by hand, the memory as a subset of the base's cache, the
+bidirectional encoder, r = 1 == the teacher, the lm split, and the end-to-end runs."""
+import pytest
+import torch
+
+import data
+import sac
+import train
+from common import method_smoke, read_params, run, tiny_base, torchrun
+from model import Memory, Transformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return tiny_base(tmp_path_factory.mktemp("sac") / "base")
+
+
+def make(base_dir, objective="qa", lora_b=0.0, **kw):
+    tok = data.load_tokenizer(base_dir)
+    base = Transformer.from_pretrained(base_dir)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    m = sac.SAC(base, sac.SACConfig(lora_r=4, lora_alpha=8, **kw), tok, train.TrainConfig(objective=objective))
+    torch.manual_seed(0)
+    for n, p in m.named_parameters():
+        if "lora_B" in n and lora_b:
+            torch.nn.init.normal_(p, std=lora_b)
+    return m, tok
+
+
+def ctx_batch(tok, lengths, seed=0):
+    """Random context ids (B, max L) right-padded, prefix [bos]."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.full((len(lengths), max(lengths)), tok.pad_id)
+    for b, n in enumerate(lengths):
+        ctx[b, :n] = torch.randint(5, tok.vocab_size, (n,), generator=g)
+    return {"context": ctx, "context_len": torch.tensor(lengths), "prefix": [tok.bos_id]}
+
+
+# -----------------------------------------------------------------------------
+# anchor selection: for a chunk [s, e) the middle is s + (e - s) // 2
+
+
+def test_anchor_positions_by_hand():
+    a = sac.anchor_positions(510, 5)  # 102 chunks of 5: [5k, 5k+5) -> 5k + 2
+    assert len(a) == 102 and a[:4].tolist() == [2, 7, 12, 17] and a[-1] == 507
+    a = sac.anchor_positions(510, 15)  # 34 chunks of 15 -> 15k + 7
+    assert len(a) == 34 and a[:3].tolist() == [7, 22, 37] and a[-1] == 502
+    assert sac.anchor_positions(510, 51).tolist() == [25, 76, 127, 178, 229, 280, 331, 382, 433, 484]
+    a = sac.anchor_positions(700, 5)  # 510 + 190: 102 + 38 anchors, the second block from 510 + 2
+    assert len(a) == 140 and a[100:104].tolist() == [502, 507, 512, 517] and a[-1] == 697
+    a = sac.anchor_positions(700, 15)  # 34 + floor(190 / 15) = 12; 190 / 12 chunks of 15 or 16 tokens
+    # chunk starts 0 15 31 47 63 79 95 110 126 142 158 174 (190), middles start + 7 or + 8
+    assert len(a) == 46 and (a[34:] - 510).tolist() == [7, 23, 39, 55, 71, 87, 102, 118, 134, 150, 166, 182]
+    # r larger than a sub-context: one anchor each, not an error
+    assert sac.anchor_positions(510, 1000).tolist() == [255]
+    assert sac.anchor_positions(700, 1000).tolist() == [255, 510 + 95]
+    assert sac.anchor_positions(3, 1).tolist() == [0, 1, 2]
+    assert sac.anchor_positions(8, 4, sub_len=5).tolist() == [2, 6]  # 5 + 3 tokens, one anchor each
+
+
+def test_random_anchors():
+    torch.manual_seed(0)
+    a = sac.anchor_positions(700, 5, select=sac.random_anchors)
+    assert len(a) == 140 and len(set(a.tolist())) == 140
+    assert (a[:102] < 510).all() and (a[102:] >= 510).all() and (a[102:] < 700).all()
+    assert torch.equal(a[:102], a[:102].sort().values) and not torch.equal(a, sac.anchor_positions(700, 5))
+
+
+# -----------------------------------------------------------------------------
+# the memory
+
+
+def base_kv(m, tok, ctx, pos):
+    """The plain base (causal) on [bos] + ctx at positions pos: per-layer (k, v)."""
+    ids = torch.cat([torch.tensor([tok.bos_id]), ctx])[None]
+    _, kv = m.base(ids, pos=pos[None], return_kv=True, output="hidden")
+    return kv
+
+
+@pytest.mark.parametrize("config", [dict(no_anchor_embedding=True), dict()])  # fresh e_A is zero
+def test_causal_fresh_memory_is_base_cache(base_dir, config):
+    m, tok = make(base_dir, causal=True, **config)
+    batch = ctx_batch(tok, [700, 300])
+    with torch.no_grad():
+        mem = m.compress(batch, 5)
+        # example 1 (L = 300 <= 510): the base's own cache on [bos] + context
+        kv = base_kv(m, tok, batch["context"][1, :300], torch.arange(301))
+        keep = torch.cat([torch.tensor([0]), 1 + sac.anchor_positions(300, 5)])  # bos + 60 anchors
+        C1 = len(keep)
+        assert mem.mask[1].sum() == C1 and mem.next_pos.tolist() == [701, 301]
+        for (k, v), (mk, mv) in zip(kv, mem.kv):
+            assert torch.allclose(mk[1, :, :C1], k[0, :, keep], atol=1e-5)
+            assert torch.allclose(mv[1, :, :C1], v[0, :, keep], atol=1e-5)
+        # example 0 (L = 700): the base on each sub-context separately, positions 1 + 510 j + i
+        c = batch["context"][0]
+        kv0 = base_kv(m, tok, c[:510], torch.arange(511))
+        kv1 = base_kv(m, tok, c[510:700], torch.cat([torch.tensor([0]), 511 + torch.arange(190)]))
+        a0 = torch.cat([torch.tensor([0]), 1 + sac.anchor_positions(510, 5)])
+        a1 = 1 + sac.anchor_positions(190, 5)
+        assert mem.mask[0].sum() == 1 + 102 + 38
+        for (mk, mv), (k0, v0), (k1, v1) in zip(mem.kv, kv0, kv1):
+            assert torch.allclose(mk[0, :, :103], k0[0, :, a0], atol=1e-5)
+            assert torch.allclose(mv[0, :, :103], v0[0, :, a0], atol=1e-5)
+            assert torch.allclose(mk[0, :, 103:141], k1[0, :, a1], atol=1e-5)
+            assert torch.allclose(mv[0, :, 103:141], v1[0, :, a1], atol=1e-5)
+        # the second sub-context cannot see the first: the one-pass cache differs there
+        full = base_kv(m, tok, c, torch.arange(701))
+        assert not torch.allclose(mem.kv[-1][0][0, :, 103:141], full[-1][0][0, :, 510 + a1], atol=1e-3)
+        if m.anchor_emb is not None:  # e_A enters eq. 1 on anchors only: bos K/V unchanged, anchors moved
+            m.anchor_emb.normal_()
+            moved = m.compress(batch, 5)
+            assert torch.allclose(moved.kv[0][0][:, :, 0], mem.kv[0][0][:, :, 0], atol=1e-6)
+            assert not torch.allclose(moved.kv[0][0][:, :, 1], mem.kv[0][0][:, :, 1], atol=1e-3)
+
+
+def test_bidirectional_anchor_sees_later_tokens(base_dir):
+    m, tok = make(base_dir, lora_b=0.05)
+    causal, _ = make(base_dir, lora_b=0.05, causal=True)
+    batch = ctx_batch(tok, [700, 300])
+    a = sac.anchor_positions(700, 5)
+    later = dict(batch, context=batch["context"].clone())
+    later["context"][0, a[0] + 3] = 5 + (later["context"][0, a[0] + 3] == 5)  # after the first anchor, same sub-context
+    other = dict(batch, context=batch["context"].clone())
+    other["context"][0, 600] = 5 + (other["context"][0, 600] == 5)  # a token of the second sub-context
+    pad = dict(batch, context=batch["context"].clone())
+    pad["context"][1, 300:] = 9  # garbage in the padding of example 1
+    with torch.no_grad():
+        ref, ref_c = m.compress(batch, 5), causal.compress(batch, 5)
+        first = lambda mem: mem.kv[-1][0][0, :, 1]  # noqa: E731 (first anchor, last layer keys)
+        assert not torch.allclose(first(m.compress(later, 5)), first(ref), atol=1e-4)
+        assert torch.allclose(first(causal.compress(later, 5)), first(ref_c), atol=1e-6)
+        sub0 = lambda mem: mem.kv[-1][1][0, :, :103]  # noqa: E731 (bos + anchors of sub-context 0)
+        assert torch.allclose(sub0(m.compress(other, 5)), sub0(ref), atol=1e-6)  # compressed separately
+        assert not torch.allclose(m.compress(other, 5).kv[-1][1][0, :, 103:], ref.kv[-1][1][0, :, 103:], atol=1e-4)
+        assert torch.allclose(m.compress(pad, 5).kv[-1][0][1], ref.kv[-1][0][1], atol=1e-6)
+
+
+def test_r1_causal_memory_reproduces_the_teacher(base_dir):
+    m, tok = make(base_dir, causal=True, no_anchor_embedding=True)
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, max_context=510, pad_multiple=8)
+    assert int(batch["context_len"].min()) < 510 and batch["context_len"].max() == 510  # one sub-context
+    with torch.no_grad():
+        mem = m.compress(batch, 1)
+        assert mem.slots().tolist() == (batch["context_len"] + 1).tolist()  # bos + every token
+        h = m.decode_hidden(mem, batch)
+        student = m.base.lm_head(h[batch["qa_labels"] != -100])
+        teacher = m.base(batch["full"])[batch["full_labels"] != -100]
+        assert torch.allclose(student, teacher, atol=1e-5)
+        h5 = m.decode_hidden(m.compress(batch, 5), batch)  # a real compression is not the teacher
+        assert not torch.allclose(m.base.lm_head(h5[batch["qa_labels"] != -100]), teacher, atol=1e-2)
+
+
+def test_r_above_sub_len_gives_one_anchor_per_sub_context(base_dir):
+    m, tok = make(base_dir, sub_len=64)
+    with torch.no_grad():
+        mem = m.compress(ctx_batch(tok, [150, 40]), 1000)  # 64 + 64 + 22 tokens; 40 tokens
+    assert mem.slots().tolist() == [1 + 3, 1 + 1] and mem.stats["anchor_ratio"] == [50.0, 40.0]
+    sac.SAC.check_config(train.TrainConfig(ratio="1000"), sac.SACConfig())  # no error
+
+
+# -----------------------------------------------------------------------------
+# objectives
+
+
+def test_lm_split_and_loss(base_dir):
+    m, tok = make(base_dir, objective="lm")
+    texts = ["Ada Lovelace was born in London. She worked at the Analytical Engine.", "Short text here."]
+    batch = data.collate_lm(texts, tok, max_len=512)
+    s = m.split_lm(batch)
+    for b, n in enumerate(batch["lengths"].tolist()):
+        ids = batch["ids"][b, :n].tolist()
+        half = (n - 1) // 2
+        assert s["prefix"][b].tolist() == [tok.bos_id] and s["context_len"][b] == half
+        assert s["context"][b, :half].tolist() == ids[1:1 + half]
+        dec = ids[1 + half:]
+        assert s["qa"][b, :len(dec)].tolist() == dec
+        assert s["qa_labels"][b, :len(dec)].tolist() == dec[1:] + [-100] and (s["qa_labels"][b, len(dec):] == -100).all()
+    loss, n, metrics = m(batch, [4])
+    assert n == sum(n - 1 - (n - 1) // 2 - 1 for n in batch["lengths"].tolist()) and set(metrics) == {"loss_r4"}
+    loss.backward()
+    assert m.anchor_emb.grad.abs().sum() > 0
+    assert all(p.grad is not None for n_, p in m.named_parameters() if p.requires_grad)
+
+
+def test_qa_loss_multi_ratio_and_training_lowers_it(base_dir):
+    m, tok = make(base_dir)
+    batch = data.collate_qa(data.Synthetic(0, "train").qa_examples(2), tok, pad_multiple=8)
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == \
+        {"anchor_emb"} | {n for n, _ in m.named_parameters() if ".encoder" in n}
+    loss, n, metrics = m(batch, [8, 16])  # one compression per ratio, losses summed
+    assert n == int((batch["qa_labels"] != -100).sum()) and set(metrics) == {"loss_r8", "loss_r16"}
+    assert abs(loss.item() / n - metrics["loss_r8"] - metrics["loss_r16"]) < 1e-4
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss, n, _ = m(batch, [8])
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item() / n)
+    assert losses[-1] < losses[0] - 0.5, losses  # gradients reach the memory through the frozen decoder
+
+
+def test_main_prints_layout_and_masks(capsys):
+    sac.main()
+    out = capsys.readouterr().out
+    assert "..#...#...#.|..#....#.." in out
+    assert "###########.." in out and "#............" in out
+
+
+# -----------------------------------------------------------------------------
+# end to end: real checkpoint, DDP, Memory round trip and one-shot, bad input
+
+
+@pytest.mark.slow
+def test_method_smoke(tmp_path):
+    method_smoke(tmp_path, "sac", extra=["--ratio", "5"])
+
+
+@pytest.mark.slow
+def test_ddp_matches_single_process(tmp_path, base_dir):
+    args = ["--method", "sac", "--init_from", base_dir, "--max_iters", 2, "--ratio", 4, "--lr", 1e-2,
+            "--eval_examples", 2, "--device", "cpu", "--quiet", "--lora_r", 4]
+    torchrun(args + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
+    assert a.keys() == b.keys() and "anchor_emb" in a
+    assert a["anchor_emb"].abs().sum() > 0  # it trained
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
+    out = tmp_path / "run"
+    run(["--method", "sac", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--ratio", 4,
+         "--sub_len", 64, "--out_dir", out, "--eval_examples", 2, "--device", "cpu", "--quiet"])
+    cfg, mcfg, tok, base, method = train.load_run(str(out))
+    assert mcfg.sub_len == 64
+    batch = data.collate_qa(data.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
+    outs, mem = method.answer(batch, 4, 8)
+    mem.save(tmp_path / "m.safetensors")
+    loaded = Memory.load(tmp_path / "m.safetensors")
+    prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
+    assert method.answer_from_memory(loaded, prompts, 8) == outs
+    (tmp_path / "doc.txt").write_text(batch["records"][0]["context"])
+    q = batch["questions"][0]
+    first = run([out, "--context", tmp_path / "doc.txt", "--question", q, "--save_memory", tmp_path / "doc.mem"],
+                script="eval.py")
+    again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
+    answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
+    assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]
+
+
+@pytest.mark.slow
+def test_lm_objective_and_ablation_flags_run(tmp_path, base_dir):
+    out = tmp_path / "lm"
+    run(["--method", "sac", "--init_from", base_dir, "--objective", "lm", "--max_iters", 2, "--batch_size", 2,
+         "--ratio", 8, "--anchors", "random", "--causal", "--no_anchor_embedding", "--out_dir", out,
+         "--eval_examples", 2, "--device", "cpu", "--quiet", "--lora_r", 4])
+    cfg, mcfg, *_ = train.load_run(str(out))
+    assert cfg.objective == "lm" and mcfg.anchors == "random" and mcfg.causal and mcfg.no_anchor_embedding
+    assert "anchor_emb" not in read_params(out)
+
+
+@pytest.mark.parametrize("flags, message", [(["--ratio", "0"], "--ratio"), (["--no_linear"], "--no_linear")])
+def test_bad_input_is_one_line_error(tmp_path, base_dir, flags, message):
+    p = run(["--method", "sac", "--init_from", base_dir, "--out_dir", tmp_path / "x", *flags], check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+@pytest.mark.parametrize("flags", [["--anchors", "best"], ["--sub_len", "0"], ["--objective", "kd"]])
+def test_bad_sac_flags(tmp_path, base_dir, flags):
+    with pytest.raises(SystemExit, match=f"^error: .*{flags[0]}"):
+        train.main(["--method", "sac", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *flags])

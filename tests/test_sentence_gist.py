@@ -1,0 +1,258 @@
+"""sentence_gist.py: layout and mask, mean-resizing, cache equivalence, stages, end to end."""
+import json
+import os
+
+import pytest
+import torch
+
+import data
+import kernels
+import sentence_gist as sg
+import train
+from model import Memory, Transformer
+from sentence_gist import GIST, SINK, TOKEN
+from tests.common import method_smoke, read_params, run, tiny_base, torchrun
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return tiny_base(tmp_path_factory.mktemp("base"))
+
+
+def make(base_dir, randomize=True, objective="lm", **kw):
+    """A SentenceGist on a fresh copy of the tiny base; randomize: a non-zero `gist` LoRA."""
+    tok = data.load_tokenizer(os.path.join(base_dir, "tokenizer.model"))
+    base = Transformer.from_pretrained(base_dir)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    m = sg.SentenceGist(base, sg.SentenceGistConfig(**{"gists": 2, **kw}), tok, train.TrainConfig(objective=objective))
+    g = torch.Generator().manual_seed(1)
+    for n, p in base.named_parameters():
+        if randomize and n.endswith("lora_B.gist"):
+            p.data.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+# --- layout and mask ------------------------------------------------------------------
+
+IS_END = torch.tensor([False] * 9 + [True])  # a 10-token vocabulary where token 9 is "."
+
+MASK_3_SENTENCES = """
+#...........
+##..........
+###.........
+####........
+#####.......
+######......
+#...###.....
+#...####....
+#...#####...
+#...######..
+#...##..###.
+#...##..####
+"""  # <s> | t t . g1 g2 | t . g1 g2 | t t   (sink, two finished sentences, one open)
+
+
+def test_mask_literal_three_sentences():
+    L = sg.layout([([0], [1, 2, 9, 3, 9, 4, 5], []), ([0], [1], [])], IS_END, 2, 64, multiple=1)
+    assert L["ids"][0].tolist() == [0, 1, 2, 9, 10, 11, 3, 9, 10, 11, 4, 5]
+    assert L["kind"][0].tolist() == [SINK] + [TOKEN] * 3 + [GIST] * 2 + [TOKEN] * 2 + [GIST] * 2 + [TOKEN] * 2
+    assert L["sentence"][0].tolist() == [0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3] and L["open"].tolist() == [3, 1]
+    dense = kernels.dense_mask(sg.sentence_mask(L["sentence"], L["kind"]), 2, 12, 12, "cpu")[:, 0]
+    want = [[c == "#" for c in row] for row in MASK_3_SENTENCES.split()]
+    assert dense[0].tolist() == want
+    assert not dense[1, :, 2:].any()  # example 2 is 2 tokens long: its padding is never seen
+
+
+def test_gists_every_max_sentence_len_without_punctuation():
+    ids, sent, kind, src = sg.insert_gists([1, 2, 3, 4, 5, 6, 7], IS_END, 1, 3)
+    assert ids.tolist() == [1, 2, 3, 10, 4, 5, 6, 10, 7]
+    assert sent.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert src.tolist() == [0, 1, 2, -1, 3, 4, 5, -1, 6]
+    ids, *_ = sg.insert_gists([1, 9, 2, 3, 4, 5], IS_END, 1, 3)  # punctuation resets the count
+    assert ids.tolist() == [1, 9, 10, 2, 3, 4, 10, 5]
+
+
+def test_regular_tokens_predict_the_next_regular_token():
+    body = [1, 2, 9, 3, 4]
+    L = sg.layout([([0], body, [])], IS_END, 2, 64, labels=[[1, 2, 9, 3, 4, -100]], multiple=1)
+    # <s> t1 t2 . g1 g2 t3 t4: "." predicts t3 across its gists, gists predict nothing
+    assert L["labels"][0].tolist() == [1, 2, 9, 3, -100, -100, 4, -100]
+
+
+# --- mean-resizing --------------------------------------------------------------------
+
+
+def test_mean_resize_statistics():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 6, generator=g)
+    w = torch.randn(4000, 6, generator=g) @ A + torch.arange(6.0)  # correlated, non-zero mean
+    new = sg.mean_resize(w, 20000, torch.Generator().manual_seed(1))
+    mu, cov = w.mean(0), torch.cov(w.T)
+    assert new.shape == (20000, 6)
+    assert ((new.mean(0) - mu).abs() < 5 * (cov.diagonal() / 20000).sqrt()).all()
+    assert torch.allclose(torch.cov(new.T), cov, atol=0.1 * cov.diagonal().max().item())
+    again = sg.mean_resize(w, 20000, torch.Generator().manual_seed(1))
+    assert torch.equal(new, again)
+
+
+def test_base_unchanged_by_the_gist_vocabulary(base_dir):
+    base = Transformer.from_pretrained(base_dir)
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
+    emb, ref = base.model.embed_tokens.weight.clone(), base(ids)
+    m = make(base_dir, randomize=False, gists=4)
+    m_base = m.base
+    assert m.gist.shape == (4, base.config.hidden_size) and m_base.config.vocab_size == base.config.vocab_size
+    assert torch.equal(m_base.model.embed_tokens.weight, emb) and m_base.lm_head.weight.shape == emb.shape
+    with m_base.adapter("gist"):  # a fresh adapter; regular ids embed as before
+        assert torch.allclose(m_base(embeds=m.embed(ids)), ref, atol=1e-6)
+    assert torch.allclose(m_base(ids), ref, atol=1e-6)
+    gist_ids = torch.tensor([[m.V, m.V + 3]])
+    assert torch.equal(m.embed(gist_ids)[0], m.gist[[0, 3]].detach())
+
+
+# --- cache equivalence ----------------------------------------------------------------
+
+
+def test_compressed_cache_equals_full_sequence(base_dir):
+    m = make(base_dir)
+    tok, base = m.tok, m.base
+    ctx = tok.encode("Ada Chen lives in Paris. Ada Chen works at Acme! Is she happy? She likes")
+    tail = tok.encode(" tennis and golf.", start=False)
+    L = m.layout([(m.prefix(), ctx, tail)])
+    n = int(L["length"][0])
+    want = base.lm_head(m.hidden(L)[0, n - len(tail):n])  # (a) one pass under the sentence mask
+    memory = m.compress({"prefix": m.prefix(), "context": torch.tensor([ctx]), "context_len": torch.tensor([len(ctx)])})
+    open_tokens = len(tok.encode("She likes", start=False))
+    assert int(memory.slots()[0]) == 1 + 3 * 2 + open_tokens  # sink + 3 finished sentences x N_g + open sentence
+    assert int(memory.next_pos[0]) == len(ctx) + 1 + 3 * 2
+    with base.adapter("gist"):
+        got = base(torch.tensor([tail]), memory=memory)[0]  # (b) the tail after the compressed cache
+        assert (got - want).abs().max() < 1e-5
+        cache = memory  # (c) token by token, as generate does
+        for i, t in enumerate(tail):
+            logits, kv = base(torch.tensor([[t]]), memory=cache, return_kv=True)
+            assert (logits[0, 0] - want[i]).abs().max() < 1e-5
+            cache = Memory(kv=kv, mask=torch.cat([cache.mask, torch.ones(1, 1, dtype=torch.bool)], 1),
+                           next_pos=cache.next_pos + 1)
+
+
+def test_answer_follows_the_qa_training_layout(base_dir):
+    m = make(base_dir, objective="qa")
+    records = data.Synthetic(seed=0, split="val").qa_examples(3)
+    batch = data.collate_qa(records, m.tok, pad_multiple=1)
+    outs, memory = m.answer(batch, 1, max_new_tokens=4)
+    assert memory.stats["gist_rc"][0] > 1 and (memory.slots() < batch["context_len"]).all()
+    for b, out in enumerate(outs):  # teacher-forcing the generated answer gives the same argmaxes
+        prompt = batch["qa"][b, :batch["prompt_len"][b]].tolist()
+        L = m.layout([(batch["prefix"], batch["context"][b, :batch["context_len"][b]].tolist(), prompt + out)])
+        n = int(L["length"][0])
+        pred = m.base.lm_head(m.hidden(L)[0, n - len(out) - 1:n]).argmax(-1).tolist()
+        assert pred[:len(out)] == out
+    loss, n, _ = m(batch, [1])
+    loss.backward()
+    assert n == int((batch["qa_labels"] != -100).sum()) and m.gist.grad.abs().sum() > 0
+
+
+def test_perplexity_compressed_equals_one_pass(base_dir):
+    m = make(base_dir, gists=1)
+    first, text = "Ada Chen lives in Paris.", "Ada Chen lives in Paris. Bob Baker works at Acme Foods."
+    body, cut, P = m.tok.encode(text), len(m.tok.encode(first)), len(m.prefix())
+    assert body[:cut] == m.tok.encode(first)  # two sentences: the only cut is after the first
+    out = sg.perplexity(m, [text])
+    L = m.layout([(m.prefix(), body, [])], [[-100] * (P + cut - 1) + body[cut:] + [-100]])
+    nll, n = kernels.chunked_ce(m.hidden(L), m.base.lm_head.weight, L["labels"])
+    ids = torch.tensor([m.prefix() + body])
+    with m.base.adapter(None):
+        full = torch.nn.functional.cross_entropy(m.base(ids)[0, P + cut - 1:-1], ids[0, P + cut:])
+    assert out["tokens"] == n == len(body) - cut
+    assert abs(out["compressed"] - (nll / n).exp().item()) < 1e-3 * out["compressed"]
+    assert abs(out["full"] - full.exp().item()) < 1e-3 * out["full"]
+    assert out["ratio"] == (P + cut) / 2  # the cache of the first half: sink + one gist
+
+
+# --- stages and config ----------------------------------------------------------------
+
+
+def test_stages_choose_the_trainables(base_dir):
+    names = {}
+    for stage in (1, 2, 3):
+        m = make(base_dir, randomize=False, stage=stage)
+        names[stage] = {n for n, p in m.named_parameters() if p.requires_grad}
+        assert m.lr_schedule == ("linear" if stage == 3 else "cosine")
+    assert names[1] == {"gist"}
+    assert names[2] == names[3] and "gist" in names[2] and all("lora_" in n for n in names[2] - {"gist"})
+    assert len(names[2]) == 1 + 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gists", "3"], "--gists 3"), (["--gists", "0"], "--gists 0"), (["--stage", "4"], "--stage 4"),
+    (["--max_sentence_len", "0"], "--max_sentence_len 0"), (["--ratio", "8"], "--ratio 8 does not apply"),
+    (["--ratio", "0"], "every ratio must be a positive"), (["--no_linear"], "--no_linear does not apply"),
+])
+def test_bad_input_in_process(base_dir, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        train.main(["--method", "sentence_gist", "--init_from", base_dir, *flags])
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line(base_dir):
+    for flags in (["--gists", "3"], ["--ratio", "0"]):
+        p = run(["--method", "sentence_gist", "--init_from", base_dir, *flags], check=False)
+        assert p.returncode != 0 and p.stderr.strip().startswith("error:") and len(p.stderr.strip().splitlines()) == 1
+
+
+# --- end to end -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_method_smoke_llama_lm(tmp_path):
+    method_smoke(tmp_path, "sentence_gist", extra=["--gists", "2", "--lora_r", "4", "--lora_alpha", "8",
+                                                    "--max_sentence_len", "16"])
+
+
+@pytest.mark.slow
+def test_method_smoke_qwen3_qa_stage1(tmp_path):
+    out = method_smoke(tmp_path, "sentence_gist", extra=["--objective", "qa", "--stage", "1", "--gists", "8"],
+                       family="qwen3")
+    assert set(read_params(out)) == {"gist"}
+    assert json.loads((out / "metrics.json").read_text())["rows"][0]["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_ddp_matches_one_process(base_dir, tmp_path):
+    args = ["--method", "sentence_gist", "--init_from", base_dir, "--objective", "qa", "--max_iters", 2,
+            "--lr", "1e-2", "--device", "cpu", "--quiet", "--eval_examples", 2, "--max_context", 128]
+    torchrun(args + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
+    assert set(a) == set(b) and len(a) > 1
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_memory_round_trip_one_shot_and_stage_chain(base_dir, tmp_path):
+    s1, s3 = tmp_path / "stage1", tmp_path / "stage3"
+    common = ["--method", "sentence_gist", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2,
+              "--device", "cpu", "--quiet", "--eval_examples", 2, "--objective", "qa"]
+    run(common + ["--stage", "1", "--out_dir", s1])
+    run(common[:3] + [s1] + common[4:] + ["--stage", "3", "--out_dir", s3])
+    cfg, mcfg, tok, base, method = train.load_run(str(s3))
+    assert mcfg.stage == 3 and method.lr_schedule == "linear"
+    built = train.build(train.TrainConfig(**{**vars(cfg), "init_from": str(s1)}), mcfg, "cpu", torch.float32)[2]
+    assert torch.equal(built.gist.detach(), read_params(s1)["gist"])  # stage 3 starts from stage 1's rows
+    batch = data.collate_qa(data.Synthetic(seed=0, split="test").qa_examples(2), tok, pad_multiple=1)
+    outs, memory = method.answer(batch, 1, 8)
+    memory.save(str(tmp_path / "m.safetensors"))
+    prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]
+    assert method.answer_from_memory(Memory.load(str(tmp_path / "m.safetensors")), prompts, 8) == outs
+    (tmp_path / "ctx.txt").write_text(batch["records"][0]["context"])
+    q = batch["records"][0]["question"]
+    a = run([s3, "--context", tmp_path / "ctx.txt", "--question", q, "--save_memory", tmp_path / "doc.mem"],
+            script="eval.py")
+    b = run([s3, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
+    answer = [line for line in a.stdout.splitlines() if line.startswith("answer:")]
+    assert answer and answer == [line for line in b.stdout.splitlines() if line.startswith("answer:")]

@@ -1,0 +1,126 @@
+"""train.py: loss goes down, exact resume, atomic checkpoints, DDP, compile, real checkpoints, CLI errors."""
+import json
+import os
+
+import pytest
+import torch
+
+import train
+from common import hf_checkpoint, read_params, run, squad_file, tiny_base, torchrun
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return tiny_base(tmp_path_factory.mktemp("base") / "base")
+
+
+def args(base_dir, out, *extra):
+    return ["--method", "meanpool", "--init_from", base_dir, "--out_dir", str(out), "--batch_size", 2,
+            "--ratio", "4,8", "--lr", "3e-3", "--device", "cpu", "--quiet", "--max_context", 256, *extra]
+
+
+def in_process(argv):
+    train.main([str(a) for a in argv])
+
+
+def test_twenty_steps_lower_the_loss(base_dir, tmp_path):
+    in_process(args(base_dir, tmp_path / "r", "--max_iters", 20, "--eval_interval", 20))
+    log = [json.loads(l) for l in open(tmp_path / "r" / "log.jsonl")]
+    first, last = sum(r["loss"] for r in log[:4]) / 4, sum(r["loss"] for r in log[-4:]) / 4
+    assert len(log) == 20 and last < first
+
+
+def test_resume_reaches_the_same_parameters(base_dir, tmp_path, monkeypatch):
+    in_process(args(base_dir, tmp_path / "full", "--max_iters", 12, "--eval_interval", 4))
+    real_call = train.Batches.__call__
+
+    def stop_at_6(self, step):  # Ctrl-C during step 6: the loop saves after it and exits
+        if step == 5:
+            train.STOP.append(1)
+        return real_call(self, step)
+    monkeypatch.setattr(train.Batches, "__call__", stop_at_6)
+    in_process(args(base_dir, tmp_path / "cut", "--max_iters", 12, "--eval_interval", 4))
+    assert json.load(open(tmp_path / "cut" / "run.json"))["step"] == 6
+    monkeypatch.setattr(train.Batches, "__call__", real_call)
+    in_process(args(base_dir, tmp_path / "cut", "--max_iters", 12, "--eval_interval", 4, "--resume"))
+    a, b = read_params(tmp_path / "full"), read_params(tmp_path / "cut")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    in_process(args(base_dir, out, "--max_iters", 4, "--eval_interval", 2))
+    before = read_params(out)
+    real_replace = os.replace
+
+    def crash_on_commit(src, dst):
+        if str(dst).endswith("run.json"):
+            raise OSError("killed during save")
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", crash_on_commit)
+    with pytest.raises(OSError):
+        in_process(args(base_dir, out, "--max_iters", 8, "--eval_interval", 2, "--resume"))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert json.load(open(out / "run.json"))["step"] == 4
+    after = read_params(out)  # the files run.json names are still there and whole
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    cfg, mcfg, tok, base, method = train.load_run(str(out))  # and the run loads
+    assert cfg.method == "meanpool"
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
+    common = ["--method", "meanpool", "--init_from", base_dir, "--max_iters", 3, "--ratio", "4",
+              "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 3, "--lr", "1e-2"]
+    torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_compile_gives_the_eager_loss(base_dir, tmp_path):
+    in_process(args(base_dir, tmp_path / "eager", "--max_iters", 2, "--eval_interval", 2))
+    in_process(args(base_dir, tmp_path / "comp", "--max_iters", 2, "--eval_interval", 2, "--compile"))
+    a = [json.loads(l)["loss"] for l in open(tmp_path / "eager" / "log.jsonl")]
+    b = [json.loads(l)["loss"] for l in open(tmp_path / "comp" / "log.jsonl")]
+    assert a == pytest.approx(b, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_real_checkpoint_teacher_then_meanpool(tmp_path):
+    ckpt = hf_checkpoint(tmp_path / "hf", "llama")
+    squad = squad_file(tmp_path / "squad.json")
+    common = ["--init_from", ckpt, "--data", squad, "--eval_data", squad, "--max_iters", 2, "--batch_size", 2,
+              "--device", "cpu", "--quiet", "--eval_examples", 4]
+    run(["--method", "teacher", "--out_dir", tmp_path / "teacher", *common])
+    assert (tmp_path / "teacher" / "teacher" / "adapter_config.json").exists()
+    run(["--method", "meanpool", "--teacher", tmp_path / "teacher", "--out_dir", tmp_path / "mp", "--ratio", "4",
+         *common])
+    metrics = json.load(open(tmp_path / "mp" / "metrics.json"))
+    assert metrics["rows"][0]["ratio_requested"] == 4 and "f1" in metrics["teacher"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "pik"], "unknown --method 'pik'"),
+    (["--ratio", "0"], "every ratio must be a positive integer"),
+    (["--ratio", "4,x"], "must be an integer"),
+    (["--max_iters", "ten"], "--max_iters expects int"),
+    (["--frobnicate", "1"], "unknown flag --frobnicate"),
+    (["--method", "meanpool", "--objective", "ae+lm"], "does not apply to --method meanpool"),
+    (["--method", "base", "--no_linear"], "--no_linear does not apply to --method base"),
+])
+def test_cli_errors_are_one_line(argv, message):
+    p = run(argv + ["--init_from", "/nonexistent"], check=False)
+    assert p.returncode != 0
+    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_help_lists_every_flag():
+    p = run(["--help"])
+    for flag in ("--method", "--ratio", "--init_from", "--resume", "--compile", "--no_linear", "--ratio_sampling"):
+        assert flag in p.stdout
