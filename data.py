@@ -612,10 +612,11 @@ def read_text(path, skip_bad=False, stats=None):
         return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
 
 
-def read_dataset(path, **kw):
+def read_dataset(path, distractors=False, **kw):
     """Pick the reader from the file: .zip / JSON with "data" -> SQuAD; JSON list with
-    "supporting_facts" -> HotpotQA; JSON(L) with "passages" -> MS MARCO; JSONL whose
-    first line has "header" or "qas" -> MRQA; other JSONL -> generic."""
+    "supporting_facts" -> HotpotQA (distractors: keep all ten paragraphs); JSON(L) with
+    "passages" -> MS MARCO; JSONL whose first line has "header" or "qas" -> MRQA; other
+    JSONL -> generic. kw: skip_bad, stats."""
     path = Path(path)
     if path.suffix == ".zip":
         return read_squad(path, **kw)
@@ -633,7 +634,7 @@ def read_dataset(path, **kw):
     if isinstance(doc, dict) and "data" in doc:
         return read_squad(path, **kw)
     if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "supporting_facts" in doc[0]:
-        return read_hotpot(path, **kw)
+        return read_hotpot(path, distractors=distractors, **kw)
     if isinstance(doc, dict) and "passages" in doc:
         return read_msmarco(path, **kw)
     raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")

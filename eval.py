@@ -89,7 +89,7 @@ def eval_records(cfg, ecfg):
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data
     if path:
-        return list(data.read_dataset(path))[:n]
+        return list(train.read_records(path, cfg))[:n]
     return data.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 

@@ -44,6 +44,8 @@ class TrainConfig:
     teacher: str = ""          # a --method teacher run dir whose adapter is merged into the base
     data: str = ""             # QA / text file (SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, .txt); "" = synthetic
     eval_data: str = ""        # held-out file for the final evaluation; "" = synthetic test split
+    skip_bad: bool = False     # skip (and count) malformed records instead of stopping
+    hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
     out_dir: str = ""          # "" = out/<method>
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
     max_iters: int = 0
@@ -311,12 +313,14 @@ class Batches:
         self.records = None
         if cfg.data:
             stats = {}
-            if self.text and not cfg.data.endswith((".json", ".zip")) and "qa" not in cfg.data:
+            if self.text and cfg.data.endswith((".txt", ".text", ".jsonl")):  # text or {"text"} lines
                 self.records = list(data.read_text(cfg.data))
             else:
-                self.records = list(data.read_dataset(cfg.data, stats=stats))
+                self.records = list(read_records(cfg.data, cfg, stats))
                 if self.text:
                     self.records = [r["context"] for r in self.records]
+            if stats.get("skipped_bad") or stats.get("unanswerable"):
+                print(f"{cfg.data}: {stats}")
             if not self.records:
                 raise SystemExit(f"error: --data {cfg.data!r} holds no usable records ({stats})")
         self.synth = data.Synthetic(seed=cfg.seed, split="train")
@@ -366,6 +370,10 @@ class Batches:
                                 rng=rng, stats=self.stats)
         prepare = getattr(self.method, "prepare", None)
         return prepare(batch) if prepare else batch
+
+
+def read_records(path, cfg, stats=None):
+    return data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
 
 
 def collate_base(examples, tok, rng, context_weight):
