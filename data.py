@@ -861,14 +861,14 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
     "truncated_context", "truncated_answer"). chunk_spans: per example the (start, end) of
     each chunk in `context`; relevant_idx: the relevant chunks (all when the record has no
     "relevant"). prefix, bos: the shared sequence start as lists. answers, questions, ids,
-    records: the raw values.
+    records: the raw values. A record's own "template" key overrides `template`.
     """
     stats = {} if stats is None else stats
     rows = {k: [] for k in ("context", "qa", "qa_labels", "full", "full_labels", "noctx", "noctx_labels")}
     spans_all, rel_all, prompt_len, answer_len, prefix = [], [], [], [], []
     for r in records:
         answer = r["answers"][0] if r["answers"] else ""  # unanswerable (kept on request): just eos
-        f = format_qa(tok, r["context"], r["question"], answer, template, rng, r.get("chunks"), format)
+        f = format_qa(tok, r["context"], r["question"], answer, r.get("template", template), rng, r.get("chunks"), format)
         ctx, spans, prefix, prompt, ans = f["context"], f["chunk_spans"], f["prefix"], f["prompt"], f["answer"]
         if len(ctx) > max_context:
             ctx, spans = ctx[:max_context], [(s, min(e, max_context)) for s, e in spans if s < max_context]

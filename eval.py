@@ -167,11 +167,11 @@ def normalised(rows, teacher, noctx):
     return rows
 
 
-def run_label(run_dir, cfg, mcfg):
-    """Method name plus the flags that make this run an ablation (e.g. pic --mask causal)."""
-    flags = [f"{k}={v}" for k, v in sorted(vars(mcfg).items()) if v not in (False, None, "")
-             and v != getattr(type(mcfg), k, v)]
-    return cfg.method + (f" ({', '.join(flags)})" if flags else "")
+def run_label(run_dir, mcfg):
+    """Method name plus the method flags given on its command line (e.g. pic (mask=causal))."""
+    state = json.load(open(os.path.join(run_dir, "run.json")))
+    flags = [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
+    return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 
 def evaluate_run(run_dir, ecfg):
@@ -183,11 +183,13 @@ def evaluate_run(run_dir, ecfg):
             raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
+    if not hasattr(method, "answer"):
+        raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     ratios = train.ratios_of(ecfg.ratio or cfg.ratio)
     records = eval_records(cfg, ecfg)
     t = teacher_rows(base, tok, records, cfg, ecfg, device)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
-    label = run_label(run_dir, cfg, mcfg)
+    label = run_label(run_dir, mcfg)
     for row in rows:
         row["method"], row["run"] = label, run_dir
     result = {"run": run_dir, "teacher": t["teacher"], "no_context": t["no-context"],

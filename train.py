@@ -275,7 +275,9 @@ def build(cfg, mcfg, device, dtype):
 
 
 def is_tiny(cfg):
-    return os.path.abspath(base_path(cfg.init_from)) == os.path.abspath(BASE_DIR)
+    """True when the base is one of ours (a `--method base` run dir): small-model defaults."""
+    path = base_path(cfg.init_from)
+    return path == BASE_DIR or os.path.exists(os.path.join(path, "run.json"))
 
 
 def apply_defaults(cfg, mcfg, explicit, cls):
@@ -353,21 +355,24 @@ class Batches:
         cfg = self.cfg
         per_rank, accum = cfg.batch_size, cfg.grad_accum
         items = self.raw(step, per_rank * self.world * accum)
-        rng = random.Random(cfg.seed * 7919 + step * 131 + self.rank)
+        # prompt templates drawn per global item, so ranks x batch does not change the data
+        rng = random.Random(cfg.seed * 7919 + step)
+        if not self.text:
+            items = [dict(it, template=rng.randrange(len(data.QA_TEMPLATES))) for it in items]
         out = []
         for a in range(accum):
             lo = (a * self.world + self.rank) * per_rank
-            out.append(self.collate(items[lo:lo + per_rank], rng))
+            out.append(self.collate(items[lo:lo + per_rank]))
         return out
 
-    def collate(self, items, rng):
+    def collate(self, items):
         cfg = self.cfg
         if cfg.method == "base":
-            return collate_base(items, self.tok, rng, self.method.cfg.context_weight)
+            return collate_base(items, self.tok, self.method.cfg.context_weight)
         if self.text:
             return data.collate_lm(items, self.tok, cfg.max_context)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
-                                rng=rng, stats=self.stats)
+                                stats=self.stats)
         prepare = getattr(self.method, "prepare", None)
         return prepare(batch) if prepare else batch
 
@@ -376,14 +381,16 @@ def read_records(path, cfg, stats=None):
     return data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
 
 
-def collate_base(examples, tok, rng, context_weight):
+def collate_base(examples, tok, context_weight):
     """[BOS] context, then (prompt, answer) for every qa pair: next-token labels, answer
-    tokens weighted 1, everything else context_weight."""
+    tokens weighted 1, everything else context_weight. Each example's "template" (drawn
+    per item) words its first question; the others rotate through the templates."""
     seqs, weights = [], []
     for ex in examples:
         ids, w = [], []
         for i, (q, a) in enumerate(ex["qas"]):
-            parts = data.format_qa(tok, ex["context"], q, a, rng=rng)
+            template = (ex["template"] + i) % len(data.QA_TEMPLATES)
+            parts = data.format_qa(tok, ex["context"], q, a, template=template)
             if i == 0:
                 ids += parts["bos"] + parts["context"]
                 w += [context_weight] * (len(parts["bos"]) + len(parts["context"]))
@@ -423,7 +430,7 @@ def trainable_state(method):
     return {n: p for n, p in method.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
     """ckpt-<step>.safetensors (trainable tensors) and optim-<step>.safetensors (AdamW
     state, torch RNG), then run.json naming them: its rename is the commit point, so a
     kill at any moment leaves the previous checkpoint whole. Older files go after."""
@@ -444,7 +451,8 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg):
         atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_hf_weights(method.base, p))
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
-    state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "param_groups": groups,
+    state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
+             "param_groups": groups,
              "python_rng": list(random.getstate()[1])}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):
@@ -680,10 +688,10 @@ def main(argv):
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if step % eval_every == 0 or step == cfg.max_iters:
-                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg)
+                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
     bar.close()
     if master and interrupted:
-        save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg)
+        save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
     signal.signal(signal.SIGINT, old_handler)
     if ddp:

@@ -1,0 +1,232 @@
+"""Semantic-Anchor Compression (SAC): anchor tokens of the context itself carry the memory.
+
+Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt), §3.2,
+§4.1, Tables 3-6, Appendix A.
+
+    sub-contexts  C = C_0 C_1 ...   510 tokens each (last one partial), compressed separately
+    anchors       |S_j| = max(1, floor(L_j / r)) per sub-context            (§4.1)
+                  "middle": split C_j into |S_j| chunks, take each chunk's middle token
+    embeddings    e_i = Emb(c_i) + 1[c_i in S] * e_A                        (eq. 1)
+    encoder       M~ = LLM(E | theta_LoRA)   base + `encoder` LoRA, bidirectional attention
+    memory        per-layer K/V of the anchor tokens only, at their original positions
+    decoder       the frozen base continues after the memory:
+                  L_LM = -log P(C' | M~)      (pretraining, `--objective lm`, §3.1)
+                  L_QA = -log P(A | M~, Q)    (finetuning, `--objective qa`, the default)
+
+Choices the paper leaves open, made here:
+- Chunks of a sub-context of n tokens split into k = |S| parts: chunk t = [s, e) with
+  s = t*n // k, e = (t+1)*n // k (sizes differ by at most one); its middle is s + (e - s) // 2
+  (the right one of two middles). A sub-context shorter than r still gets one anchor.
+- The sequence prefix (BOS; `batch["prefix"]`) leads every sub-context in the encoder, and
+  the memory keeps its K/V from sub-context 0 (P slots, counted in the achieved ratio;
+  `memory.stats["anchor_ratio"]` is L / anchors alone). The frozen decoder thus sees BOS
+  where it always did: with r = 1, a causal encoder and no adapter, SAC is the teacher.
+- Positions: prefix 0..P-1, token i of sub-context j at P + 510*j + i in the encoder, so the
+  concatenated memory reads as one subsampled cache; the decoder continues at P + L. Inside
+  sub-context j > 0 the encoder thus sees a position gap between the prefix and its tokens.
+- The encoder LoRA covers every linear layer but the last layer's q, o and MLP, which
+  cannot reach the memory (it is the K/V of every layer, not a final hidden state).
+- e_A starts at zero (and LoRA B at zero), so training starts from the base's own cache.
+- `lm` on `collate_lm` batches: the text after the prefix is cut in half (Appendix A: "split
+  into two halves"; the AE half is the compressed one); the decoder reads the second half
+  and predicts each next token (its first token is input only). No `ae+lm` (Table 5): skipped.
+- Several ratios in `--ratio`: one encoder pass per ratio (anchors differ), losses summed.
+- Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
+  batch 16, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default, objective
+  qa); for pretraining pass `--objective lm --lr 1e-4`.
+Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
+`--anchors random` (Table 4 "Random").
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import kernels
+from model import Memory
+
+
+@dataclass
+class SACConfig:
+    sub_len: int = 510                 # sub-context length, each compressed separately (§4.1)
+    anchors: str = "middle"            # middle | random: anchor selection (Table 4)
+    causal: bool = False               # Table 3 "w/o mask": causal encoder instead of bidirectional
+    no_anchor_embedding: bool = False  # Table 3 "w/o anchor": no e_A (eq. 1)
+    lora_r: int = 128                  # encoder LoRA (§4.1)
+    lora_alpha: int = 256
+
+
+# -----------------------------------------------------------------------------
+# anchor selection: (n tokens of a sub-context, k anchors) -> k sorted indices in [0, n)
+
+
+def middle_anchors(n, k):
+    """k chunks [t*n//k, (t+1)*n//k); the middle of [s, e) is s + (e - s) // 2."""
+    t = torch.arange(k)
+    s, e = t * n // k, (t + 1) * n // k
+    return s + (e - s) // 2
+
+
+def random_anchors(n, k):
+    return torch.randperm(n)[:k].sort().values
+
+
+ANCHORS = {"middle": middle_anchors, "random": random_anchors}
+
+
+def anchor_positions(L, r, sub_len=510, select=middle_anchors):
+    """Context indices of the anchors of a context of L tokens: sub-context j holds tokens
+    [sub_len*j, sub_len*(j+1)) and gets max(1, floor(n_j / r)) anchors."""
+    out = [sub_len * j + select(n, max(1, n // r)) for j, n in
+           ((j, min(sub_len, L - sub_len * j)) for j in range(-(-L // sub_len)))]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+# -----------------------------------------------------------------------------
+# the encoder's attention (one sub-context per row)
+
+
+def sac_encoder_mask(key_valid, causal):
+    """Every token of a sub-context sees every real token of it (bidirectional, §3.2), or
+    only the ones before it (`--causal`); padding is never seen."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        sees = key_valid[b, kv_idx] & (q_idx >= 0)
+        return sees & (kv_idx <= q_idx) if causal else sees
+    mask_mod.__name__ = "sac_causal" if causal else "sac_bidirectional"
+    return mask_mod
+
+
+class SAC(nn.Module):
+    Config = SACConfig
+    objectives = ("qa", "lm")
+    PAPER = dict(lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000, warmup_frac=0.015,
+                 min_lr_frac=1.0)
+    TINY = dict(lr=1e-3, max_iters=300, batch_size=16, lora_r=16, lora_alpha=32)
+
+    @staticmethod
+    def check_config(cfg, mcfg):
+        if mcfg.anchors not in ANCHORS:
+            raise SystemExit(f"error: --anchors {mcfg.anchors!r}; choose from {', '.join(ANCHORS)}")
+        if mcfg.sub_len < 1:
+            raise SystemExit(f"error: --sub_len {mcfg.sub_len} must be a positive number of tokens")
+
+    def __init__(self, base, cfg, tok, run):
+        super().__init__()
+        self.base, self.cfg, self.run = base, cfg, run
+        self.pad_id = tok.pad_id if tok.pad_id is not None else 0
+        self.n_prefix = int(tok.bos_id is not None)  # collate_lm rows start with [bos]
+        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha)
+        last = base.model.layers[-1]  # the memory is K/V: the last layer's q, o and MLP never reach it
+        for mod in (last.self_attn.q_proj, last.self_attn.o_proj, *last.mlp.children()):
+            del mod.lora_A["encoder"], mod.lora_B["encoder"]  # (no dead parameters; DDP needs none)
+        self.anchor_emb = None if cfg.no_anchor_embedding else nn.Parameter(torch.zeros(base.config.hidden_size))
+
+    def compress(self, batch, ratio):
+        """Memory of the anchors' K/V: (B, Hkv, C, hd) per layer, C = P + max anchors."""
+        ctx, lengths, dev = batch["context"], batch["context_len"], batch["context"].device
+        prefix = batch["prefix"]
+        if not torch.is_tensor(prefix):  # collate_qa: one shared list
+            prefix = torch.tensor(prefix, dtype=torch.long, device=dev).view(1, -1).expand(len(ctx), -1)
+        B, P, sub = len(ctx), prefix.shape[1], self.cfg.sub_len
+        L = int(lengths.max())
+        W = max(1, min(sub, L))  # sub-context width: sub_len, or the whole context when shorter
+        J = -(-max(L, 1) // W)
+        ctx = nn.functional.pad(ctx[:, :L], (0, J * W - L), value=self.pad_id)
+        n_tok = (lengths[:, None] - W * torch.arange(J, device=dev)).clamp(0, W)  # (B, J)
+        keep = n_tok > 0
+        keep[:, 0] = True  # every example keeps sub-context 0 (its prefix K/V)
+        b_of, j_of = keep.nonzero(as_tuple=True)  # (N,) one encoder row per sub-context
+        row_of = keep.flatten().long().cumsum(0).view(B, J) - 1  # (B, J) -> row
+        ids = torch.cat([prefix[b_of], ctx.view(B, J, W)[b_of, j_of]], 1)  # (N, P + W)
+        T = P + W
+        ar = torch.arange(T, device=dev)
+        valid = ar[None] < P + n_tok[b_of, j_of][:, None]  # (N, P + W)
+        pos = torch.where(ar < P, ar, ar + W * j_of[:, None])  # (N, P + W): P + W*j + i
+        # memory slots as flat indices into the (N * T) encoder tokens: prefix of row 0, anchors
+        select, prefix_at, anchor_at = ANCHORS[self.cfg.anchors], [], []
+        for b, n in enumerate(lengths.tolist()):
+            g = anchor_positions(n, ratio, W, select).to(dev)  # context indices
+            prefix_at.append(row_of[b, 0] * T + torch.arange(P, device=dev))
+            anchor_at.append(row_of[b, g // W] * T + P + g % W)
+        C = max(P + len(a) for a in anchor_at)
+        flat = torch.zeros(B, C, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, C, dtype=torch.bool, device=dev)
+        for b, (p, a) in enumerate(zip(prefix_at, anchor_at)):
+            flat[b, :P + len(a)], mask[b, :P + len(a)] = torch.cat([p, a]), True
+        is_anchor = torch.zeros(len(ids) * T, dtype=torch.bool, device=dev)
+        is_anchor[torch.cat(anchor_at)] = True
+        e = self.base.model.embed_tokens(ids)  # (N, T, d)
+        if self.anchor_emb is not None:  # eq. 1
+            e = e + is_anchor.view(-1, T, 1) * self.anchor_emb.to(e.dtype)
+        with self.base.adapter("encoder"):
+            _, kv = self.base(embeds=e, pos=pos, mask=sac_encoder_mask(valid, self.cfg.causal), return_kv=True,
+                              output="hidden")
+        mem = []
+        for k, v in kv:  # (N, Hkv, T, hd) -> (N*T, Hkv, hd) -> (B, C, Hkv, hd) -> (B, Hkv, C, hd)
+            k, v = (x.transpose(1, 2).flatten(0, 1) for x in (k, v))
+            mem.append((k[flat].transpose(1, 2), v[flat].transpose(1, 2)))
+        memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
+        memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)]}
+        return memory
+
+    def split_lm(self, batch):
+        """collate_lm batch -> {prefix, context (first half of the text), qa (second half),
+        qa_labels (its next tokens)}, all (B, .) and right-padded."""
+        ids, labels, n = batch["ids"], batch["labels"], batch["lengths"]
+        P, T, ar = self.n_prefix, ids.shape[1], torch.arange(ids.shape[1], device=ids.device)
+        m = (n - P) // 2  # context tokens
+        Lc, Td = max(1, int(m.max())), max(1, int((n - P - m).max()))
+        ctx = ids.gather(1, (P + ar[:Lc]).clamp(max=T - 1).expand(len(ids), -1))
+        dec_idx = (P + m[:, None] + ar[:Td]).clamp(max=T - 1)  # (B, Td)
+        dec_valid = ar[:Td] < (n - P - m)[:, None]
+        return {"prefix": ids[:, :P], "context": ctx.masked_fill(ar[:Lc] >= m[:, None], self.pad_id),
+                "context_len": m, "qa": ids.gather(1, dec_idx).masked_fill(~dec_valid, self.pad_id),
+                "qa_labels": labels.gather(1, dec_idx).masked_fill(~dec_valid, -100)}
+
+    def decode_hidden(self, memory, batch):
+        with self.base.adapter(None):  # the decoder is the frozen base
+            return self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
+
+    def forward(self, batch, ratios):
+        """Training loss: (sum over target tokens and ratios, n target tokens, metrics)."""
+        if self.run.objective == "lm":
+            batch = self.split_lm(batch)
+        total, metrics = 0.0, {}
+        for r in ratios:
+            h = self.decode_hidden(self.compress(batch, r), batch)
+            loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["qa_labels"])
+            total = total + loss
+            metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
+        return total, n, metrics
+
+    @torch.no_grad()
+    def answer(self, batch, ratio, max_new_tokens):
+        """Greedy answers from the compressed context: (list of id lists, Memory)."""
+        memory = self.compress(batch, ratio)
+        prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
+        return self.answer_from_memory(memory, prompts, max_new_tokens), memory
+
+    @torch.no_grad()
+    def answer_from_memory(self, memory, prompts, max_new_tokens):
+        with self.base.adapter(None):
+            return self.base.generate(prompts, max_new_tokens, memory=memory)
+
+
+def main():
+    """Print the anchor layout and the encoder masks for a toy context."""
+    L, r, sub, P = 22, 4, 12, 1
+    g = anchor_positions(L, r, sub)
+    print(f"SAC layout: L={L}, r={r}, sub_len={sub}; '#' = anchor (kept as K/V), '.' = dropped, "
+          "'|' = sub-context border")
+    row = "".join("#" if i in g.tolist() else "." for i in range(L))
+    print("|".join(row[j:j + sub] for j in range(0, L, sub)), f"  anchors {g.tolist()}")
+    print(f"\nencoder attention over one sub-context: 1 BOS + {L - sub} tokens + {2 * sub - L} padding")
+    valid = torch.arange(P + sub)[None] < P + L - sub
+    for causal in (False, True):
+        grid = kernels.dense_mask(sac_encoder_mask(valid, causal), 1, P + sub, P + sub, "cpu")[0, 0]
+        print("causal (--causal):" if causal else "bidirectional (default):")
+        print("\n".join("".join("#" if x else "." for x in line) for line in grid.tolist()))
+
+
+if __name__ == "__main__":
+    main()

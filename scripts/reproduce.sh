@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every paper's headline comparison at small scale, on the embedded default, with one
+# shared base/teacher and fixed seeds; then one table (RESULTS.md is made from it).
+#   bash scripts/reproduce.sh            # the full suite (2-core CPU: see RESULTS.md for the time)
+#   bash scripts/reproduce.sh --smoke    # every entry for 2 steps (CI)
+#   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/suite}
+COMMON=(--seed 1337 --quiet)
+if [ "${1:-}" = "--smoke" ]; then
+  OUT=$OUT-smoke
+  COMMON+=(--max_iters 2 --batch_size 2 --eval_examples 4)
+  python train.py --method base --out_dir "$OUT/base" --max_iters 2 --batch_size 2 --quiet
+  COMMON+=(--init_from "$OUT/base")
+elif [ -n "${INIT_FROM:-}" ]; then
+  COMMON+=(--init_from "$INIT_FROM" --data "$DATA" --eval_data "$EVAL_DATA")
+fi
+start=$(date +%s)
+run() { local name=$1; shift; echo "== $name: $*"; python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > /dev/null; }
+
+# meanpool_multi_ratio Tables 1/3: mean pooling vs compression tokens (causal, bidirectional),
+# multi- vs single-ratio, no linear layer, ratio sampling
+run meanpool              --method meanpool --ratio 4,8,16
+run meanpool-single4      --method meanpool --ratio 4
+run meanpool-single16     --method meanpool --ratio 16
+run meanpool-no_linear    --method meanpool --ratio 4,8,16 --no_linear
+run meanpool-sampling     --method meanpool --ratio 4,8,16 --ratio_sampling
+run ctok-causal           --method pic --ratio 4,8,16 --mask causal --mem single
+run ctok-bidir            --method pic --ratio 4,8,16 --mask bidir --mem single
+# pic Table 4: block-wise vs full causal mask at 16x
+run pic-blockwise         --method pic --ratio 16 --mask blockwise
+run pic-causal            --method pic --ratio 16 --mask causal
+# sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
+for g in 1 2 4 8; do run gist-$g --method sentence_gist --gists $g; done
+# sac Tables 3-4: SAC vs w/o bidirectional mask, w/o anchor embedding, random anchors
+for r in 5 15; do
+  run sac-r$r             --method sac --ratio $r
+  run sac-causal-r$r      --method sac --ratio $r --causal
+  run sac-no_emb-r$r      --method sac --ratio $r --no_anchor_embedding
+  run sac-random-r$r      --method sac --ratio $r --anchors random
+done
+# ata Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction
+run ata                   --method ata
+run ata-no_aac            --method ata --no_aac
+run ata-no_selective      --method ata --no_selective
+
+python eval.py $(ls -d "$OUT"/*/ | grep -v "/base/$") --out "$OUT/results.json" | tee "$OUT/results.md"
+echo "suite: $(( $(date +%s) - start )) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
