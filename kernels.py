@@ -135,7 +135,7 @@ def attention(q, k, v, mask=None):
 # -----------------------------------------------------------------------------
 # chunked losses straight from hidden states (SPEC §5)
 
-CHUNK = 1024  # tokens per chunk: 1024 x 152k fp32 logits = 620 MB at most alive at once
+CHUNK = 1024  # tokens per chunk: 1024 x 152k fp32 logits = 620 MB; at most 3 such buffers alive (KD)
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -146,6 +146,7 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
         h32, w32 = h.float(), w.float()
+        tw32 = teacher_w.float() if teacher_w is not None else None
         grad_h = torch.zeros_like(h32)
         grad_w = torch.zeros_like(w32) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -155,18 +156,21 @@ class _ChunkedLoss(torch.autograd.Function):
             if kind == "ce":
                 tc = target[s:s + CHUNK]
                 loss = -logp.gather(1, tc[:, None]).squeeze(1)
-                grad_logits = logp.exp()
+                grad_logits = logp.exp_()  # in place, as below: few (n, V) buffers alive at once
                 grad_logits[torch.arange(len(tc), device=h.device), tc] -= 1.0
             else:  # KL(teacher || student) = sum p_t (log p_t - log p_s)
-                logq = torch.log_softmax(teacher_h[s:s + CHUNK].float() @ teacher_w.float().T, -1)
+                logq = torch.log_softmax(teacher_h[s:s + CHUNK].float() @ tw32.T, -1)
                 p_t = logq.exp()
-                loss = (p_t * (logq - logp)).sum(-1)
-                grad_logits = logp.exp() - p_t
+                loss = logq.sub_(logp).mul_(p_t).sum(-1)
+                del logq
+                grad_logits = logp.exp_().sub_(p_t)
+                del p_t
             total += (loss * wt).sum()
             grad_logits *= wt[:, None]
             grad_h[s:s + CHUNK] = grad_logits @ w32
             if grad_w is not None:
                 grad_w += grad_logits.T @ hc
+            del logp, grad_logits  # free now, not when the next chunk rebinds the names
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.has_grad_w, ctx.dtypes = grad_w is not None, (h.dtype, w.dtype)
         return total
@@ -194,12 +198,15 @@ def chunked_ce(h, w_head, labels, weights=None):
     return _ChunkedLoss.apply(h, w_head, w, "ce", target, None, None), target.numel()
 
 
-def chunked_kd(h, w_head, teacher_h, teacher_w, labels):
-    """Summed KL(teacher || student) over the positions where labels != -100 (meanpool eq. 5).
-    h, teacher_h (B, T, d|d_t) must be aligned: position t of both predicts the same token."""
-    h, _, w, keep = _select(h, labels, None)
-    th = teacher_h.reshape(-1, teacher_h.shape[-1])[keep]
-    return _ChunkedLoss.apply(h, w_head, w, "kd", None, th.detach(), teacher_w.detach()), h.shape[0]
+def chunked_kd(h, w_head, teacher_h, teacher_w, labels=None):
+    """Summed KL(teacher || student) (meanpool eq. 5). With labels (B, T): h and teacher_h
+    (B, T, d|d_t) are aligned and the positions with labels != -100 count. Without: h (N, d)
+    and teacher_h (N, d_t) are the already selected rows. Returns (sum, n_tokens)."""
+    if labels is not None:
+        h, _, _, keep = _select(h, labels, None)
+        teacher_h = teacher_h.reshape(-1, teacher_h.shape[-1])[keep]
+    w = torch.ones(h.shape[0], device=h.device)
+    return _ChunkedLoss.apply(h, w_head, w, "kd", None, teacher_h.detach(), teacher_w.detach()), h.shape[0]
 
 
 def naive_ce(h, w_head, labels, weights=None):

@@ -396,7 +396,8 @@ class Transformer(nn.Module):
         if memory is not None and memory.embeds is not None:
             n_mem = memory.embeds.shape[1]
             x = torch.cat([memory.embeds.to(x.dtype), x], dim=1)
-            pos = torch.cat([torch.arange(n_mem, device=x.device).expand(B, n_mem), pos], dim=1)
+            mem_pos = (memory.mask.long().cumsum(1) - 1).clamp(min=0)  # valid slots 0, 1, ...; holes skipped
+            pos = torch.cat([mem_pos, pos], dim=1)
             valid = torch.cat([memory.mask, valid], dim=1)
         elif memory is not None:
             prefix = memory.kv

@@ -116,7 +116,7 @@ def run(args, script="train.py", env=None, check=True):
 def torchrun(args, nproc=2, check=True):
     """train.py under torchrun with the gloo backend on CPU."""
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(ROOT / "train.py")] + [str(a) for a in args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=e)
     if check and p.returncode != 0:

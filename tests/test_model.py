@@ -32,6 +32,7 @@ def one_thread():
     yield
     torch.set_num_threads(n)
 
+
 FAMILIES = {
     # llama3 scaling: with head_dim 16 and original length 32 the wavelengths 6.3 / 19.9 / 62.8+
     # fall in the three regimes (unscaled / smoothed / divided by factor)
@@ -110,6 +111,19 @@ def test_logits_match_transformers(ckpt, family):
         got = ours(ids)
     assert ref.abs().max() > 1.0  # the test can tell a wrong model from a right one
     close(got, ref)
+
+
+def test_bf16_load_and_forward(ckpt):
+    hf, path = ckpt["qwen2"]
+    ours = Transformer.from_pretrained(path, dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    ours.add_adapter("a", r=2, alpha=4)
+    ids = ids_like(2, 24)
+    with torch.no_grad(), ours.adapter("a"):
+        got = ours(ids)
+        ref = hf(ids).logits
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 def test_rope_scaling_matters(ckpt):
