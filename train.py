@@ -470,7 +470,7 @@ def save_hf_weights(model, path):
 def load_checkpoint(out_dir, method, opt=None):
     """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
     state = json.load(open(os.path.join(out_dir, "run.json")))
-    params = trainable_state(method)
+    params = trainable_state(method) if opt is not None else dict(method.named_parameters())
     tensors = load_file(os.path.join(out_dir, state["files"]["ckpt"]))
     unknown = [k for k in tensors if k not in params]
     if unknown:

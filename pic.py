@@ -1,0 +1,297 @@
+"""Memory-token compression with a block-wise causal mask (PIC), and the two classic
+compression-token masks it is compared with.
+
+Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_causal.txt),
+§3, Table 2, Table 4; the bidirectional variant is meanpool_multi_ratio §5.1.
+
+    sequence   Z = [c_1 .. c_N, m_1 .. m_N],  N = ceil(L / r)                        (eq. 4)
+    mask       blockwise (PIC, eq. 5): context -> context causal; memory -> memory
+               causal (t' <= t); memory t -> context only in chunk c_t
+               causal (PCC / ICAE, Table 4 "Full Causal Mask"): m_t -> all context, m_<=t
+               bidir (meanpool §5.1): m_t -> all context and every memory token
+    memory     H = Converter(Enc(Z)[m_1 .. m_N])   final hidden states, MLP into the
+               decoder's embedding space; the decoder is frozen
+    pretrain   L = lam L_TC + (1 - lam) L_TR,  lam = 0.5                          (eq. 6-8)
+               TR: decoder reads [H, <AE>, x_1 .. x_{k-1}] and predicts x_1 .. x_k
+               TC: decoder reads [H, x_k .. x_{L-1}] and predicts x_{k+1} .. x_L
+    finetune   qa: CE on the answer given [H, prompt]; kd: KL to the decoder reading the
+               full context (the same loss as meanpool.py, so both compare under one loss)
+
+Choices the paper leaves open, made here:
+- Layout: memory tokens sit at fixed slots after the *padded* context, with the position
+  ids of the unpadded sequence (context i -> i, memory t -> L_b + t); every mask_mod masks
+  padding keys, so an example gets the same memory in any batch (train pads lengths to
+  64, eval to 1). The last chunk is partial (the paper assumes r divides L).
+- Memory tokens: a learned table of `max_mem` rows (PIC), or `--mem single`: one learned token
+  repeated (the compression tokens of meanpool §5.1); initialised at the token embeddings' scale.
+- Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec). The decoder reads the
+  memory at positions 0 .. N_b - 1, then the prompt (no BOS), as in meanpool.py.
+- Encoder training: the paper finetunes its encoder fully (Qwen2.5-0.5B, frozen Llama-3-8B
+  decoder). Here the encoder is by default the shared base with an `encoder` LoRA adapter,
+  as the frozen decoder shares those weights; a separate `--encoder` checkpoint can be
+  fully finetuned with `--lora_r 0`. Memory table, converter (and <AE>) always train.
+- ae+lm on a text batch: text (BOS dropped, so the encoder reads what a QA context looks
+  like) is split at k = len // 2: x_1..x_k is compressed, the rest is the continuation.
+  Eq. 6-7 are means per example, so a batch's loss is the sum over examples of eq. 8 and
+  its count is the number of examples: the global mean is exact under DDP and grad
+  accumulation. <AE> is a learned vector in the decoder's embedding space.
+- A set of ratios (--ratio 4,16) sums the losses (one encoder pass each); default 16.
+- The kd teacher is the decoder with full context; eval.py's teacher rows use the base,
+  so prefer the decoder as --init_from and a small --encoder (same vocab_size: one tokenizer).
+Two-stage recipe (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
+`--objective qa --init_from out/pic_pt` (train.py loads the first stage's tensors).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import kernels
+from model import Memory, Transformer
+
+LAMBDA = 0.5  # eq. 8
+
+
+@dataclass
+class PICConfig:
+    mask: str = "blockwise"   # blockwise (PIC eq. 5) | causal (PCC, Table 4 ablation) | bidir (meanpool §5.1)
+    mem: str = "table"        # table: a learned embedding per memory slot | single: one learned token repeated
+    max_mem: int = 256        # rows of the memory table: ceil(max_context / ratio) must fit
+    lora_r: int = 16          # encoder LoRA rank; 0 = full finetuning (the paper's; needs a separate --encoder)
+    lora_alpha: int = 16      # encoder LoRA scale alpha / r
+    encoder: str = ""         # HF checkpoint dir of the encoder; "" = the shared base (with the LoRA adapter)
+    decoder: str = ""         # HF checkpoint dir of the frozen decoder; "" = the shared base
+
+
+# -----------------------------------------------------------------------------
+# the three masks over Z = [context (L slots), memory (N slots)]; metadata (B, L + N):
+# is_mem (memory slot), chunk (context: i // r, memory t: t), valid (not padding)
+
+
+def blockwise(is_mem, chunk, valid):
+    """PIC eq. 5: causal everywhere (rules 1, 2), and memory t reads only chunk t (rule 3)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        causal = kv_idx <= q_idx
+        mem_reads_ctx = is_mem[b, q_idx] & ~is_mem[b, kv_idx]
+        same_chunk = chunk[b, q_idx] == chunk[b, kv_idx]
+        return valid[b, kv_idx] & causal & (~mem_reads_ctx | same_chunk)
+    mask_mod.__name__ = "pic_blockwise"
+    return mask_mod
+
+
+def causal(is_mem, chunk, valid):
+    """PCC / ICAE: memory t reads the whole context and memory <= t."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return valid[b, kv_idx] & (kv_idx <= q_idx)
+    mask_mod.__name__ = "pic_causal"
+    return mask_mod
+
+
+def bidir(is_mem, chunk, valid):
+    """meanpool §5.1: causal context; memory reads the whole context and all memory."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        mem_pair = is_mem[b, q_idx] & is_mem[b, kv_idx]
+        return valid[b, kv_idx] & ((kv_idx <= q_idx) | mem_pair)
+    mask_mod.__name__ = "pic_bidir"
+    return mask_mod
+
+
+MASKS = {"blockwise": blockwise, "causal": causal, "bidir": bidir}
+
+
+def layout(lengths, L, r):
+    """Metadata of Z for contexts padded to L: (is_mem, chunk, valid, pos) each (B, L + N),
+    n_mem (B,) = ceil(L_b / r). Memory t of example b has position id L_b + t."""
+    B, dev = lengths.shape[0], lengths.device
+    n_mem = (lengths + r - 1) // r  # (B,)
+    N = max(int(n_mem.max()), 1)
+    i, t = torch.arange(L, device=dev), torch.arange(N, device=dev)
+    is_mem = torch.cat([i < 0, t >= 0])[None].expand(B, L + N)
+    chunk = torch.cat([i // r, t])[None].expand(B, L + N)
+    valid = torch.cat([i[None] < lengths[:, None], t[None] < n_mem[:, None]], 1)  # (B, L + N)
+    pos = torch.cat([i[None].expand(B, L), lengths[:, None] + t[None]], 1)  # (B, L + N)
+    return is_mem, chunk, valid, pos, n_mem
+
+
+def pad_rows(rows, value, device):  # (B, T >= 1) LongTensor of right-padded lists
+    out = torch.full((len(rows), max([1] + [len(x) for x in rows])), value, dtype=torch.long)
+    for b, x in enumerate(rows):
+        out[b, :len(x)] = torch.as_tensor(x, dtype=torch.long)
+    return out.to(device)
+
+
+class PIC(nn.Module):
+    Config = PICConfig
+    objectives = ("qa", "ae+lm", "kd")
+    PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
+    TINY = dict(lr=2e-3, max_iters=500, batch_size=16, ratio="16")
+
+    @staticmethod
+    def check_config(cfg, mcfg):
+        if mcfg.mask not in MASKS:
+            raise SystemExit(f"error: --mask {mcfg.mask!r}; choose from {', '.join(MASKS)}")
+        if mcfg.mem not in ("table", "single"):
+            raise SystemExit(f"error: --mem {mcfg.mem!r}; choose table or single")
+        if mcfg.lora_r < 0 or (mcfg.lora_r == 0 and not mcfg.encoder):
+            raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
+                             "the frozen decoder shares the base weights")
+        n = math.ceil(cfg.max_context / min(int(r) for r in cfg.ratio.split(",")))
+        if mcfg.mem == "table" and n > mcfg.max_mem:
+            raise SystemExit(f"error: --max_context {cfg.max_context} at --ratio {cfg.ratio} needs {n} memory "
+                             f"tokens > --max_mem {mcfg.max_mem}; raise --max_mem or use --mem single")
+
+    def __init__(self, base, cfg, tok, run):
+        super().__init__()
+        self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
+        dtype = base.lm_head.weight.dtype
+        self.enc_model = self.dec_model = None  # separate checkpoints (else the shared base)
+        if cfg.encoder:
+            self.enc_model = self.load(cfg.encoder, torch.float32 if cfg.lora_r == 0 else dtype, cfg.lora_r == 0)
+        if cfg.decoder:
+            self.dec_model = self.load(cfg.decoder, dtype, False)
+        enc, dec = self.enc, self.dec
+        self.enc_adapter = "encoder" if cfg.lora_r > 0 else None
+        if cfg.lora_r > 0:
+            enc.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha)
+        d_enc, d_dec = enc.config.hidden_size, dec.config.hidden_size
+        need = run.max_context + math.ceil(run.max_context / min(int(r) for r in str(run.ratio).split(",")))
+        if need > enc.config.max_position_embeddings:
+            raise SystemExit(f"error: --max_context {run.max_context} plus its memory tokens needs {need} positions; "
+                             f"the encoder has max_position_embeddings {enc.config.max_position_embeddings}")
+        std = lambda model: model.model.embed_tokens.weight.float().std().item()  # noqa: E731
+        self.mem_embed = nn.Parameter(torch.randn(1 if cfg.mem == "single" else cfg.max_mem, d_enc) * std(enc))
+        self.converter = nn.Sequential(nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
+        self.ae = nn.Parameter(torch.randn(d_dec) * std(dec), requires_grad=run.objective == "ae+lm")  # <AE>
+
+    def load(self, path, dtype, trainable):
+        model = Transformer.from_pretrained(path, dtype=dtype)
+        if model.config.vocab_size != self.base.config.vocab_size:
+            raise SystemExit(f"error: {path} has vocab_size {model.config.vocab_size}, the base "
+                             f"{self.base.config.vocab_size}: encoder, decoder and base must share one tokenizer")
+        for n, p in model.named_parameters():  # full finetuning trains all but an unused untied head
+            p.requires_grad_(trainable and (n != "lm_head.weight" or model.config.tie_word_embeddings))
+        return model.to(self.base.lm_head.weight.device)
+
+    @property
+    def enc(self):
+        return self.enc_model if self.enc_model is not None else self.base
+
+    @property
+    def dec(self):
+        return self.dec_model if self.dec_model is not None else self.base
+
+    # --- compression ------------------------------------------------------------
+
+    def encode(self, context, lengths, r):
+        """One encoder pass over Z = [context, memory tokens] -> final hidden states of the
+        memory slots (B, N, d_enc) and their validity (B, N)."""
+        B, L = context.shape
+        is_mem, chunk, valid, pos, n_mem = layout(lengths, L, r)
+        N = is_mem.shape[1] - L
+        if self.cfg.mem == "table" and N > self.mem_embed.shape[0]:
+            raise ValueError(f"a context of {int(lengths.max())} tokens at ratio {r} needs {N} memory tokens; "
+                             f"--max_mem is {self.mem_embed.shape[0]}")
+        if int(pos.max()) >= self.enc.config.max_position_embeddings:
+            raise ValueError(f"context of {int(lengths.max())} tokens plus {N} memory tokens exceeds the encoder's "
+                             f"max_position_embeddings {self.enc.config.max_position_embeddings}")
+        x = self.enc.model.embed_tokens(context)  # (B, L, d_enc)
+        rows = torch.arange(N, device=x.device) * (self.cfg.mem == "table")  # --mem single: row 0 N times
+        m = self.mem_embed[rows].to(x.dtype)[None].expand(B, N, -1)  # (B, N, d_enc)
+        mask = MASKS[self.cfg.mask](is_mem, chunk, valid)
+        with self.enc.adapter(self.enc_adapter):
+            h = self.enc(embeds=torch.cat([x, m], 1), pos=pos, mask=mask, output="hidden")  # (B, L + N, d_enc)
+        return h[:, L:], valid[:, L:]
+
+    def compress(self, batch, ratio):
+        h, valid = self.encode(batch["context"], batch["context_len"], ratio)
+        z = self.converter(h.to(self.converter[0].weight.dtype))  # (B, N, d_dec)
+        return Memory(embeds=z, mask=valid)
+
+    def decode_hidden(self, memory, ids, embeds=None):
+        """Frozen decoder over [memory, embeds, ids] -> hidden states (B, T, d_dec)."""
+        with self.dec.adapter(None):
+            return self.dec(ids, embeds=embeds, memory=memory, output="hidden")
+
+    # --- losses -------------------------------------------------------------------
+
+    def forward(self, batch, ratios):
+        """Training loss: (sum, count, metrics); see the docstring for what is counted."""
+        if self.run.objective == "ae+lm":
+            return self.ae_lm(batch, ratios)
+        labels, w = batch["qa_labels"], self.dec.lm_head.weight
+        if self.run.objective == "kd":
+            with torch.no_grad(), self.dec.adapter(None):
+                th = self.dec(batch["full"], output="hidden")
+            teacher = th[batch["full_labels"] != -100]  # (n, d_dec), same order as the answer tokens below
+        total, metrics = 0.0, {}
+        for r in ratios:
+            hs = self.decode_hidden(self.compress(batch, r), batch["qa"])  # (B, T, d_dec)
+            if self.run.objective == "kd":
+                loss, n = kernels.chunked_kd(hs[labels != -100], w, teacher, w)
+            else:
+                loss, n = kernels.chunked_ce(hs, w, labels)
+            total = total + loss
+            metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
+        return total, n, metrics
+
+    def ae_lm(self, batch, ratios):
+        """Eq. 6-8 on a collate_lm batch: sum over examples of lam TC + (1 - lam) TR."""
+        ids, lengths = batch["ids"], batch["lengths"].tolist()
+        off = int(self.tok.bos_id is not None)  # collate_lm starts with BOS when there is one
+        texts = [ids[b, off:n].tolist() for b, n in enumerate(lengths)]
+        ks = [max(1, len(x) // 2) for x in texts]  # x_1 .. x_k is compressed
+        dev = ids.device
+
+        def rows(cut, value=self.tok.pad_id):  # (B, T): one slice of every text, right-padded
+            return pad_rows([cut(x, k) for x, k in zip(texts, ks)], value, dev)
+
+        def per_example(labels, counts):  # eq. 6-7 are means per example: weight 1 / count
+            return (1.0 / torch.tensor(counts, device=dev).clamp(min=1))[:, None].expand(labels.shape)
+        ctx = {"context": rows(lambda x, k: x[:k]), "context_len": torch.tensor(ks, device=dev)}
+        tr_in, tr_lab = rows(lambda x, k: x[:k - 1]), rows(lambda x, k: x[:k], -100)  # [<AE>, x_<k] -> x_1..x_k
+        tc_in, tc_lab = rows(lambda x, k: x[k - 1:-1]), rows(lambda x, k: x[k:], -100)  # x_k..x_{L-1} -> x_{k+1}..x_L
+        tr_w, tc_w = per_example(tr_lab, ks), per_example(tc_lab, [len(x) - k for x, k in zip(texts, ks)])
+        w = self.dec.lm_head.weight
+        ae = self.ae.to(w.dtype)[None, None].expand(len(texts), 1, -1)  # (B, 1, d_dec)
+        total, metrics = 0.0, {}
+        for r in ratios:
+            memory = self.compress(ctx, r)
+            h_tr = self.decode_hidden(memory, tr_in, embeds=ae)[:, :tr_lab.shape[1]]  # (B, 1 + T_tr, d_dec)
+            tr, _ = kernels.chunked_ce(h_tr, w, tr_lab, tr_w)  # sum over examples of eq. 6
+            tc, _ = kernels.chunked_ce(self.decode_hidden(memory, tc_in), w, tc_lab, tc_w)  # eq. 7
+            total = total + LAMBDA * tc + (1 - LAMBDA) * tr  # eq. 8
+            metrics.update({f"tr_r{r}": tr.item() / len(texts), f"tc_r{r}": tc.item() / len(texts)})
+        return total, len(texts), metrics
+
+    # --- answering ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def answer(self, batch, ratio, max_new_tokens):
+        """Greedy answers from the compressed context: (list of id lists, Memory)."""
+        memory = self.compress(batch, ratio)
+        prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
+        return self.answer_from_memory(memory, prompts, max_new_tokens), memory
+
+    @torch.no_grad()
+    def answer_from_memory(self, memory, prompts, max_new_tokens):
+        with self.dec.adapter(None):
+            return self.dec.generate(prompts, max_new_tokens, memory=memory)
+
+
+def grid(mask_mod, T):
+    rows = kernels.dense_mask(mask_mod, 1, T, T, "cpu")[0, 0].tolist()
+    return "\n".join("".join("#" if x else "." for x in row) for row in rows)
+
+
+def main():
+    """Print the three masks for 2 chunks of 3 tokens: rows are queries, columns keys."""
+    L, r = 6, 3
+    is_mem, chunk, valid, _, _ = layout(torch.tensor([L]), L, r)
+    print("Z = [c_1 (3 tokens), c_2 (3 tokens), m_1, m_2]; row = query, column = key\n")
+    for name, mask_mod in MASKS.items():
+        print(f"--mask {name}:\n{grid(mask_mod(is_mem, chunk, valid), L + 2)}\n")
+
+
+if __name__ == "__main__":
+    main()
