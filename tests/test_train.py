@@ -83,7 +83,8 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_gives_the_eager_loss(base_dir, tmp_path):
+def test_compile_gives_the_eager_loss(base_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no stale shared cache
     in_process(args(base_dir, tmp_path / "eager", "--max_iters", 2, "--eval_interval", 2))
     in_process(args(base_dir, tmp_path / "comp", "--max_iters", 2, "--eval_interval", 2, "--compile"))
     a = [json.loads(l)["loss"] for l in open(tmp_path / "eager" / "log.jsonl")]
