@@ -269,8 +269,9 @@ def build(cfg, mcfg, device, dtype):
     for p in base.parameters():
         p.requires_grad_(cfg.method == "base")
     method = cls(base, mcfg, tok, cfg).to(device)
-    if cfg.init_from and cfg.method != "base" and os.path.exists(os.path.join(cfg.init_from, "run.json")):
-        load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata)
+    stage = os.path.join(cfg.init_from, "run.json") if cfg.init_from else ""
+    if stage and os.path.exists(stage) and json.load(open(stage))["train"]["method"] == cfg.method != "base":
+        load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata, sentence_gist)
     return tok, base, method
 
 
@@ -519,12 +520,15 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
 # the loop
 
 
-def lr_at(step, cfg):
-    """1) linear warmup, 2) cosine decay to lr * min_lr_frac."""
+def lr_at(step, cfg, schedule="cosine"):
+    """1) linear warmup, 2) cosine decay to lr * min_lr_frac, or linear decay to 0 for a
+    method whose `lr_schedule` is "linear" (sentence_gist's stage-3 cool-down)."""
     warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     t = (step - warmup) / max(1, cfg.max_iters - warmup)
+    if schedule == "linear":
+        return cfg.lr * (1 - min(1.0, t))
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -646,7 +650,7 @@ def main(argv):
     t0, tokens = time.time(), 0
     method.train()
     while step < cfg.max_iters and not interrupted:
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, getattr(method, "lr_schedule", "cosine"))
         for g in opt.param_groups:
             g["lr"] = lr
         # 1) forward/backward every micro-batch; gradients are sums over tokens

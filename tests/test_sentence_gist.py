@@ -1,5 +1,4 @@
 """sentence_gist.py: layout and mask, mean-resizing, cache equivalence, stages, end to end."""
-import json
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import sentence_gist as sg
 import train
 from model import Memory, Transformer
 from sentence_gist import GIST, SINK, TOKEN
-from tests.common import method_smoke, read_params, run, tiny_base, torchrun
+from common import method_smoke, read_params, run, tiny_base, torchrun
 
 torch.set_num_threads(1)
 
@@ -199,7 +198,7 @@ def test_bad_input_in_process(base_dir, flags, message):
 
 @pytest.mark.slow
 def test_bad_input_is_one_line(base_dir):
-    for flags in (["--gists", "3"], ["--ratio", "0"]):
+    for flags in (["--ratio", "0"], ["--no_linear"]):
         p = run(["--method", "sentence_gist", "--init_from", base_dir, *flags], check=False)
         assert p.returncode != 0 and p.stderr.strip().startswith("error:") and len(p.stderr.strip().splitlines()) == 1
 
@@ -214,21 +213,14 @@ def test_method_smoke_llama_lm(tmp_path):
 
 
 @pytest.mark.slow
-def test_method_smoke_qwen3_qa_stage1(tmp_path):
-    out = method_smoke(tmp_path, "sentence_gist", extra=["--objective", "qa", "--stage", "1", "--gists", "8"],
-                       family="qwen3")
-    assert set(read_params(out)) == {"gist"}
-    assert json.loads((out / "metrics.json").read_text())["rows"][0]["ratio"] > 0
-
-
-@pytest.mark.slow
 def test_ddp_matches_one_process(base_dir, tmp_path):
-    args = ["--method", "sentence_gist", "--init_from", base_dir, "--objective", "qa", "--max_iters", 2,
-            "--lr", "1e-2", "--device", "cpu", "--quiet", "--eval_examples", 2, "--max_context", 128]
+    # the default objective on a base that is not ours (lm); --lr 1e-3: Adam amplifies float noise of ~0 grads
+    args = ["--method", "sentence_gist", "--init_from", base_dir, "--objective", "lm", "--max_iters", 2,
+            "--lr", "1e-3", "--device", "cpu", "--quiet", "--eval_examples", 2, "--max_context", 128]
     torchrun(args + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
     run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
-    assert set(a) == set(b) and len(a) > 1
+    assert set(a) == set(b) and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
 

@@ -125,3 +125,11 @@ def test_help_lists_every_flag():
     p = run(["--help"])
     for flag in ("--method", "--ratio", "--init_from", "--resume", "--compile", "--no_linear", "--ratio_sampling"):
         assert flag in p.stdout
+
+
+def test_lr_schedules():
+    cfg = train.TrainConfig(lr=1.0, max_iters=100, warmup_frac=0.1, min_lr_frac=0.1)
+    assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
+    assert train.lr_at(100, cfg) == pytest.approx(0.1)  # cosine ends at lr * min_lr_frac
+    assert train.lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean
+    assert train.lr_at(55, cfg, "linear") == pytest.approx(0.5) and train.lr_at(100, cfg, "linear") == 0.0
