@@ -100,6 +100,15 @@ def batches_of(records, tok, cfg, size, prepare=None):
         yield prepare(b) if prepare else b
 
 
+@torch.no_grad()
+def answer(method, batch, ratio, max_new_tokens):
+    """Greedy answers from a method's compressed context: (list of id lists, Memory).
+    Each method says how its decoder reads a Memory in `answer_from_memory`."""
+    memory = method.compress(batch, ratio)
+    prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
+    return method.answer_from_memory(memory, prompts, max_new_tokens), memory
+
+
 def decode(tok, outs):
     return [tok.decode(o).strip() for o in outs]
 
@@ -142,7 +151,7 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
         extra = collections.defaultdict(list)
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
             b = train.to_device(b, device)
-            (outs, memory), dt = timed(lambda: method.answer(b, r, ecfg.max_new_tokens))
+            (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds += decode(tok, outs)
             golds += b["answers"]
             slots = memory.slots().float().clamp(min=1)
@@ -183,7 +192,7 @@ def evaluate_run(run_dir, ecfg):
             raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
-    if not hasattr(method, "answer"):
+    if not hasattr(method, "answer_from_memory"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     ratios = train.ratios_of(ecfg.ratio or cfg.ratio)
     records = eval_records(cfg, ecfg)
@@ -265,7 +274,7 @@ def one_shot(ecfg):
             raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
         if batch["context_len"][0] > cfg.max_context:
             raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
-        outs, memory = method.answer(batch, ratio, ecfg.max_new_tokens)
+        outs, memory = answer(method, batch, ratio, ecfg.max_new_tokens)
     dt = time.time() - t0
     if ecfg.save_memory:
         memory.save(ecfg.save_memory)

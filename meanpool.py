@@ -121,14 +121,6 @@ class MeanPool(nn.Module):
         return total, n, metrics
 
     @torch.no_grad()
-    def answer(self, batch, ratio, max_new_tokens):
-        """Greedy answers from the compressed context: (list of id lists, Memory)."""
-        memory = self.compress(batch, ratio)
-        prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
-        with self.base.adapter("decoder"):
-            return self.base.generate(prompts, max_new_tokens, memory=memory), memory
-
-    @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
         with self.base.adapter("decoder"):
             return self.base.generate(prompts, max_new_tokens, memory=memory)

@@ -200,13 +200,6 @@ class SAC(nn.Module):
         return total, n, metrics
 
     @torch.no_grad()
-    def answer(self, batch, ratio, max_new_tokens):
-        """Greedy answers from the compressed context: (list of id lists, Memory)."""
-        memory = self.compress(batch, ratio)
-        prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
-        return self.answer_from_memory(memory, prompts, max_new_tokens), memory
-
-    @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
         with self.base.adapter(None):
             return self.base.generate(prompts, max_new_tokens, memory=memory)

@@ -5,6 +5,8 @@ import random
 
 import pytest
 import torch
+
+import eval as evaluate
 import torch.nn.functional as F
 
 import data
@@ -240,7 +242,7 @@ def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
         assert all(not p.requires_grad for p in m.dec_model.parameters())  # the decoder is frozen
         full = m.enc_model.model.layers[0].mlp.down_proj.weight
         assert full.requires_grad == (lora_r == 0) and (lora_r > 0 or full.grad.abs().sum() > 0)
-        outs, _ = m.answer(batch, 4, 3)
+        outs, _ = evaluate.answer(m, batch, 4, 3)
         assert len(outs) == 2
     wrong = tiny_model(tmp_path / "wrong", vocab + 1, 32)
     with pytest.raises(SystemExit, match="vocab_size"):
@@ -255,7 +257,7 @@ def test_memory_round_trip(base_dir, tmp_path):
     m, tok = make(base_dir)
     m.eval()
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
-    outs, mem = m.answer(batch, 8, 6)
+    outs, mem = evaluate.answer(m, batch, 8, 6)
     mem.save(tmp_path / "mem.safetensors")
     loaded = Memory.load(tmp_path / "mem.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]

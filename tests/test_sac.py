@@ -3,6 +3,8 @@ bidirectional encoder, r = 1 == the teacher, the lm split, and the end-to-end ru
 import pytest
 import torch
 
+import eval as evaluate
+
 import data
 import kernels
 import sac
@@ -267,7 +269,7 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
     cfg, mcfg, tok, base, method = train.load_run(str(out))
     assert mcfg.sub_len == 64
     batch = data.collate_qa(data.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
-    outs, mem = method.answer(batch, 4, 8)
+    outs, mem = evaluate.answer(method, batch, 4, 8)
     mem.save(tmp_path / "m.safetensors")
     loaded = Memory.load(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]

@@ -4,6 +4,8 @@ import os
 import pytest
 import torch
 
+import eval as evaluate
+
 import data
 import kernels
 import sentence_gist as sg
@@ -142,7 +144,7 @@ def test_answer_follows_the_qa_training_layout(base_dir):
     m = make(base_dir, objective="qa")
     records = data.Synthetic(seed=0, split="val").qa_examples(3)
     batch = data.collate_qa(records, m.tok, pad_multiple=1)
-    outs, memory = m.answer(batch, 1, max_new_tokens=4)
+    outs, memory = evaluate.answer(m, batch, 1, max_new_tokens=4)
     assert memory.stats["gist_rc"][0] > 1 and (memory.slots() < batch["context_len"]).all()
     for b, out in enumerate(outs):  # teacher-forcing the generated answer gives the same argmaxes
         prompt = batch["qa"][b, :batch["prompt_len"][b]].tolist()
@@ -237,7 +239,7 @@ def test_memory_round_trip_one_shot_and_stage_chain(base_dir, tmp_path):
     built = train.build(train.TrainConfig(**{**vars(cfg), "init_from": str(s1)}), mcfg, "cpu", torch.float32)[2]
     assert torch.equal(built.gist.detach(), read_params(s1)["gist"])  # stage 3 starts from stage 1's rows
     batch = data.collate_qa(data.Synthetic(seed=0, split="test").qa_examples(2), tok, pad_multiple=1)
-    outs, memory = method.answer(batch, 1, 8)
+    outs, memory = evaluate.answer(method, batch, 1, 8)
     memory.save(str(tmp_path / "m.safetensors"))
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]
     assert method.answer_from_memory(Memory.load(str(tmp_path / "m.safetensors")), prompts, 8) == outs
