@@ -177,9 +177,11 @@ def normalised(rows, teacher, noctx):
 
 
 def run_label(run_dir, mcfg):
-    """Method name plus the method flags given on its command line (e.g. pic (mask=causal))."""
+    """Method name plus the flags given on its command line: the trained ratios and the
+    method's own (e.g. "pic (ratio=16, mask=causal)")."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
-    flags = [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
+    train_ratio = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
+    flags = train_ratio + [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 

@@ -1,0 +1,23 @@
+"""scripts/reproduce.sh --smoke: every entry of the reproduction suite runs, one table results."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from common import ROOT
+
+
+@pytest.mark.slow
+def test_suite_smoke_runs_every_entry(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "suite"), OMP_NUM_THREADS="1")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh"), "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    entries = [l for l in p.stdout.splitlines() if l.startswith("== ")]
+    results = json.load(open(tmp_path / "suite-smoke" / "results.json"))
+    assert len(entries) == len(results) == 24
+    methods = {r["rows"][0]["method"].split(" ")[0] for r in results}
+    assert methods == {"meanpool", "pic", "sentence_gist", "sac", "ata"}
+    table = (tmp_path / "suite-smoke" / "results.md").read_text()
+    assert "| teacher |" in table and "ata (no_aac=True)" in table and "suite:" in table
