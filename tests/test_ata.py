@@ -1,6 +1,8 @@
 """ata.py: encoder prompt, policy (eq. 5), Huber (eq. 10), "compute k_max, keep k" equals
 "append k", the objectives and ablations, Memory round trips, bad input, the real-checkpoint
 path and DDP."""
+import json
+
 import pytest
 import torch
 
@@ -60,6 +62,14 @@ def test_huber_hand_values():
     assert ata.huber(torch.tensor([7.0]), torch.tensor([0.0]), 2.0).item() == pytest.approx(2 * (7 - 1))
 
 
+def test_encoder_adapter_and_parameters(base_dir):
+    m, _ = _method(base_dir, k_max=5, lora_alpha=8)
+    assert m.base.adapter_configs["encoder"] == dict(r=4, alpha=8, dropout=0.0, targets=sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))  # all linear layers
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert m.comp.shape == (5, 64) and all("lora_" in n or not n.startswith("base.") for n in trainable)
+
+
 def test_prepare_prompt_target_and_gold_length(base_dir):
     m, batch = _method(base_dir)
     tok, rec = m.tok, batch["records"][0]
@@ -117,7 +127,7 @@ def test_loss_terms_and_ablations(base_dir):
 
 def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
     m, batch = _method(base_dir)
-    outs, memory = m.answer(batch, 10, 6)
+    outs, memory = evaluate.answer(m, batch, 10, 6)
     k = torch.tensor(memory.stats["k"])
     with torch.no_grad():
         L_hat = m.length(batch, m.encode(batch)[0])
@@ -131,8 +141,8 @@ def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
 @pytest.mark.slow
 def test_eval_one_shot_save_and_load_memory(base_dir, tmp_path):
     out = tmp_path / "run"
-    run(["--method", "ata", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--out_dir", out,
-         "--eval_examples", 2, "--lora_r", 4, "--quiet"])
+    train.main(["--method", "ata", "--init_from", base_dir, "--max_iters", "2", "--batch_size", "2", "--out_dir",
+                str(out), "--eval_examples", "2", "--lora_r", "4", "--quiet"])
     doc = tmp_path / "doc.txt"
     doc.write_text("Ada Lovelace lives in Paris. Ada Lovelace works for Acme Labs.")
     q = "Where does Ada Lovelace live?"
@@ -162,15 +172,16 @@ def test_bad_method_flags(base_dir, tmp_path, args, msg):  # in process: the sam
 @pytest.mark.slow
 def test_real_checkpoint_smoke(tmp_path):
     out = method_smoke(tmp_path, "ata", extra=["--lora_r", "4", "--objective", "rel", "--no_selective"])
-    assert (out / "ckpt.safetensors").exists()
+    row = json.load(open(out / "metrics.json"))["rows"][0]
+    assert 1 <= row["k"] <= 8 and row["probe_abs_err"] >= 0
 
 
 @pytest.mark.slow
 def test_ddp_matches_single_process(base_dir, tmp_path):
-    common = ["--method", "ata", "--init_from", base_dir, "--max_iters", 2, "--lora_r", 4, "--lora_dropout", 0,
-              "--eval_examples", 2, "--objective", "rel", "--lr", 1e-3, "--quiet"]
+    common = ["--method", "ata", "--init_from", base_dir, "--max_iters", "2", "--lora_r", "4", "--lora_dropout", "0",
+              "--eval_examples", "2", "--lr", "1e-3", "--objective", "qa+rel", "--quiet"]
     torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
-    run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    train.main(common + ["--batch_size", "2", "--out_dir", str(tmp_path / "one")])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert a.keys() == b.keys() and len(a) > 3
     for key in a:

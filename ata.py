@@ -1,0 +1,288 @@
+"""ATACompressor: a selective encoder over <PA>-chunked context + question, an adaptive
+allocation controller, and the K/V of k compression tokens as the frozen LLM's memory.
+
+Paper: "ATACompressor: Adaptive Task-Aware Compression for Efficient Long-Context
+Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A, Tables 2, 4-6, Fig. 10.
+
+    encoder input  <QUESTION> q </QUESTION> <CONTEXT> <PA> C_1 </PA> ... </CONTEXT> <INST> ... </INST>
+                   then k_max learned compression tokens c_1..c_kmax          (Fig. 10, eq. 2-3)
+    encoder        base + `encoder` LoRA, causal; memory KV = K/V of c_1..c_k, all layers
+    probe          L^_rel = zeta(H): attention pooling over the input's final hidden states,
+                   the last input token as the query, then an MLP            (eq. 4)
+    policy         k = eta(L^_rel) = clamp(ceil(L^_rel / r), 1, k_max)       (eq. 5)
+    rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
+    qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
+
+The target LLM (decoder) is the frozen base, adapter None. Because the encoder is causal,
+compression token j depends only on what precedes it: the encoder always runs all k_max
+and the memory keeps the first k through its validity mask, identical to appending k
+(tests/test_ata.py checks K/V and decoder logits).
+
+Choices the paper leaves open, made here:
+- Chunks are the records' "chunks" (HotpotQA paragraphs, MS MARCO passages, SQuAD
+  sentences, synthetic biographies), the ones inside the max_context-truncated context; a
+  chunk cut by truncation is the decoded text of its kept tokens. Tags are plain text (no
+  new vocabulary), chunks joined by spaces (as in Fig. 7-9); BOS starts the encoder input.
+- C_rel, the reconstruction target, is the gold relevant chunks' plain text joined by
+  spaces (no <PA> tags, as in Table 7's regenerations), then EOS; L_rel is its token count.
+  [BOS] is the tokenizer's BOS (its EOS when it has none, e.g. Qwen).
+- Positions: the encoder input is left-padded, prompt tokens at 0..n-1 and c_j at n+j-1;
+  the K/V keep those positions and the decoder continues at next_pos = n + k, exactly where
+  an encoder that appended only k tokens would stop.
+- Probe: q = W h_last, attention over the input tokens' final hidden states (compression
+  tokens excluded, so k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> one
+  number in units of LEN_UNIT tokens (a fixed output scale: a raw-token output would need
+  thousands of small-lr steps to reach lengths in the hundreds). Gradients of lam * Huber
+  reach the encoder too (joint training, eq. 8).
+- Training uses the gold L_rel for k (so the encoder is trained independently of the
+  probe, §3.4); inference (answer/compress) uses the probe. Eq. 5 has no ceil or floor:
+  k is rounded up and at least 1 so every example keeps a slot.
+- r is drawn per example, not per batch: from --rel_ratios for `rel` (Table 4:
+  {1, 5, 10, 20, 50}) and from --ratio for `qa` (Table 5: 10), by a hash of the example id,
+  so draws are identical under DDP, resume and grad accumulation. eval --ratio sets the
+  policy r without retraining (§3.4).
+- Objectives: `qa` (default; finetuning eq. 11 plus lam * Huber, so one command on the
+  tiny default trains encoder and probe and yields a QA F1), `rel` (pretraining, eq. 8),
+  `qa+rel` (both from one encoder pass: a one-stage stand-in for the paper's rel -> qa).
+- Ablations (Table 2): --no_aac (k = k_max always), --no_selective (C_rel = the whole
+  context, 500xCompressor-like; L_rel follows it).
+"""
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from model import Memory
+
+INST = "Please identify and extract the <PA> sections that can answer the question (which may not be unique)"
+LEN_UNIT = 64.0  # the probe's MLP predicts L_rel / LEN_UNIT
+
+
+@dataclass
+class ATAConfig:
+    k_max: int = 8                  # maximum number of compression tokens (Table 4)
+    lora_r: int = 64                # encoder LoRA on all linear layers (Table 4)
+    lora_alpha: int = 32            # LoRA scale alpha / r (Table 4)
+    lora_dropout: float = 0.2       # LoRA dropout (Table 4)
+    huber_lambda: float = 1e-4      # lam in eq. 8
+    huber_delta: float = 10.0       # delta in eq. 10
+    rel_ratios: str = "1,5,10,20,50"  # policy ratios r drawn per example in `rel` (Table 4)
+    no_aac: bool = False            # Table 2 ablation: k = k_max always
+    no_selective: bool = False      # Table 2 ablation: reconstruct the whole context
+
+
+def encoder_prompt(question, chunks):
+    """The selective encoder's input text (Fig. 10) with every chunk inside <PA> tags."""
+    context = " ".join(f"<PA> {c} </PA>" for c in chunks)
+    return f"<QUESTION> {question} </QUESTION> <CONTEXT> {context} </CONTEXT> <INST> {INST} </INST>"
+
+
+def policy(L_hat, r, k_max):
+    """eq. 5: k = clamp(ceil(L^_rel / r), 1, k_max), per example (B,) long."""
+    return torch.clamp(torch.ceil(L_hat.float() / r), 1, k_max).long()
+
+
+def huber(pred, target, delta):
+    """eq. 10 summed: 0.5 x^2 where |x| <= delta, else delta (|x| - delta / 2)."""
+    return F.huber_loss(pred.float(), target.float(), delta=delta, reduction="sum")
+
+
+def encoder_mask(valid):
+    """Causal over [prompt, c_1..c_kmax]; valid (B, T) marks real tokens (left padding)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & valid[b, kv_idx]
+    mask_mod.__name__ = "ata_encoder"
+    return mask_mod
+
+
+def pick(choices, ids, salt):
+    """One value of `choices` per example, from a hash of its id: (B,) long."""
+    return torch.tensor([choices[zlib.crc32(f"{salt}/{i}".encode()) % len(choices)] for i in ids])
+
+
+def _left_pad(rows, value, multiple=64):  # lengths bucketed for --compile
+    T = -(-max(len(r) for r in rows) // multiple) * multiple
+    out = torch.full((len(rows), T), value, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, T - len(r):] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+class Probe(nn.Module):
+    """zeta: attention pooling (query = the last input token) + MLP -> L^_rel (B,)."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.query = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * d, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def forward(self, h, valid):
+        h = h.float()  # (B, T, d) final hidden states of the input tokens, left-padded
+        last = h[:, -1]  # (B, d): the last input token sits in the last column
+        scores = (h @ self.query(last)[:, :, None]).squeeze(-1) / math.sqrt(h.shape[-1])  # (B, T)
+        attn = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+        pooled = (attn[:, :, None] * h).sum(1)  # (B, d)
+        return self.mlp(torch.cat([last, pooled], -1)).squeeze(-1) * LEN_UNIT
+
+
+class ATA(nn.Module):
+    Config = ATAConfig
+    objectives = ("qa", "rel", "qa+rel")
+    # Tables 4-5: constant lr after 300 warmup steps (~1% of 3 epochs of 280k examples / 16)
+    PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_frac=0.01, weight_decay=0.2, batch_size=16, ratio="10")
+    TINY = dict(lr=2e-3, max_iters=500, batch_size=16, ratio="10", lora_r=16, lora_alpha=32, lora_dropout=0.0)
+
+    def __init__(self, base, cfg, tok, run):
+        super().__init__()
+        self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
+        d = base.config.hidden_size
+        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        std = base.model.embed_tokens.weight.float().std().item()
+        self.comp = nn.Parameter(torch.randn(cfg.k_max, d) * std)  # (k_max, d) compression tokens
+        self.probe = Probe(d, min(4 * d, 1024))
+        self.rel_ratios = [int(r) for r in cfg.rel_ratios.split(",")]
+
+    @staticmethod
+    def check_config(run, cfg):
+        if cfg.k_max < 1:
+            raise SystemExit(f"error: --k_max {cfg.k_max}: need at least one compression token")
+        try:
+            rs = [int(r) for r in cfg.rel_ratios.split(",")]
+        except ValueError:
+            rs = []
+        if not rs or min(rs) <= 0:
+            raise SystemExit(f"error: --rel_ratios {cfg.rel_ratios!r}: a comma list of positive integers, like 1,5,10")
+
+    # --- collate time: encoder prompt, reconstruction target, gold length -----------
+
+    def kept_chunks(self, batch, b):
+        """Chunk texts of example b inside the (possibly truncated) context."""
+        rec, spans = batch["records"][b], batch["chunk_spans"][b]
+        texts = list((rec.get("chunks") or [rec["context"]])[:len(spans)])
+        if spans and batch["context_len"][b] >= self.run.max_context:  # the last one may be cut
+            s, e = spans[-1]
+            texts[-1] = self.tok.decode(batch["context"][b, s:e].tolist()).strip()
+        return texts
+
+    def prepare(self, batch):
+        """Adds enc_ids (B, T) left-padded encoder prompts, enc_len (B,), rel_ids/rel_labels
+        (B, R) = [BOS] C_rel [EOS] with next-token labels, rel_len (B,) = L_rel."""
+        tok = self.tok
+        start = [tok.bos_id if tok.bos_id is not None else tok.eos_ids[0]]
+        enc, rel, labels, rel_len = [], [], [], []
+        for b, question in enumerate(batch["questions"]):
+            chunks = self.kept_chunks(batch, b)
+            enc.append(batch["bos"] + tok.encode(encoder_prompt(question, chunks)))
+            idx = range(len(chunks)) if self.cfg.no_selective else batch["relevant_idx"][b]
+            target = tok.encode(" ".join(chunks[i] for i in idx))[:self.run.max_context] + tok.eos_ids[:1]
+            rel.append(start + target)
+            labels.append(target + [-100])
+            rel_len.append(len(target) - 1)
+        batch["enc_ids"] = _left_pad(enc, tok.pad_id)
+        batch["enc_len"] = torch.tensor([len(e) for e in enc])
+        R = -(-max(map(len, rel)) // 64) * 64
+        batch["rel_ids"] = torch.tensor([r + [tok.pad_id] * (R - len(r)) for r in rel])
+        batch["rel_labels"] = torch.tensor([r + [-100] * (R - len(r)) for r in labels])
+        batch["rel_len"] = torch.tensor(rel_len)
+        return batch
+
+    # --- encoder, controller, memory ------------------------------------------------
+
+    def encode(self, batch, n=None):
+        """Causal encoder over [prompt, c_1..c_n]: (final hidden states of the prompt
+        (B, T, d), per-layer (k, v) of the n compression tokens, each (B, Hkv, n, hd))."""
+        ids, enc_len = batch["enc_ids"], batch["enc_len"]
+        n = self.cfg.k_max if n is None else n
+        B, T = ids.shape
+        e = self.base.model.embed_tokens(ids)  # (B, T, d)
+        x = torch.cat([e, self.comp[:n].to(e.dtype).expand(B, n, -1)], 1)  # (B, T + n, d)
+        valid = torch.cat([torch.arange(T, device=ids.device)[None] >= T - enc_len[:, None],
+                           torch.ones(B, n, dtype=torch.bool, device=ids.device)], 1)  # (B, T + n)
+        pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # prompt 0..len-1, c_j at len + j - 1
+        with self.base.adapter("encoder"):
+            h, kv = self.base(embeds=x, pos=pos, mask=encoder_mask(valid), return_kv=True, output="hidden")
+        return h[:, :T], [(k[:, :, T:], v[:, :, T:]) for k, v in kv]
+
+    def length(self, batch, h):
+        """Probe estimate L^_rel (B,) from the prompt's final hidden states."""
+        T = batch["enc_ids"].shape[1]
+        return self.probe(h, torch.arange(T, device=h.device)[None] >= T - batch["enc_len"][:, None])
+
+    def memory(self, kv, k, enc_len):
+        """Keep the first k (B,) compression tokens: K/V trimmed to max k columns, the
+        rest masked; the decoder continues at enc_len + k."""
+        C = int(k.max())
+        mask = torch.arange(C, device=k.device)[None] < k[:, None]  # (B, C)
+        return Memory(kv=[(kk[:, :, :C], vv[:, :, :C]) for kk, vv in kv], mask=mask, next_pos=enc_len + k)
+
+    def policy_k(self, L, r):
+        if self.cfg.no_aac:
+            return torch.full_like(L, self.cfg.k_max, dtype=torch.long)
+        return policy(L, r, self.cfg.k_max)
+
+    def decode_ce(self, memory, ids, labels):
+        with self.base.adapter(None):
+            h = self.base(ids, memory=memory, output="hidden")  # (B, T, d)
+        return kernels.chunked_ce(h, self.base.lm_head.weight, labels)
+
+    def forward(self, batch, ratios):
+        """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
+        h, kv = self.encode(batch)
+        L_hat, L = self.length(batch, h), batch["rel_len"]
+        probe = huber(L_hat, L, self.cfg.huber_delta)
+        total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
+        if "rel" in self.run.objective.split("+"):
+            k = self.policy_k(L, pick(self.rel_ratios, batch["ids"], "rel").to(L.device))
+            loss, m = self.decode_ce(self.memory(kv, k, batch["enc_len"]), batch["rel_ids"], batch["rel_labels"])
+            total, n = total + loss, n + m
+            metrics.update(rel_ce=loss.item() / max(m, 1), k_rel=k.float().mean().item())
+        if "qa" in self.run.objective.split("+"):
+            k = self.policy_k(L, pick(ratios, batch["ids"], "qa").to(L.device))
+            loss, m = self.decode_ce(self.memory(kv, k, batch["enc_len"]), batch["qa"], batch["qa_labels"])
+            total, n = total + loss, n + m
+            metrics.update(qa_ce=loss.item() / max(m, 1), k_qa=k.float().mean().item())
+        return total, n, metrics
+
+    # --- inference: the probe sets k ---------------------------------------------------
+
+    @torch.no_grad()
+    def compress(self, batch, ratio):
+        h, kv = self.encode(batch)
+        L_hat = self.length(batch, h)
+        k = self.policy_k(L_hat, ratio)
+        memory = self.memory(kv, k, batch["enc_len"])
+        memory.stats = {"k": k.float().tolist(), "probe_abs_err": (L_hat - batch["rel_len"]).abs().tolist()}
+        return memory
+
+    @torch.no_grad()
+    def answer_from_memory(self, memory, prompts, max_new_tokens):
+        with self.base.adapter(None):
+            return self.base.generate(prompts, max_new_tokens, memory=memory)
+
+
+def main():
+    """Print the encoder prompt for a toy example and the encoder -> memory -> decoder layout."""
+    print(encoder_prompt("Where does Ada Lovelace live?", ["Ada Lovelace lives in Paris.",
+          "Ben Okafor works for Acme Labs.", "Ada Lovelace studied at Carrow College."]))
+    pad, n, kmax, k, dec = 2, 6, 4, 2, 3
+    valid = torch.arange(pad + n + kmax)[None] >= pad
+    grid = kernels.dense_mask(encoder_mask(valid), 1, pad + n + kmax, pad + n + kmax, "cpu")[0, 0]
+    kinds = "_" * pad + "t" * n + "c" * kmax
+    print(f"\nencoder (causal; _ left padding, t prompt tokens, c compression tokens, k_max={kmax}):")
+    print("  " + kinds)
+    for kind, row in zip(kinds, grid.tolist()):
+        print(kind + " " + "".join("#" if x else "." for x in row))
+    key_valid = torch.cat([torch.arange(kmax)[None] < k, torch.ones(1, dec, dtype=torch.bool)], 1)
+    grid = kernels.dense_mask(kernels.causal_after_prefix(kmax, key_valid), 1, dec, kmax + dec, "cpu")[0, 0]
+    print(f"\ndecoder (frozen base) over the memory, policy k={k}: m K/V of c_1..c_{kmax}, d decoder tokens")
+    print("  " + "m" * kmax + "d" * dec)
+    for row in grid.tolist():
+        print("d " + "".join("#" if x else "." for x in row))
+
+
+if __name__ == "__main__":
+    main()
