@@ -7,7 +7,6 @@ On CPU the loss benchmark runs each variant in a fresh subprocess and reports th
 of its peak RSS (ru_maxrss) over the inputs; on CUDA, torch.cuda.max_memory_allocated.
 """
 import argparse
-import os
 import resource
 import subprocess
 import sys

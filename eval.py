@@ -198,6 +198,8 @@ def evaluate_run(run_dir, ecfg):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     ratios = train.ratios_of(ecfg.ratio or cfg.ratio)
     records = eval_records(cfg, ecfg)
+    if not records:
+        raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
     t = teacher_rows(base, tok, records, cfg, ecfg, device)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)

@@ -22,3 +22,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine
+    OpenMP spin-waiting makes them 10x slower; restored after each module."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A random tiny base in out/base's layout (tests/common.tiny_base), one per module."""
+    from common import tiny_base
+    return tiny_base(tmp_path_factory.mktemp("base") / "base")

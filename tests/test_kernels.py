@@ -11,15 +11,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 N_B, N_T, D, V = 2, 7, 16, 11  # 14 tokens in chunks of 3: five chunks, the last one short
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine
-    OpenMP spin-waiting makes them 10x slower; restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture
 def small_chunks(monkeypatch):

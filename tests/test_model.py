@@ -23,15 +23,6 @@ TINY = dict(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers
 T_LONG = 80  # > original_max_position_embeddings (32) so rope scaling matters
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine
-    OpenMP spin-waiting makes them 10x slower; restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 FAMILIES = {
     # llama3 scaling: with head_dim 16 and original length 32 the wavelengths 6.3 / 19.9 / 62.8+

@@ -13,21 +13,10 @@ import data
 import kernels
 import pic
 import train
-from common import method_smoke, read_params, run, tiny_base, torchrun
+from common import method_smoke, read_params, run, torchrun
 from model import Memory, ModelConfig, Transformer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return tiny_base(tmp_path_factory.mktemp("base") / "base")
 
 
 def make(base_dir, objective="qa", ratio="3", **kw):

@@ -12,14 +12,10 @@ import sentence_gist as sg
 import train
 from model import Memory, Transformer
 from sentence_gist import GIST, SINK, TOKEN
-from common import method_smoke, read_params, run, tiny_base, torchrun
+from common import method_smoke, read_params, run, torchrun
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return tiny_base(tmp_path_factory.mktemp("base"))
 
 
 def make(base_dir, randomize=True, objective="lm", **kw):

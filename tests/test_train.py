@@ -6,12 +6,8 @@ import pytest
 import torch
 
 import train
-from common import hf_checkpoint, read_params, run, squad_file, tiny_base, torchrun
+from common import hf_checkpoint, read_params, run, squad_file, torchrun
 
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return tiny_base(tmp_path_factory.mktemp("base") / "base")
 
 
 def args(base_dir, out, *extra):
