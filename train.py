@@ -138,7 +138,7 @@ def print_help(configs):
     import inspect
     print("usage: python train.py --method NAME [--flag value ...]\n")
     for c in configs:
-        print(f"{c.__name__} ({inspect.getmodule(c).__name__}.py):")
+        print(f"{c.__name__} ({os.path.basename(inspect.getsourcefile(c))}):")
         src = inspect.getsource(c).splitlines()
         for f in fields(c):
             line = next((l for l in src if l.strip().startswith(f"{f.name}:")), "")
