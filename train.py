@@ -641,12 +641,11 @@ def main(argv):
     eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
     val = Batches(cfg, tok, method, rank, world)
     STOP.clear()
-    interrupted = STOP
     old_handler = signal.signal(signal.SIGINT, lambda *a: STOP.append(1))
     bar = tqdm(total=cfg.max_iters, initial=step, disable=not master or cfg.quiet, desc=cfg.method, dynamic_ncols=True)
     t0, tokens = time.time(), 0
     method.train()
-    while step < cfg.max_iters and not interrupted:
+    while step < cfg.max_iters and not STOP:
         lr = lr_at(step, cfg, getattr(method, "lr_schedule", "cosine"))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -691,14 +690,16 @@ def main(argv):
             if step % eval_every == 0 or step == cfg.max_iters:
                 save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
     bar.close()
-    if master and interrupted:
+    if master and STOP:
         save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
     signal.signal(signal.SIGINT, old_handler)
     if ddp:
         dist.barrier()
         dist.destroy_process_group()
-    if master and not interrupted and cfg.method not in ("base",):
+    if master and batches.stats:
+        print(f"truncated while training (--max_context / --max_answer): {batches.stats}")
+    if master and not STOP and cfg.method not in ("base",):
         print(f"trained {cfg.out_dir}; evaluate with: python eval.py {cfg.out_dir}")
     return cfg.out_dir
 
