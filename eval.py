@@ -203,8 +203,11 @@ def evaluate_run(run_dir, ecfg):
     t = teacher_rows(base, tok, records, cfg, ecfg, device)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
+    heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4)
+    extra = heldout([r["context"] for r in records]) if heldout else {}
     for row in rows:
         row["method"], row["run"] = label, run_dir
+        row.update(extra)
     result = {"run": run_dir, "teacher": t["teacher"], "no_context": t["no-context"],
               "rows": normalised(rows, t["teacher"], t["no-context"])}
     with open(cached + ".tmp", "w") as f:
@@ -214,13 +217,19 @@ def evaluate_run(run_dir, ecfg):
 
 
 COLUMNS = ("method", "ratio", "em", "f1", "f1_norm", "memory_bytes", "examples_per_s")
+EXTRA = {"k": "mean k {:.2f}", "probe_abs_err": "probe MAE {:.1f}", "gist_rc": "gist r_c {:.1f}",
+         "ppl_compressed": "ppl {:.2f}", "ppl_full": "(full {:.2f})"}  # method-specific columns
+
+
+def extra_text(row):
+    return ", ".join(fmt.format(row[k]) for k, fmt in EXTRA.items() if k in row) or "-"
 
 
 def table(results):
     """One markdown table: teacher and no-context rows (from the first run), then one row
     per run x ratio."""
-    head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | examples/s |"
-    lines = [head, "|" + "---|" * 7]
+    head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | examples/s | method-specific |"
+    lines = [head, "|" + "---|" * 8]
     first = results[0]
     rows = [first["teacher"], first["no_context"]] + [r for res in results for r in res["rows"]]
     for r in rows:
@@ -228,7 +237,7 @@ def table(results):
         norm = f"{r['f1_norm']:.2f}" if "f1_norm" in r else "-"
         mem = f"{r['memory_bytes']:.0f}" if "memory_bytes" in r else "-"
         lines.append(f"| {r['method']} | {ratio} | {r['em']:.1f} | {r['f1']:.1f} | {norm} | {mem} | "
-                     f"{r['examples_per_s']:.1f} |")
+                     f"{r['examples_per_s']:.1f} | {extra_text(r)} |")
     return "\n".join(lines)
 
 

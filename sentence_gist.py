@@ -230,6 +230,11 @@ class SentenceGist(nn.Module):
         with self.base.adapter("gist"):
             return self.base.generate(prompts, max_new_tokens, memory=memory)
 
+    def heldout_metrics(self, texts):
+        """eval.py's extra columns for this method: perplexity with the compressed cache."""
+        ppl = perplexity(self, texts)
+        return {"ppl_full": ppl["full"], "ppl_compressed": ppl["compressed"], "ppl_ratio": ppl["ratio"]}
+
 
 @torch.no_grad()
 def perplexity(method, texts):

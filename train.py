@@ -93,7 +93,9 @@ def parse_args(argv, *configs, positional=None):
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print_help(configs)
+            script = os.path.basename(sys.argv[0]) or "train.py"
+            print_help(configs, f"python {script} [RUN_DIR ...] [--flag value ...]" if positional else
+                       "python train.py --method NAME [--flag value ...]")
             sys.exit(0)
         if not arg.startswith("--") and positional:
             values[positional] = (values.get(positional, "") + " " + arg).strip()
@@ -134,9 +136,9 @@ def _convert(key, f, val):
         raise SystemExit(f"error: --{key} expects {typ.__name__}, got {val!r}")
 
 
-def print_help(configs):
+def print_help(configs, usage="python train.py --method NAME [--flag value ...]"):
     import inspect
-    print("usage: python train.py --method NAME [--flag value ...]\n")
+    print(f"usage: {usage}\n")
     for c in configs:
         print(f"{c.__name__} ({os.path.basename(inspect.getsourcefile(c))}):")
         src = inspect.getsource(c).splitlines()
@@ -173,11 +175,15 @@ class BaseConfig:
 class Base(torch.nn.Module):
     """`--method base`: the tiny Llama-config model trained from scratch on synthetic
     contexts followed by question-answer pairs (SPEC §2.6): CE on every token, answers
-    weighted 1 and the rest ``context_weight``; a curriculum grows the number of people
-    and attributes over the first half of the run. `--method teacher` (below) finetunes a
+    weighted 1 and the rest ``context_weight``. Curriculum: one person with 1-2 sentences
+    for the first 20 % of steps (the copy is learned there: with 2 people from the start,
+    first-answer-token accuracy stayed at 4 % for 900 steps; with 450 one-person steps
+    first, it passed 39 % by step 1200), then up to 2 -> 8 people and 2 -> 6 attributes
+    by 60 %, every person sharing the same attributes during the ramp so each is a
+    distractor; then the full mix of the eval set. `--method teacher` (below) finetunes a
     real checkpoint instead."""
     objectives = ("lm",)
-    TINY = dict(max_iters=1500, batch_size=16, lr=3e-3, weight_decay=0.1)
+    TINY = dict(max_iters=2500, batch_size=16, lr=3e-3, weight_decay=0.1)
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -341,10 +347,11 @@ class Batches:
         frac = step / max(1, self.cfg.max_iters)
         if self.text:
             return [self.synth.lm_text(rng, rng.randint(2, 8)) for _ in range(n)]
-        if self.cfg.method == "base":  # curriculum (SPEC §2.6)
-            ramp = min(1.0, frac / 0.5)
-            people, attrs = 1 + round(7 * ramp), 1 + round(5 * ramp)
-            return [self.synth.example(rng, rng.randint(1, people), rng.randint(1, attrs), same_attrs=ramp < 1,
+        if self.cfg.method == "base":  # curriculum (SPEC §2.6), see Base
+            ramp = min(1.0, max(0.0, frac - 0.2) / 0.4)
+            people, attrs = (1, 2) if frac < 0.2 else (2 + round(6 * ramp), 2 + round(4 * ramp))
+            return [self.synth.example(rng, rng.randint(1, people), rng.randint(1, attrs),
+                                       same_attrs=ramp < 1 or rng.random() < 0.5,
                                        n_questions=self.method.cfg.qa_per_context) for _ in range(n)]
         return [self.synth.example(rng, rng.randint(2, 8), rng.randint(3, 6)) for _ in range(n)]
 

@@ -3,11 +3,14 @@
 # shared base/teacher and fixed seeds; then one table (RESULTS.md is made from it).
 #   bash scripts/reproduce.sh            # the full suite (2-core CPU: see RESULTS.md for the time)
 #   bash scripts/reproduce.sh --smoke    # every entry for 2 steps (CI)
+#   ITERS=150 EXAMPLES=100 bash scripts/reproduce.sh   # shorter: every entry 150 steps, 100 eval questions
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/suite}
 COMMON=(--seed 1337 --quiet)
+[ -n "${ITERS:-}" ] && COMMON+=(--max_iters "$ITERS")
+[ -n "${EXAMPLES:-}" ] && COMMON+=(--eval_examples "$EXAMPLES")
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke
   COMMON+=(--max_iters 2 --batch_size 2 --eval_examples 4)

@@ -73,3 +73,9 @@ def test_corrupt_metrics_or_unknown_method_is_one_line(tmp_path):
         evaluate.main([str(unknown)])
     with pytest.raises(SystemExit, match="not a run dir"):
         evaluate.main([str(tmp_path / "nothing")])
+
+
+def test_method_specific_columns():
+    row = {"k": 3.0, "probe_abs_err": 2.46, "ppl_compressed": 5.5}
+    assert evaluate.extra_text(row) == "mean k 3.00, probe MAE 2.5, ppl 5.50"
+    assert evaluate.extra_text({}) == "-"

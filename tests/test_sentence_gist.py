@@ -1,4 +1,5 @@
 """sentence_gist.py: layout and mask, mean-resizing, cache equivalence, stages, end to end."""
+import json
 import os
 
 import pytest
@@ -206,8 +207,10 @@ def test_bad_input_is_one_line(base_dir):
 
 @pytest.mark.slow
 def test_method_smoke_llama_lm(tmp_path):
-    method_smoke(tmp_path, "sentence_gist", extra=["--gists", "2", "--lora_r", "4", "--lora_alpha", "8",
-                                                    "--max_sentence_len", "16"])
+    out = method_smoke(tmp_path, "sentence_gist", extra=["--gists", "2", "--lora_r", "4", "--lora_alpha", "8",
+                                                          "--max_sentence_len", "16"])
+    row = json.loads((out / "metrics.json").read_text())["rows"][0]  # perplexity rides along in the QA table
+    assert row["ppl_compressed"] > 1 and row["ppl_full"] > 1 and row["ppl_ratio"] > 1
 
 
 @pytest.mark.slow
