@@ -248,7 +248,7 @@ def plot(results, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(11, 5))
     for res in results:
         pts = sorted((r["ratio"], r["f1"]) for r in res["rows"])
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=res["rows"][0]["method"])
@@ -257,7 +257,7 @@ def plot(results, path):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("compression ratio (context tokens / memory slots)")
     ax.set_ylabel("F1")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
