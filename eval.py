@@ -216,7 +216,6 @@ def evaluate_run(run_dir, ecfg):
     return result
 
 
-COLUMNS = ("method", "ratio", "em", "f1", "f1_norm", "memory_bytes", "examples_per_s")
 EXTRA = {"k": "mean k {:.2f}", "probe_abs_err": "probe MAE {:.1f}", "gist_rc": "gist r_c {:.1f}",
          "ppl_compressed": "ppl {:.2f}", "ppl_full": "(full {:.2f})"}  # method-specific columns
 
@@ -298,7 +297,8 @@ def one_shot(ecfg):
 
 
 def main(argv):
-    (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs")
+    (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs",
+                                  usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
     runs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not runs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")

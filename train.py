@@ -83,7 +83,10 @@ STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the ste
 # command line: the dataclass fields are the flags
 
 
-def parse_args(argv, *configs, positional=None):
+USAGE = "python train.py --method NAME [--flag value ...]"
+
+
+def parse_args(argv, *configs, positional=None, usage=USAGE):
     """--key=value or --key value over the fields of several dataclasses; bools are
     switches (--compile, --no_linear); bare arguments are joined into the field named
     `positional`. Returns (instances, set of explicit keys)."""
@@ -93,9 +96,7 @@ def parse_args(argv, *configs, positional=None):
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            script = os.path.basename(sys.argv[0]) or "train.py"
-            print_help(configs, f"python {script} [RUN_DIR ...] [--flag value ...]" if positional else
-                       "python train.py --method NAME [--flag value ...]")
+            print_help(configs, usage)
             sys.exit(0)
         if not arg.startswith("--") and positional:
             values[positional] = (values.get(positional, "") + " " + arg).strip()
@@ -136,7 +137,7 @@ def _convert(key, f, val):
         raise SystemExit(f"error: --{key} expects {typ.__name__}, got {val!r}")
 
 
-def print_help(configs, usage="python train.py --method NAME [--flag value ...]"):
+def print_help(configs, usage=USAGE):
     import inspect
     print(f"usage: {usage}\n")
     for c in configs:
@@ -181,8 +182,8 @@ class Base(torch.nn.Module):
     sentences it rose after 300-600+ steps depending on the seed, and stayed at 6 % for
     seed 1337; with one sentence it reached 88 % at step 400 for that seed), then up to
     2 -> 8 people and 2 -> 6 attributes by 70 %, every person sharing the same attributes
-    during the ramp so each is a distractor; then the full mix of the eval set. `--method teacher` (below) finetunes a
-    real checkpoint instead."""
+    during the ramp so each is a distractor; then the full mix of the eval set.
+    `--method teacher` (below) finetunes a real checkpoint instead."""
     objectives = ("lm",)
     TINY = dict(max_iters=2500, batch_size=16, lr=3e-3, weight_decay=0.1)
 
