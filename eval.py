@@ -178,10 +178,14 @@ def normalised(rows, teacher, noctx):
 
 def run_label(run_dir, mcfg):
     """Method name plus the flags given on its command line: the trained ratios and the
-    method's own (e.g. "pic (ratio=16, mask=causal)")."""
+    method's own, and the first stage's objective for a second stage (e.g.
+    "pic (ratio=16, mask=causal)", "ata (after rel)")."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
     train_ratio = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
     flags = train_ratio + [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
+    first = os.path.join(state["train"]["init_from"], "run.json")  # a second stage names its first
+    if os.path.exists(first) and json.load(open(first))["train"]["method"] == state["train"]["method"]:
+        flags.append(f"after {json.load(open(first))['train']['objective']}")
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 

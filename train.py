@@ -65,7 +65,7 @@ class TrainConfig:
     max_answer: int = 64
     # --- logging / eval
     eval_interval: int = 0     # validation loss every N steps (0 = 4 times per run)
-    eval_examples: int = 200   # held-out QA examples for the final EM/F1
+    eval_examples: int = 200   # held-out QA examples for the final EM/F1 (0: train only, e.g. a pretraining stage)
     # --- system
     device: str = ""           # "" = cuda if available else cpu
     dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
@@ -733,7 +733,7 @@ if __name__ == "__main__":
     except ValueError as e:  # user errors raised by data.py / model.py readers
         raise SystemExit(f"error: {e}")
     if out and os.environ.get("RANK", "0") == "0" and "--help" not in sys.argv and "-h" not in sys.argv:
-        cfg_method = json.load(open(os.path.join(out, "run.json")))["train"]["method"]
-        if cfg_method not in ("base", "teacher"):
+        run_cfg = json.load(open(os.path.join(out, "run.json")))["train"]
+        if run_cfg["method"] not in ("base", "teacher") and run_cfg["eval_examples"] > 0:
             import eval as evaluate
             evaluate.main([out])

@@ -21,6 +21,7 @@ elif [ -n "${INIT_FROM:-}" ]; then
 fi
 start=$(date +%s)
 run() { local name=$1; shift; echo "== $name: $*"; python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > /dev/null; }
+stage() { run "$@" --eval_examples 0; }   # a pretraining stage: trained, not evaluated
 
 # meanpool_multi_ratio Tables 1/3: mean pooling vs compression tokens (causal, bidirectional),
 # multi- vs single-ratio, no linear layer, ratio sampling
@@ -31,9 +32,12 @@ run meanpool-no_linear    --method meanpool --ratio 4,8,16 --no_linear
 run meanpool-sampling     --method meanpool --ratio 4,8,16 --ratio_sampling
 run ctok-causal           --method pic --ratio 4,8,16 --mask causal --mem single
 run ctok-bidir            --method pic --ratio 4,8,16 --mask bidir --mem single
-# pic Table 4: block-wise vs full causal mask at 16x
-run pic-blockwise         --method pic --ratio 16 --mask blockwise
-run pic-causal            --method pic --ratio 16 --mask causal
+# pic Table 4: block-wise vs full causal mask (at 4x and 16x), and the paper's two stages
+# (ae+lm pretraining on the text stream, then qa finetuning from it)
+run pic-blockwise         --method pic --ratio 4,16 --mask blockwise
+run pic-causal            --method pic --ratio 4,16 --mask causal
+stage pic-pretrain        --method pic --ratio 16 --objective ae+lm
+run pic-blockwise-ae+lm   --method pic --ratio 16 --init_from "$OUT/pic-pretrain"
 # sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
 for g in 1 2 4 8; do run gist-$g --method sentence_gist --gists $g; done
 # sac Tables 3-4: SAC vs w/o bidirectional mask, w/o anchor embedding, random anchors
@@ -43,10 +47,13 @@ for r in 5 15; do
   run sac-no_emb-r$r      --method sac --ratio $r --no_anchor_embedding
   run sac-random-r$r      --method sac --ratio $r --anchors random
 done
-# ata Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction
-run ata                   --method ata
-run ata-no_aac            --method ata --no_aac
-run ata-no_selective      --method ata --no_selective
+# ata Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction, each
+# pretrained with `rel` (reconstruct the relevant chunk) then finetuned with `qa` (§3.4)
+for v in "" no_aac no_selective; do
+  flags=(--method ata ${v:+--$v}); name=ata${v:+-$v}
+  stage $name-rel         "${flags[@]}" --objective rel
+  run $name               "${flags[@]}" --init_from "$OUT/$name-rel"
+done
 
-python eval.py $(ls -d "$OUT"/*/ | grep -v "/base/$") --out "$OUT/results.json" | tee "$OUT/results.md"
+python eval.py $(ls -d "$OUT"/*/ | grep -v -e "/base/$" -e "-rel/$" -e "-pretrain/$") --out "$OUT/results.json" | tee "$OUT/results.md"
 echo "suite: $(( $(date +%s) - start )) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
