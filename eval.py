@@ -252,9 +252,15 @@ def plot(results, path):
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(11, 5))
-    for res in results:
+    methods = sorted({res["rows"][0]["method"].split(" ")[0] for res in results})
+    seen = {}  # one colour per method, a new marker for each of its runs
+    for res in sorted(results, key=lambda res: res["rows"][0]["method"]):
+        label = res["rows"][0]["method"]
+        method = label.split(" ")[0]
+        k = seen[method] = seen.get(method, -1) + 1
         pts = sorted((r["ratio"], r["f1"]) for r in res["rows"])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=res["rows"][0]["method"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{methods.index(method) % 10}",
+                marker="os^vDP*Xph"[k % 10], ls=("-", "--", ":", "-.")[k % 4], label=label)
     ax.axhline(results[0]["teacher"]["f1"], color="k", ls="--", lw=1, label="teacher (full context)")
     ax.axhline(results[0]["no_context"]["f1"], color="gray", ls=":", lw=1, label="no context")
     ax.set_xscale("log", base=2)
