@@ -183,9 +183,9 @@ def run_label(run_dir, mcfg):
     state = json.load(open(os.path.join(run_dir, "run.json")))
     train_ratio = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
     flags = train_ratio + [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
-    first = os.path.join(state["train"]["init_from"], "run.json")  # a second stage names its first
-    if os.path.exists(first) and json.load(open(first))["train"]["method"] == state["train"]["method"]:
-        flags.append(f"after {json.load(open(first))['train']['objective']}")
+    first = train.first_stage(state["train"]["init_from"], state["train"]["method"])
+    if first:
+        flags.append(f"after {first['objective']}")
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 

@@ -274,10 +274,19 @@ def build(cfg, mcfg, device, dtype):
     for p in base.parameters():
         p.requires_grad_(cfg.method == "base")
     method = cls(base, mcfg, tok, cfg).to(device)
-    stage = os.path.join(cfg.init_from, "run.json") if cfg.init_from else ""
-    if stage and os.path.exists(stage) and json.load(open(stage))["train"]["method"] == cfg.method != "base":
+    if cfg.method != "base" and first_stage(cfg.init_from, cfg.method):
         load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata, sentence_gist)
     return tok, base, method
+
+
+def first_stage(init_from, method):
+    """The train config of the run dir `init_from` when it is an earlier stage of the same
+    method (e.g. pic ae+lm before qa), else None."""
+    path = os.path.join(init_from, "run.json") if init_from else ""
+    if not path or not os.path.exists(path):
+        return None
+    first = json.load(open(path))["train"]
+    return first if first["method"] == method else None
 
 
 def is_tiny(cfg):

@@ -20,8 +20,10 @@ elif [ -n "${INIT_FROM:-}" ]; then
   COMMON+=(--init_from "$INIT_FROM" --data "$DATA" --eval_data "$EVAL_DATA")
 fi
 start=$(date +%s)
-run() { local name=$1; shift; echo "== $name: $*"; python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > /dev/null; }
-stage() { run "$@" --eval_examples 0; }   # a pretraining stage: trained, not evaluated
+evaluated=()
+train_one() { local name=$1; shift; echo "== $name: $*"; python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > /dev/null; }
+run() { train_one "$@"; evaluated+=("$OUT/$1"); }        # trained, evaluated, one table row each
+stage() { train_one "$@" --eval_examples 0; }          # a pretraining stage: trained, not evaluated
 
 # meanpool_multi_ratio Tables 1/3: mean pooling vs compression tokens (causal, bidirectional),
 # multi- vs single-ratio, no linear layer, ratio sampling
@@ -55,5 +57,5 @@ for v in "" no_aac no_selective; do
   run $name               "${flags[@]}" --init_from "$OUT/$name-rel"
 done
 
-python eval.py $(ls -d "$OUT"/*/ | grep -v -e "/base/$" -e "-rel/$" -e "-pretrain/$") --out "$OUT/results.json" | tee "$OUT/results.md"
+python eval.py "${evaluated[@]}" --out "$OUT/results.json" | tee "$OUT/results.md"
 echo "suite: $(( $(date +%s) - start )) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
