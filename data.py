@@ -767,13 +767,14 @@ class Synthetic:
                 sentences.append(_render(rng.choice(sentence_templates), name, value))
                 facts.append((len(bios), name, a, value))
             bios.append(" ".join(sentences))
-        qas, relevant = [], []
+        qas, relevant, people = [], [], []
         for i, name, a, value in rng.sample(facts, min(n_questions, len(facts))):
             qas.append((_render(rng.choice(ATTRIBUTES[a][2]), name), value))
             relevant.append(bios[i])
+            people.append(name)
         return {"id": f"syn-{self.split}-{rng.getrandbits(48):012x}", "context": "\n".join(bios), "chunks": bios,
                 "qas": qas, "question": qas[0][0], "answers": [qas[0][1]], "relevant": relevant[:1],
-                "qa_relevant": relevant}
+                "qa_relevant": relevant, "qa_people": people}
 
     def qa_examples(self, n, n_people=(2, 8), n_attrs=(3, 6), seed_offset=0):
         """n fixed examples (eval sets, or a fixed training set); same arguments, same list."""
@@ -820,7 +821,7 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
-        character_coverage=1.0, byte_fallback=True, split_digits=False, num_threads=1,
+        character_coverage=1.0, byte_fallback=True, split_digits=False, num_threads=1, user_defined_symbols=["."],
         add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False,
         unk_id=0, bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False,
         minloglevel=2)

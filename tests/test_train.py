@@ -129,3 +129,77 @@ def test_lr_schedules():
     assert train.lr_at(100, cfg) == pytest.approx(0.1)  # cosine ends at lr * min_lr_frac
     assert train.lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean
     assert train.lr_at(55, cfg, "linear") == pytest.approx(0.5) and train.lr_at(100, cfg, "linear") == 0.0
+
+
+def test_base_attention_targets(tmp_path):
+    """collate_base's supervision targets: point keys hold the answer token the query
+    predicts, inside the asked person's biography (every answer token is found there:
+    "." is its own token, so a date ending a sentence reads as in the answer); bind keys
+    hold the asked last name and precede their query."""
+    import random
+    import data
+    from common import default_tokenizer
+    tok = default_tokenizer(tmp_path)
+    rng = random.Random(0)
+    syn = data.Synthetic(0, "train")
+    exs = [dict(syn.example(rng, 4, 3, n_questions=4), template=i) for i in range(6)]
+    batch = train.collate_base(exs, tok, 0.3)
+    ids, labels = batch["ids"], batch["labels"]
+    n_answer_tokens = sum(len(tok.encode(" " + a, start=False)) for ex in exs for _, a in ex["qas"])
+    assert len(batch["point_rows"]) == n_answer_tokens  # every answer token, none for the end of text
+    for r, p, keys in zip(batch["point_rows"], batch["point_pos"], batch["point_keys"]):
+        assert keys.any() and (ids[r, keys] == labels[r, p]).all() and keys.nonzero().max() < p
+    lasts = {tok.encode(" " + name.split()[-1], start=False)[0] for ex in exs for name in ex["qa_people"]}
+    assert len(batch["bind_rows"]) > 24
+    for r, p, keys in zip(batch["bind_rows"], batch["bind_pos"], batch["bind_keys"]):
+        assert keys.any() and keys.nonzero().max() < p and set(ids[r, keys].tolist()) <= lasts
+        assert len(set(ids[r, keys].tolist())) == 1  # one person's name per query
+    # the point keys of the first question sit in its person's biography, not elsewhere
+    ex, ctx = exs[0], data.format_qa(tok, exs[0]["context"], *exs[0]["qas"][0], chunks=exs[0]["chunks"])
+    lo, hi = ctx["chunk_spans"][ex["chunks"].index(ex["qa_relevant"][0])]
+    keys = batch["point_keys"][0].nonzero().flatten() - 1  # minus [BOS]
+    assert ((keys >= lo) & (keys < hi)).all()
+
+
+def test_base_head_nll_is_the_attention_mass(base_dir):
+    """Base.head_nll equals -log of the attention mass read from the model's own attention
+    (SDPA with one-hot values returns the attention weights)."""
+    import torch.nn.functional as F
+    from model import Transformer, apply_rope
+    base = Transformer.from_pretrained(base_dir)
+    method = train.Base(base, train.BaseConfig(), None, None)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 200, (2, 12))
+    base(ids)
+    rows, pos = torch.tensor([0, 1, 1]), torch.tensor([5, 11, 3])
+    keys = torch.zeros(3, 12, dtype=torch.bool)
+    keys[0, [1, 4]] = keys[1, [0, 7, 11]] = keys[2, 2] = True
+    layer = base.config.num_hidden_layers - 1
+    att = base.model.layers[layer].self_attn
+    x, cos, sin = method.layer_inputs[layer]
+    q = apply_rope(att.q_proj(x).view(2, 12, att.H, att.hd).transpose(1, 2), cos, sin)
+    k = apply_rope(att.k_proj(x).view(2, 12, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+    weights = F.scaled_dot_product_attention(q, k, torch.eye(12).expand(2, att.Hkv, 12, 12), is_causal=True,
+                                             enable_gqa=True)  # (B, H, T, T)
+    want = -torch.stack([weights[r, 0, p][m].sum().log() for r, p, m in zip(rows, pos, keys)]).mean()
+    got = method.head_nll(layer, rows, pos, keys)
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+
+
+def test_base_curriculum_batches(tmp_path):
+    """The base's curriculum: one person first, then two, then up to 8 x 6; short early
+    examples come 4 to a batch slot, split evenly over ranks and accumulation steps."""
+    from common import default_tokenizer
+    tok = default_tokenizer(tmp_path)
+    cfg = train.TrainConfig(method="base", max_iters=100, batch_size=2, grad_accum=2)
+    method = train.Base.__new__(train.Base)
+    method.cfg = train.BaseConfig()
+    people = {}
+    for step in (0, 30, 99):
+        items = train.Batches(cfg, tok, method).raw(step, 8)
+        people[step] = {len(ex["chunks"]) for ex in items}, len(items)
+        for rank in (0, 1):
+            micro = train.Batches(cfg, tok, method, rank=rank, world=2)(step)
+            assert [len(b["ids"]) for b in micro] == [len(items) // 4] * 2
+    assert people[0] == ({1}, 32) and people[30] == ({2}, 32)
+    assert people[99][1] == 8 and max(people[99][0]) > 2
