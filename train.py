@@ -629,7 +629,7 @@ def ensure_base(cfg):
     """No --init_from and no out/base: train the tiny base first (SPEC §2.6)."""
     if not is_tiny(cfg) or os.path.exists(os.path.join(BASE_DIR, "model.safetensors")):
         return
-    print(f"no {BASE_DIR}: training the tiny base model first (about 18 minutes on 2 idle CPU cores)")
+    print(f"no {BASE_DIR}: training the tiny base model first (about 12 minutes on 2 idle CPU cores)")
     main(["--method", "base", "--out_dir", BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
           "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
 

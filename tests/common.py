@@ -124,6 +124,13 @@ def torchrun(args, nproc=2, check=True):
     return p
 
 
+# DDP vs one process: the CPU sums a batch of 1 and of 2 in different orders, and Adam turns
+# near-zero gradient differences into steps of up to ~lr (measured: up to 2.5e-4 after 3
+# steps at lr 1e-2 on a 2-core Xeon). A real fault (no all-reduce, wrong shard) moves
+# parameters by ~lr = 1e-2.
+DDP_ATOL = 1e-3
+
+
 def read_params(run_dir):
     """The trainable tensors of a run dir's latest checkpoint."""
     from safetensors.torch import load_file

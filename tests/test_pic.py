@@ -13,7 +13,7 @@ import data
 import kernels
 import pic
 import train
-from common import method_smoke, read_params, run, torchrun
+from common import DDP_ATOL, method_smoke, read_params, run, torchrun
 from model import Memory, ModelConfig, Transformer
 
 
@@ -310,7 +310,7 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     assert a.keys() == b.keys() and "mem_embed" in a and "ae" not in a
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+        assert torch.allclose(a[k], b[k], atol=DDP_ATOL), k
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import data
 import kernels
 import sac
 import train
-from common import method_smoke, read_params, run, torchrun
+from common import DDP_ATOL, method_smoke, read_params, run, torchrun
 from model import Memory, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -247,7 +247,7 @@ def test_ddp_matches_single_process(tmp_path, base_dir):
     assert a.keys() == b.keys() and "anchor_emb" in a
     assert a["anchor_emb"].abs().sum() > 0 and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+        assert torch.allclose(a[k], b[k], atol=DDP_ATOL), k
 
 
 @pytest.mark.slow

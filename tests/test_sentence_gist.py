@@ -13,7 +13,7 @@ import sentence_gist as sg
 import train
 from model import Memory, Transformer
 from sentence_gist import GIST, SINK, TOKEN
-from common import method_smoke, read_params, run, torchrun
+from common import DDP_ATOL, method_smoke, read_params, run, torchrun
 
 torch.set_num_threads(1)
 
@@ -223,7 +223,7 @@ def test_ddp_matches_one_process(base_dir, tmp_path):
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert set(a) == set(b) and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+        assert torch.allclose(a[k], b[k], atol=DDP_ATOL), k
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train
-from common import hf_checkpoint, read_params, run, squad_file, torchrun
+from common import DDP_ATOL, hf_checkpoint, read_params, run, squad_file, torchrun
 
 
 
@@ -75,7 +75,7 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+        assert torch.allclose(a[k], b[k], atol=DDP_ATOL), k
 
 
 @pytest.mark.slow
