@@ -217,7 +217,7 @@ class Base(torch.nn.Module):
         super().__init__()
         self.base, self.cfg, self.tok = base, cfg, tok
         self.layer_inputs = {}  # layer index -> (x, cos, sin) of its attention, kept by a hook
-        for i in (0, base.config.num_hidden_layers - 1):
+        for i in (0, base.config.num_hidden_layers - 1) if cfg.attn_weight > 0 else ():
             base.model.layers[i].self_attn.register_forward_pre_hook(self.keep_input(i))
 
     def keep_input(self, layer):
