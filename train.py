@@ -36,7 +36,7 @@ import meanpool
 import pic
 import sac
 import sentence_gist
-from model import ModelConfig, Transformer, apply_rope
+from model import ModelConfig, Transformer, head_log_attention, keep_attention_inputs
 
 
 @dataclass
@@ -216,26 +216,14 @@ class Base(torch.nn.Module):
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.tok = base, cfg, tok
-        self.layer_inputs = {}  # layer index -> (x, cos, sin) of its attention, kept by a hook
-        for i in (0, base.config.num_hidden_layers - 1) if cfg.attn_weight > 0 else ():
-            base.model.layers[i].self_attn.register_forward_pre_hook(self.keep_input(i))
-
-    def keep_input(self, layer):
-        def hook(module, args):
-            self.layer_inputs[layer] = args[:3]
-        return hook
+        last = base.config.num_hidden_layers - 1
+        self.layer_inputs = keep_attention_inputs(base, (0, last) if cfg.attn_weight > 0 else ())
 
     def head_nll(self, layer, rows, pos, target):
         """Mean -log attention mass of head 0 of `layer`, from query (rows, pos) onto the
         keys in target (N, T) bool, under the causal mask."""
-        att = self.base.model.layers[layer].self_attn
-        x, cos, sin = (t.float() for t in self.layer_inputs[layer])  # (B, T, d), (B, 1, T, hd) x 2
-        hd = att.hd
-        q = apply_rope(att.q_proj(x[rows, pos])[:, :hd], cos[rows, 0, pos], sin[rows, 0, pos])  # (N, hd)
-        k = apply_rope(att.k_proj(x)[..., :hd], cos[:, 0], sin[:, 0])  # (B, T, hd)
-        scores = torch.einsum("nd,ntd->nt", q, k[rows]) / math.sqrt(hd)
-        future = torch.arange(x.shape[1], device=x.device)[None] > pos[:, None]
-        logp = scores.masked_fill(future, -1e9).log_softmax(-1)
+        attn = self.base.model.layers[layer].self_attn
+        logp = head_log_attention(attn, self.layer_inputs[layer], rows, pos)
         return -logp.masked_fill(~target, -1e9).logsumexp(-1).mean()
 
     def forward(self, batch, ratios):
@@ -372,6 +360,20 @@ def apply_defaults(cfg, mcfg, explicit, cls):
 # data: batches for step s are a pure function of (seed, s, rank)
 
 
+def compressor_curriculum(frac):
+    """The compression methods' synthetic data at fraction frac of the run, as
+    Base.curriculum: (min, max) people, (min, max) attributes, examples per slot, ramp.
+    Short contexts first (1-2 people, 1-3 attributes, 4 per slot, to 30 %): reading a value
+    back out of compressed memory is learned there; then a ramp to the eval set's mix
+    (2-8 people, 3-6 attributes, half of them with distractor attributes) at 70 %."""
+    if frac < 0.3:
+        return (1, 2), (1, 3), 4, 0.0
+    ramp = min(1.0, (frac - 0.3) / 0.4)
+    if ramp == 1.0:
+        return (2, 8), (3, 6), 1, 1.0
+    return (1, 2 + round(6 * ramp)), (1, 3 + round(3 * ramp)), 1, ramp
+
+
 class Batches:
     """Micro-batches for every objective. Synthetic by default (a fresh sample per step,
     with the base's curriculum), or records of --data shuffled per epoch."""
@@ -410,12 +412,11 @@ class Batches:
         frac = step / max(1, self.cfg.max_iters)
         if self.text:
             return [self.synth.lm_text(rng, rng.randint(2, 8)) for _ in range(n)]
-        if self.cfg.method == "base":  # curriculum (SPEC §2.6), see Base
-            people, attrs, per_slot, ramp = Base.curriculum(frac)
-            return [self.synth.example(rng, rng.randint(*people), rng.randint(*attrs),
-                                       same_attrs=ramp < 1 or rng.random() < 0.5,
-                                       n_questions=self.method.cfg.qa_per_context) for _ in range(n * per_slot)]
-        return [self.synth.example(rng, rng.randint(2, 8), rng.randint(3, 6)) for _ in range(n)]
+        base = self.cfg.method == "base"  # curricula: SPEC §2.6, Base, compressor_curriculum
+        people, attrs, per_slot, ramp = (Base.curriculum if base else compressor_curriculum)(frac)
+        n_questions = self.method.cfg.qa_per_context if base else 1
+        return [self.synth.example(rng, rng.randint(*people), rng.randint(*attrs), n_questions=n_questions,
+                                   same_attrs=ramp < 1 or rng.random() < 0.5) for _ in range(n * per_slot)]
 
     def __call__(self, step):
         """This rank's micro-batches of step `step`: a list of grad_accum collated dicts."""

@@ -90,3 +90,41 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
     no_w = meanpool.MeanPool(Transformer.from_pretrained(base_dir), meanpool.MeanPoolConfig(no_linear=True), tok,
                              train.TrainConfig())
     assert no_w.proj is None
+
+
+def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
+    """--attn_kd: the teacher's head-0 attention covers only context tokens; a teacher that
+    looks at context token j makes the loss -log of the decoder's head-0 attention on slot
+    j // r, read from the real decoder pass (SDPA with one-hot values = attention weights)."""
+    import torch.nn.functional as F
+    from model import apply_rope
+    m, batch = _method(tmp_path, attn_kd=1.0)
+    with torch.no_grad(), m.base.adapter(None):
+        m.base(batch["full"])
+        seen = m.teacher_attention(batch)  # (N, L)
+    rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
+    lens = batch["context_len"][rows]
+    assert (seen.sum(-1) > 0.01).all() and (seen.sum(-1) <= 1 + 1e-5).all()
+    assert all((seen[n, lens[n]:] == 0).all() for n in range(len(rows)))
+    j, r = 5, 4
+    onehot = torch.zeros_like(seen)
+    onehot[:, j] = 1.0
+    with torch.no_grad(), m.base.adapter("decoder"):
+        memory = m.compress(batch, r)
+        m.base(batch["qa"], memory=memory)
+        got = m.attention_loss(onehot, memory, batch, r)
+        att = m.base.model.layers[m.last].self_attn
+        x, cos, sin = m.attn_inputs[m.last]
+        B, T, _ = x.shape
+        q = apply_rope(att.q_proj(x).view(B, T, att.H, att.hd).transpose(1, 2), cos, sin)
+        k = apply_rope(att.k_proj(x).view(B, T, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+    C = memory.embeds.shape[1]
+    keys = torch.cat([memory.mask, torch.ones_like(batch["qa"], dtype=torch.bool)], 1)  # (B, T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & keys[:, None]  # (B, T, T)
+    weights = F.scaled_dot_product_attention(q, k, torch.eye(T).expand(B, att.Hkv, T, T), attn_mask=mask[:, None],
+                                             enable_gqa=True)  # (B, H, T, T)
+    want = -weights[rows, 0, pos + C, j // r].log().mean()
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+    loss, n, _ = m(batch, [4])  # and the term enters the training loss
+    m.cfg.attn_kd = 0.0
+    assert loss.item() > m(batch, [4])[0].item()
