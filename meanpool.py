@@ -68,7 +68,7 @@ class MeanPool(nn.Module):
     Config = MeanPoolConfig
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0)
-    TINY = dict(lr=2e-3, max_iters=500, batch_size=16, attn_kd=1.0)
+    TINY = dict(lr=2e-3, max_iters=1000, batch_size=16, attn_kd=1.0)
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()

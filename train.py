@@ -183,7 +183,7 @@ class Base(torch.nn.Module):
     1. one person, one sentence (15 % of steps): the copy, a sharp, seed-dependent
        transition (with 1-2 sentences it can take 700+ steps of 16 examples);
     2. two people, one shared attribute (to 55 %): the name match, the slow part;
-    3. 2 -> 8 people and 1 -> 6 attributes (to 85 %), every person sharing the same
+    3. 2 -> 8 people and 1 -> 6 attributes (to 75 %), every person sharing the same
        attributes during the ramp so each is a distractor; then the eval set's mix.
     Stages 1-2 draw 4 examples per batch slot (they are short, so a step costs about
     the same): the name match is counted in examples, not steps (RESULTS.md).
@@ -210,7 +210,7 @@ class Base(torch.nn.Module):
             return (1, 1), (1, 1), 4, 0.0  # the copy
         if frac < 0.55:
             return (2, 2), (1, 1), 4, 0.0  # the name match
-        ramp = min(1.0, (frac - 0.55) / 0.3)
+        ramp = min(1.0, (frac - 0.55) / 0.2)
         return (2, 2 + round(6 * ramp)), (1, 1 + round(5 * ramp)), 1, ramp
 
     def __init__(self, base, cfg, tok, run):
@@ -438,10 +438,11 @@ class Batches:
         cfg = self.cfg
         if cfg.method == "base":
             return collate_base(items, self.tok, self.method.cfg.context_weight)
+        pad = 64 if cfg.compile else 8  # compiled graphs are reused across lengths; eager pays for padding
         if self.text:
-            return data.collate_lm(items, self.tok, cfg.max_context)
+            return data.collate_lm(items, self.tok, cfg.max_context, pad_multiple=pad)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
-                                stats=self.stats)
+                                stats=self.stats, pad_multiple=pad)
         prepare = getattr(self.method, "prepare", None)
         return prepare(batch) if prepare else batch
 
