@@ -723,6 +723,7 @@ ATTRIBUTES = {  # name -> (values, sentence templates, question templates)
         ["What pet does {name} have?", "What animal does {name} own?", "What kind of pet does {name} keep?"]),
 }
 SPLITS = {"train": range(0, 8), "val": range(8, 9), "test": range(9, 10)}
+EVAL_PEOPLE, EVAL_ATTRS = (2, 8), (3, 6)  # the eval sets' mix: people per context, attributes per person
 
 
 def _render(template, name, value=""):
@@ -776,7 +777,7 @@ class Synthetic:
                 "qas": qas, "question": qas[0][0], "answers": [qas[0][1]], "relevant": relevant[:1],
                 "qa_relevant": relevant, "qa_people": people}
 
-    def qa_examples(self, n, n_people=(2, 8), n_attrs=(3, 6), seed_offset=0):
+    def qa_examples(self, n, n_people=EVAL_PEOPLE, n_attrs=EVAL_ATTRS, seed_offset=0):
         """n fixed examples (eval sets, or a fixed training set); same arguments, same list."""
         rng = random.Random(f"{self.seed}/{self.split}/{seed_offset}")
         out = []

@@ -370,7 +370,7 @@ def compressor_curriculum(frac):
         return (1, 2), (1, 3), 4, 0.0
     ramp = min(1.0, (frac - 0.3) / 0.4)
     if ramp == 1.0:
-        return (2, 8), (3, 6), 1, 1.0
+        return data.EVAL_PEOPLE, data.EVAL_ATTRS, 1, 1.0
     return (1, 2 + round(6 * ramp)), (1, 3 + round(3 * ramp)), 1, ramp
 
 
