@@ -27,7 +27,10 @@ Choices the paper leaves open, made here:
   the context token to copy next (train.Base); its attention mass, summed over each
   window of r tokens, is the target of the decoder's head 0 over the memory slots:
   L += attn_kd * CE(teacher mass per window, decoder attention). Without it the decoder
-  sits on the answer prior for thousands of examples (README, "The default run").
+  sits on the answer prior for thousands of examples (README, "The default run"). It is
+  added per answer token, like the KD sum, so both share the normalisation.
+- Synthetic training data follows train.compressor_curriculum (short contexts first);
+  the paper trains on its QA mixture as is.
 """
 import random
 from dataclasses import dataclass
