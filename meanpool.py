@@ -22,25 +22,17 @@ Choices the paper leaves open, made here:
 - `--ratio_sampling` (Table 3): one ratio drawn per example instead of all of them.
 - `--no_linear` (Table 3): no W. A decoder of another width gets W in R^{d_dec x d_enc}.
 - `--objective qa`: CE on the answer instead of KD (an alternative, not the paper's).
-- `--attn_kd` (ours, on by default for the tiny base only): the decoder also learns where
-  the teacher looks. Head 0 of the tiny base's last layer points each answer position at
-  the context token to copy next (train.Base); its attention mass, summed over each
-  window of r tokens, is the target of the decoder's head 0 over the memory slots:
-  L += attn_kd * CE(teacher mass per window, decoder attention). Without it the decoder
-  sits on the answer prior for thousands of examples (README, "The default run"). It is
-  added per answer token, like the KD sum, so both share the normalisation.
-- Synthetic training data follows train.compressor_curriculum (short contexts first);
-  the paper trains on its QA mixture as is.
+On the tiny base, tiny.py's aids apply (curriculum, attention distillation; slot k
+holds window S_k).
 """
 import random
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kernels
-from model import Memory, head_log_attention, keep_attention_inputs
+from model import Memory
 
 
 @dataclass
@@ -49,7 +41,6 @@ class MeanPoolConfig:
     lora_alpha: int = 16
     no_linear: bool = False       # Table 3 ablation: no projection W
     ratio_sampling: bool = False  # Table 3 ablation: one ratio per example, not all
-    attn_kd: float = 0.0          # weight of the teacher-attention loss (ours; 1 on the tiny base)
 
 
 def mean_pool(h, lengths, r):
@@ -71,7 +62,8 @@ class MeanPool(nn.Module):
     Config = MeanPoolConfig
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0)
-    TINY = dict(lr=2e-3, max_iters=1000, batch_size=16, attn_kd=1.0)
+    TINY = dict(lr=2e-3, max_iters=1000, batch_size=16)
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -83,8 +75,6 @@ class MeanPool(nn.Module):
         if not cfg.no_linear:
             self.proj = nn.Linear(d, d, bias=False)
             nn.init.eye_(self.proj.weight)
-        self.last = base.config.num_hidden_layers - 1
-        self.attn_inputs = keep_attention_inputs(base, [self.last] if cfg.attn_kd > 0 else [])
 
     def encode(self, batch):
         """Bidirectional encoder over the context: (B, L, d)."""
@@ -108,12 +98,11 @@ class MeanPool(nn.Module):
         labels = batch["qa_labels"]
         w_head = self.base.lm_head.weight
         teacher = teacher_attn = None
-        if self.run.objective == "kd" or self.cfg.attn_kd > 0:
+        if self.aid is not None:  # one teacher pass for both
+            teacher, teacher_attn = self.aid.teacher(batch)
+        elif self.run.objective == "kd":
             with torch.no_grad(), self.base.adapter(None):
-                th = self.base(batch["full"], output="hidden")
-                teacher = th[batch["full_labels"] != -100]  # (N, d), same order as the student's answer tokens
-                if self.cfg.attn_kd > 0:
-                    teacher_attn = self.teacher_attention(batch)
+                teacher = self.base(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (N, d)
         if self.cfg.ratio_sampling:
             rs = torch.tensor([random.choice(ratios) for _ in range(h.shape[0])], device=h.device)
             groups = [rs]
@@ -131,37 +120,18 @@ class MeanPool(nn.Module):
                 if not torch.is_tensor(r):
                     metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
                 if teacher_attn is not None:
-                    attn_loss = self.attention_loss(teacher_attn, memory, batch, r)
-                    loss = loss + self.cfg.attn_kd * n * attn_loss
+                    attn_loss = self.aid.memory_loss(teacher_attn, memory, self.token_slots(batch, memory, r), labels)
+                    loss = loss + n * attn_loss
                     if not torch.is_tensor(r):
                         metrics[f"attn_r{r}"] = attn_loss.item()
             total = total + loss
         return total, n, metrics
 
-    def teacher_attention(self, batch):
-        """(N, L) attention of head 0 of the teacher's last layer from each answer-predicting
-        position of the full-context pass onto the context tokens (right after that pass)."""
-        rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
-        attn = self.base.model.layers[self.last].self_attn
-        p = head_log_attention(attn, self.attn_inputs[self.last], rows, pos).exp()
-        start, L = len(batch["prefix"]), batch["context"].shape[1]
-        p = F.pad(p[:, start:start + L], (0, max(0, start + L - p.shape[1])))
-        in_context = torch.arange(L, device=p.device)[None] < batch["context_len"][rows, None]
-        return p * in_context  # the prompt follows a short context in `full`: not memory
-
-    def attention_loss(self, teacher_attn, memory, batch, r):
-        """CE(teacher mass per window, decoder head 0 over the memory slots), mean over answer
-        tokens; call inside the decoder pass (its layer inputs are read)."""
-        C, L = memory.embeds.shape[1], teacher_attn.shape[1]
-        rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
-        r = torch.as_tensor(r, device=teacher_attn.device).expand(batch["qa"].shape[0])
-        window = (torch.arange(L, device=r.device)[None] // r[rows, None]).clamp(max=C - 1)  # (N, L)
-        target = teacher_attn.new_zeros(len(rows), C).scatter_add_(1, window, teacher_attn)
-        target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
-        valid = torch.cat([memory.mask, torch.ones_like(batch["qa"], dtype=torch.bool)], 1)
-        logp = head_log_attention(self.base.model.layers[self.last].self_attn, self.attn_inputs[self.last],
-                                  rows, pos + C, valid)
-        return -(target * logp[:, :C]).sum(-1).mean()
+    def token_slots(self, batch, memory, r):
+        """(B, L) the memory slot of each context token: its window (tiny.py's aid)."""
+        L = batch["context"].shape[1]
+        r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
+        return (torch.arange(L, device=r.device)[None] // r[:, None]).clamp(max=memory.mask.shape[1] - 1)
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):

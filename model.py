@@ -266,28 +266,34 @@ class Attention(nn.Module):
 
 
 def keep_attention_inputs(model, layers):
-    """{layer: (x, cos, sin)}: what the attention of each of `layers` was last called with,
-    refreshed by every forward pass (read it right after the pass you care about)."""
+    """{layer: (x, cos, sin, mask, prefix_kv)}: what the attention of each of `layers` was
+    last called with, refreshed by every forward pass (read it right after that pass)."""
     kept = {}
     for i in layers:
-        model.model.layers[i].self_attn.register_forward_pre_hook(lambda m, args, i=i: kept.__setitem__(i, args[:3]))
+        model.model.layers[i].self_attn.register_forward_pre_hook(lambda m, args, i=i: kept.__setitem__(i, args))
     return kept
 
 
-def head_log_attention(attn, inputs, rows, pos, keys_valid=None):
-    """(N, T) log attention probabilities of head 0 of `attn` from the queries (rows, pos)
-    onto every key of their sequence under the causal mask (and keys_valid (B, T)).
-    inputs: the (x, cos, sin) the layer was called with (keep_attention_inputs). SDPA
-    does not return attention weights, so head 0's q and k are recomputed, in fp32."""
-    x, cos, sin = (t.float() for t in inputs)  # (B, T, d), (B, 1, T, hd) x 2
+def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
+    """(N, C + T) log attention probabilities of head 0 of `attn` from the queries (rows,
+    pos) onto every key of their sequence, under the causal mask (and keys_valid (B, C + T)).
+    pos counts the tokens after n_memory memory slots, which are the first C keys: the
+    layer's prefix K/V (K/V memory), or the first C rows of x (embedding memory).
+    inputs: what the layer was called with (keep_attention_inputs). SDPA does not return
+    attention weights, so head 0's q and k are recomputed, in fp32."""
+    x, cos, sin = (t.float() for t in inputs[:3])  # (B, T, d), (B, 1, T, hd) x 2
+    prefix = inputs[4] if len(inputs) > 4 else None
+    at = pos if prefix is not None else pos + n_memory  # the query's row of x
     hd = attn.hd
-    q, k = attn.q_proj(x[rows, pos])[:, :hd], attn.k_proj(x)[..., :hd]  # head 0 and its kv head
+    q, k = attn.q_proj(x[rows, at])[:, :hd], attn.k_proj(x)[..., :hd]  # head 0 and its kv head
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rope(q, cos[rows, 0, pos], sin[rows, 0, pos])  # (N, hd)
+    q = apply_rope(q, cos[rows, 0, at], sin[rows, 0, at])  # (N, hd)
     k = apply_rope(k, cos[:, 0], sin[:, 0])  # (B, T, hd)
+    if prefix is not None:
+        k = torch.cat([prefix[0][:, 0].float(), k], 1)  # (B, C + T, hd), memory keys already rotated
     scores = torch.einsum("nd,ntd->nt", q, k[rows]) / math.sqrt(hd)
-    hidden = torch.arange(x.shape[1], device=x.device)[None] > pos[:, None]
+    hidden = torch.arange(k.shape[1], device=x.device)[None] > (at + k.shape[1] - x.shape[1])[:, None]
     if keys_valid is not None:
         hidden = hidden | ~keys_valid[rows]
     return scores.masked_fill(hidden, -1e9).log_softmax(-1)

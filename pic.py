@@ -38,6 +38,7 @@ Choices the paper leaves open, made here:
 - A set of ratios (--ratio 4,16) sums the losses (one encoder pass each); default 16.
 - The kd teacher is the decoder with full context; eval.py's teacher rows use the base,
   so prefer the decoder as --init_from and a small --encoder (same vocab_size: one tokenizer).
+On the tiny base, tiny.py's aids apply (curriculum, attention distillation; m_t holds c_t).
 Two-stage recipe (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
 `--objective qa --init_from out/pic_pt` (train.py loads the first stage's tensors).
 """
@@ -126,6 +127,7 @@ class PIC(nn.Module):
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
     TINY = dict(lr=2e-3, max_iters=500, batch_size=16, ratio="16")
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     @staticmethod
     def check_config(cfg, mcfg):
@@ -220,17 +222,22 @@ class PIC(nn.Module):
         if self.run.objective == "ae+lm":
             return self.ae_lm(batch, ratios)
         labels, w = batch["qa_labels"], self.dec.lm_head.weight
-        if self.run.objective == "kd":
+        teacher = teacher_attn = None
+        if self.aid is not None:  # one teacher pass for both
+            teacher, teacher_attn = self.aid.teacher(batch)
+        elif self.run.objective == "kd":
             with torch.no_grad(), self.dec.adapter(None):
-                th = self.dec(batch["full"], output="hidden")
-            teacher = th[batch["full_labels"] != -100]  # (n, d_dec), same order as the answer tokens below
+                teacher = self.dec(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (n, d_dec)
         total, metrics = 0.0, {}
         for r in ratios:
-            hs = self.decode_hidden(self.compress(batch, r), batch["qa"])  # (B, T, d_dec)
+            memory = self.compress(batch, r)
+            hs = self.decode_hidden(memory, batch["qa"])  # (B, T, d_dec)
             if self.run.objective == "kd":
                 loss, n = kernels.chunked_kd(hs[labels != -100], w, teacher, w)
             else:
                 loss, n = kernels.chunked_ce(hs, w, labels)
+            if teacher_attn is not None:
+                loss = loss + n * self.aid.memory_loss(teacher_attn, memory, self.token_slots(batch, memory, r), labels)
             total = total + loss
             metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
         return total, n, metrics
@@ -263,6 +270,11 @@ class PIC(nn.Module):
             total = total + LAMBDA * tc + (1 - LAMBDA) * tr  # eq. 8
             metrics.update({f"tr_r{r}": tr.item() / len(texts), f"tc_r{r}": tc.item() / len(texts)})
         return total, len(texts), metrics
+
+    def token_slots(self, batch, memory, r):
+        """(B, L) the memory slot of each context token: m_t holds chunk c_t (tiny.py's aid)."""
+        i = torch.arange(batch["context"].shape[1], device=memory.mask.device)
+        return (i // r).clamp(max=memory.mask.shape[1] - 1)[None].expand(len(memory.mask), -1)
 
     # --- answering ----------------------------------------------------------------
 

@@ -34,6 +34,8 @@ Choices the paper leaves open, made here:
 - Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
   batch 16, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default, objective
   qa); for pretraining pass `--objective lm --lr 1e-4`.
+On the tiny base, tiny.py's aids apply (curriculum, attention distillation; a token is
+held by its nearest anchor; `qa` only).
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
 `--anchors random` (Table 4 "Random").
 """
@@ -102,6 +104,7 @@ class SAC(nn.Module):
     PAPER = dict(lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000, warmup_frac=0.015,
                  min_lr_frac=1.0)
     TINY = dict(lr=1e-3, max_iters=300, batch_size=16, lora_r=16, lora_alpha=32)
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     @staticmethod
     def check_config(cfg, mcfg):
@@ -143,9 +146,10 @@ class SAC(nn.Module):
         valid = ar[None] < P + n_tok[b_of, j_of][:, None]  # (N, P + W)
         pos = torch.where(ar < P, ar, ar + W * j_of[:, None])  # (N, P + W): P + W*j + i
         # memory slots as flat indices into the (N * T) encoder tokens: prefix of row 0, anchors
-        select, prefix_at, anchor_at = ANCHORS[self.cfg.anchors], [], []
+        select, prefix_at, anchor_at, anchors = ANCHORS[self.cfg.anchors], [], [], []
         for b, n in enumerate(lengths.tolist()):
             g = anchor_positions(n, ratio, W, select).to(dev)  # context indices
+            anchors.append(g)
             prefix_at.append(row_of[b, 0] * T + torch.arange(P, device=dev))
             anchor_at.append(row_of[b, g // W] * T + P + g % W)
         C = max(P + len(a) for a in anchor_at)
@@ -166,7 +170,8 @@ class SAC(nn.Module):
             k, v = (x.transpose(1, 2).flatten(0, 1) for x in (k, v))
             mem.append((k[flat].transpose(1, 2), v[flat].transpose(1, 2)))
         memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
-        memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)]}
+        memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)],
+                        "anchors": anchors}
         return memory
 
     def split_lm(self, batch):
@@ -191,13 +196,24 @@ class SAC(nn.Module):
         """Training loss: (sum over target tokens and ratios, n target tokens, metrics)."""
         if self.run.objective == "lm":
             batch = self.split_lm(batch)
+        teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         total, metrics = 0.0, {}
         for r in ratios:
-            h = self.decode_hidden(self.compress(batch, r), batch)
+            memory = self.compress(batch, r)
+            h = self.decode_hidden(memory, batch)
             loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["qa_labels"])
+            if teacher_attn is not None:
+                slots = self.token_slots(batch, memory)
+                loss = loss + n * self.aid.memory_loss(teacher_attn, memory, slots, batch["qa_labels"])
             total = total + loss
             metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
         return total, n, metrics
+
+    def token_slots(self, batch, memory, r=None):
+        """(B, L) the memory slot of each context token: its nearest anchor (tiny.py's aid)."""
+        P, L = memory.mask.shape[1] - max(len(g) for g in memory.stats["anchors"]), batch["context"].shape[1]
+        i = torch.arange(L, device=memory.mask.device)
+        return torch.stack([P + (i[:, None] - g[None]).abs().argmin(1) for g in memory.stats["anchors"]])
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):

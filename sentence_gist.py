@@ -37,6 +37,8 @@ Choices the paper leaves open (or that differ from it), made here:
 - `perplexity(method, texts)`: ppl of each text's second half given the full first half
   (plain base) or its compressed cache; the halves split at the sentence end nearest
   the middle, so that cache holds only the sink and gists.
+On the tiny base, tiny.py's aids apply (curriculum, attention distillation onto a token's
+sentence gists; `qa` only).
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 `python sentence_gist.py` prints the mask of a toy input.
 """
@@ -138,6 +140,7 @@ class SentenceGist(nn.Module):
     # Table 3 / App. A (stage 1-2 values; stage 3: --lr 5e-5 --grad_clip 2). ratio "1": see check_config
     PAPER = dict(lr=1e-4, min_lr_frac=0.5, warmup_frac=0.1, weight_decay=0.1, grad_clip=1.0, ratio="1")
     TINY = dict(objective="qa", lr=2e-3, max_iters=300, batch_size=16)
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -198,9 +201,30 @@ class SentenceGist(nn.Module):
                 ctx, n_qa = batch["context"][b, :batch["context_len"][b]].tolist(), int(batch["qa_len"][b])
                 rows.append((batch["prefix"], ctx, batch["qa"][b, :n_qa].tolist()))
                 labels.append([-100] * (len(batch["prefix"]) + len(ctx)) + batch["qa_labels"][b, :n_qa].tolist())
+        teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         L = self.layout(rows, labels)
         loss, n = kernels.chunked_ce(self.hidden(L), self.base.lm_head.weight, L["labels"])
+        if teacher_attn is not None:  # the answer sees the sink, the gists and its open sentence
+            rows_, pos = (L["labels"] != -100).nonzero(as_tuple=True)
+            seen = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))
+            keys = self.token_slots(L, batch["context_len"], batch["context"].shape[1])
+            loss = loss + n * self.aid.loss(teacher_attn, keys, rows_, pos, seen)
         return loss, n, {"gists_per_token": (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())}
+
+    def token_slots(self, L, context_len, width):
+        """(B, width, N_g) the keys of layout L holding each context token (tiny.py's aid):
+        its sentence's gists, or itself while its sentence is open."""
+        G = self.cfg.gists
+        out = torch.full((len(context_len), width, G), -1, dtype=torch.long, device=L["kind"].device)
+        for b, n in enumerate(context_len.tolist()):
+            kind, sentence = L["kind"][b], L["sentence"][b]
+            pos = (kind == TOKEN).nonzero().flatten()[:n]  # context tokens come first
+            first = (kind == GIST).nonzero().flatten()[::G]  # first gist of each finished sentence
+            gist_of = torch.full((int(sentence.max()) + 2,), -1, dtype=torch.long, device=pos.device)
+            gist_of[sentence[first]] = first
+            g = gist_of[sentence[pos]][:, None]  # (n, 1)
+            out[b, :n] = torch.where(g >= 0, g + torch.arange(G, device=g.device), pos[:, None])
+        return out
 
     # --- compressed cache ----------------------------------------------------
 

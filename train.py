@@ -1,6 +1,6 @@
 """One training loop for every method and objective (SPEC §2.4-2.5).
 
-On a fresh clone (CPU, no downloads; trains the tiny base first if out/base is missing):
+On a fresh clone (CPU, no downloads; the tiny base ships in tiny_base/):
     python train.py --method meanpool --ratio 4,8,16
 On a real checkpoint and SQuAD, one GPU:
     python train.py --method teacher --init_from /ckpt/Qwen3-1.7B --data train-v1.1.json --out_dir out/teacher
@@ -36,7 +36,8 @@ import meanpool
 import pic
 import sac
 import sentence_gist
-from model import ModelConfig, Transformer, head_log_attention, keep_attention_inputs
+import tiny
+from model import Transformer
 
 
 @dataclass
@@ -45,13 +46,14 @@ class TrainConfig:
     method: str = "meanpool"   # base | teacher | meanpool | pic | sentence_gist | sac | ata
     objective: str = ""        # "" = the method's first objective; see --help of each method
     ratio: str = "4,8,16"      # one compression ratio, or a set trained together: 4,8,16
-    init_from: str = ""        # HF checkpoint dir or one of our run dirs; "" = out/base (tiny, trained if missing)
+    init_from: str = ""        # HF checkpoint dir or one of our run dirs; "" = tiny_base/ (shipped)
     teacher: str = ""          # a --method teacher run dir whose adapter is merged into the base
     data: str = ""             # QA / text file (SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, .txt); "" = synthetic
     eval_data: str = ""        # held-out file for the final evaluation; "" = synthetic test split
     skip_bad: bool = False     # skip (and count) malformed records instead of stopping
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
     out_dir: str = ""          # "" = out/<method>
+    no_aids: bool = False      # tiny base only: no curriculum, no attention distillation (tiny.py)
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
     max_iters: int = 0
     batch_size: int = 0
@@ -75,7 +77,6 @@ class TrainConfig:
     quiet: bool = False        # no progress bar
 
 
-BASE_DIR = os.path.join("out", "base")
 STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the step
 
 
@@ -164,81 +165,6 @@ def ratios_of(spec):
 
 
 @dataclass
-class BaseConfig:
-    context_weight: float = 0.3   # loss weight of non-answer tokens (SPEC §2.6: the base learns QA faster)
-    attn_weight: float = 1.0      # weight of the two attention-supervision losses (0 = off; see Base)
-    qa_per_context: int = 4       # question-answer pairs appended to each training context
-    d_model: int = 128            # tiny base width (from scratch only)
-    n_layers: int = 4
-    n_heads: int = 4
-    vocab_size: int = 2048        # default sentencepiece BPE size (answers of 1-2 tokens)
-
-
-class Base(torch.nn.Module):
-    """`--method base`: the tiny Llama-config model trained from scratch on synthetic
-    contexts followed by question-answer pairs (SPEC §2.6): CE on every token, answers
-    weighted 1 and the rest ``context_weight``.
-
-    Curriculum (`curriculum`), in three stages, each teaching one thing:
-    1. one person, one sentence (15 % of steps): the copy, a sharp, seed-dependent
-       transition (with 1-2 sentences it can take 700+ steps of 16 examples);
-    2. two people, one shared attribute (to 55 %): the name match, the slow part;
-    3. 2 -> 8 people and 1 -> 6 attributes (to 75 %), every person sharing the same
-       attributes during the ramp so each is a distractor; then the eval set's mix.
-    Stages 1-2 draw 4 examples per batch slot (they are short, so a step costs about
-    the same): the name match is counted in examples, not steps (RESULTS.md).
-
-    Attention supervision (``attn_weight``; ours, not from a paper). Choosing the right
-    person needs a circuit the CE signal alone finds only after >10^5 two-person examples
-    (RESULTS.md): each value must carry its person's name (binding), and the answer must
-    look up the value whose name matches the question. Two extra losses give each half
-    its own gradient, as -log of the attention mass one head puts on the right keys:
-    head 0 of layer 0 attends from every answer cue and from the asked value in the
-    context to the asked person's last name (in their biography, or in the question);
-    head 0 of the last layer attends from each answer position to the context token it
-    should copy next, in the asked person's biography. With both, two-person accuracy
-    passed 0.9 after ~60k examples; with the last-layer loss alone it stayed at chance
-    through 83k. `--method teacher` (below) finetunes a real checkpoint instead."""
-    objectives = ("lm",)
-    TINY = dict(max_iters=2000, batch_size=16, lr=3e-3, weight_decay=0.1)
-
-    @staticmethod
-    def curriculum(frac):
-        """At fraction frac of the run: (min, max) people, (min, max) attributes, examples
-        per batch slot (short examples come several to a slot), ramp in [0, 1]."""
-        if frac < 0.15:
-            return (1, 1), (1, 1), 4, 0.0  # the copy
-        if frac < 0.55:
-            return (2, 2), (1, 1), 4, 0.0  # the name match
-        ramp = min(1.0, (frac - 0.55) / 0.2)
-        return (2, 2 + round(6 * ramp)), (1, 1 + round(5 * ramp)), 1, ramp
-
-    def __init__(self, base, cfg, tok, run):
-        super().__init__()
-        self.base, self.cfg, self.tok = base, cfg, tok
-        last = base.config.num_hidden_layers - 1
-        self.layer_inputs = keep_attention_inputs(base, (0, last) if cfg.attn_weight > 0 else ())
-
-    def head_nll(self, layer, rows, pos, target):
-        """Mean -log attention mass of head 0 of `layer`, from query (rows, pos) onto the
-        keys in target (N, T) bool, under the causal mask."""
-        attn = self.base.model.layers[layer].self_attn
-        logp = head_log_attention(attn, self.layer_inputs[layer], rows, pos)
-        return -logp.masked_fill(~target, -1e9).logsumexp(-1).mean()
-
-    def forward(self, batch, ratios):
-        h = self.base(batch["ids"], output="hidden")
-        loss, _ = kernels.chunked_ce(h, self.base.lm_head.weight, batch["labels"], batch["weights"])
-        n = batch["weights"][batch["labels"] != -100].sum()
-        if self.cfg.attn_weight > 0 and len(batch["bind_rows"]) and len(batch["point_rows"]):
-            last = self.base.config.num_hidden_layers - 1
-            aux = self.head_nll(0, batch["bind_rows"], batch["bind_pos"], batch["bind_keys"]) + \
-                self.head_nll(last, batch["point_rows"], batch["point_pos"], batch["point_keys"])
-            loss = loss + self.cfg.attn_weight * n * aux  # the caller divides by n
-        return loss, n, {}
-
-
-@dataclass
 class TeacherConfig:
     lora_r: int = 16
     lora_alpha: int = 16
@@ -265,36 +191,21 @@ class Teacher(torch.nn.Module):
 
 def method_registry():
     """The one map from --method names to classes (SPEC §2.4)."""
-    return {"base": Base, "teacher": Teacher, "meanpool": meanpool.MeanPool, "pic": pic.PIC,
+    return {"base": tiny.Base, "teacher": Teacher, "meanpool": meanpool.MeanPool, "pic": pic.PIC,
             "sentence_gist": sentence_gist.SentenceGist, "sac": sac.SAC, "ata": ata.ATA}
 
 
 def method_config(cls):
-    return {Base: BaseConfig, Teacher: TeacherConfig}.get(cls, getattr(cls, "Config", None))
+    return {tiny.Base: tiny.BaseConfig, Teacher: TeacherConfig}.get(cls, getattr(cls, "Config", None))
 
 
 # -----------------------------------------------------------------------------
 # building a run: tokenizer, base model, method
 
 
-def tiny_base_config(bc, tok):
-    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=bc.d_model, intermediate_size=3 * bc.d_model,
-                       num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads, rope_theta=10000.0,
-                       max_position_embeddings=2048, tie_word_embeddings=True,
-                       bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
-
-
-def base_path(init_from):
-    """The HF checkpoint dir behind --init_from: itself, or the base of a compressor run dir."""
-    path = init_from or BASE_DIR
-    while os.path.exists(os.path.join(path, "run.json")) and not os.path.exists(os.path.join(path, "config.json")):
-        path = json.load(open(os.path.join(path, "run.json")))["train"]["init_from"] or BASE_DIR
-    return path
-
-
 def load_base(cfg, device, dtype):
     """(tokenizer, base Transformer) for cfg.init_from (an HF dir or a run dir)."""
-    path = base_path(cfg.init_from)
+    path = tiny.base_path(cfg.init_from)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise SystemExit(f"error: --init_from {path!r} is not an HF checkpoint dir (no config.json)")
     tok = data.load_tokenizer(path)
@@ -329,18 +240,12 @@ def first_stage(init_from, method):
     return first if first["method"] == method else None
 
 
-def is_tiny(cfg):
-    """True when the base is one of ours (a `--method base` run dir): small-model defaults."""
-    path = base_path(cfg.init_from)
-    return path == BASE_DIR or os.path.exists(os.path.join(path, "run.json"))
-
-
 def apply_defaults(cfg, mcfg, explicit, cls):
     """0 = method default. On the tiny base the method's TINY values; on real checkpoints
     the paper's (its Config fields)."""
-    tiny = dict(getattr(cls, "TINY", {})) if is_tiny(cfg) or cfg.method == "base" else {}
+    small = dict(getattr(cls, "TINY", {})) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
     paper = getattr(cls, "PAPER", {})
-    for key, val in {**paper, **tiny}.items():
+    for key, val in {**paper, **small}.items():
         if key in explicit:
             continue
         target = cfg if hasattr(cfg, key) else mcfg
@@ -358,20 +263,6 @@ def apply_defaults(cfg, mcfg, explicit, cls):
 
 # -----------------------------------------------------------------------------
 # data: batches for step s are a pure function of (seed, s, rank)
-
-
-def compressor_curriculum(frac):
-    """The compression methods' synthetic data at fraction frac of the run, as
-    Base.curriculum: (min, max) people, (min, max) attributes, examples per slot, ramp.
-    Short contexts first (1-2 people, 1-3 attributes, 4 per slot, to 30 %): reading a value
-    back out of compressed memory is learned there; then a ramp to the eval set's mix
-    (2-8 people, 3-6 attributes, half of them with distractor attributes) at 70 %."""
-    if frac < 0.3:
-        return (1, 2), (1, 3), 4, 0.0
-    ramp = min(1.0, (frac - 0.3) / 0.4)
-    if ramp == 1.0:
-        return data.EVAL_PEOPLE, data.EVAL_ATTRS, 1, 1.0
-    return (1, 2 + round(6 * ramp)), (1, 3 + round(3 * ramp)), 1, ramp
 
 
 class Batches:
@@ -409,14 +300,10 @@ class Batches:
                 random.Random(self.cfg.seed + epoch).shuffle(perm)
                 out.append(self.records[perm[j]])
             return out
-        frac = step / max(1, self.cfg.max_iters)
-        if self.text:
-            return [self.synth.lm_text(rng, rng.randint(2, 8)) for _ in range(n)]
-        base = self.cfg.method == "base"  # curricula: SPEC §2.6, Base, compressor_curriculum
-        people, attrs, per_slot, ramp = (Base.curriculum if base else compressor_curriculum)(frac)
-        n_questions = self.method.cfg.qa_per_context if base else 1
-        return [self.synth.example(rng, rng.randint(*people), rng.randint(*attrs), n_questions=n_questions,
-                                   same_attrs=ramp < 1 or rng.random() < 0.5) for _ in range(n * per_slot)]
+        kind = "text" if self.text else "base" if self.cfg.method == "base" else "qa"
+        qas = self.method.cfg.qa_per_context if kind == "base" else 1
+        return tiny.synthetic_items(self.synth, rng, n, step / max(1, self.cfg.max_iters), kind, qas,
+                                    aids=not self.cfg.no_aids)
 
     def __call__(self, step):
         """This rank's micro-batches of step `step`: a list of grad_accum collated dicts."""
@@ -437,7 +324,7 @@ class Batches:
     def collate(self, items):
         cfg = self.cfg
         if cfg.method == "base":
-            return collate_base(items, self.tok, self.method.cfg.context_weight)
+            return tiny.collate_base(items, self.tok, self.method.cfg.context_weight)
         pad = 64 if cfg.compile else 8  # compiled graphs are reused across lengths; eager pays for padding
         if self.text:
             return data.collate_lm(items, self.tok, cfg.max_context, pad_multiple=pad)
@@ -449,61 +336,6 @@ class Batches:
 
 def read_records(path, cfg, stats=None):
     return data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
-
-
-def collate_base(examples, tok, context_weight):
-    """[BOS] context, then (prompt, answer) for every qa pair: next-token labels, answer
-    tokens weighted 1, everything else context_weight. Each example's "template" (drawn
-    per item) words its first question; the others rotate through the templates.
-    With "qa_people" (synthetic records), also the targets of Base's attention losses:
-    bind_* (queries: each answer cue and the asked value in the context; keys: the asked
-    person's last name in their biography or the question) and point_* (queries: the
-    answer cue and each answer token; keys: the next answer token in the asked person's
-    biography)."""
-    seqs, weights, bind, point = [], [], [], []
-    for b, ex in enumerate(examples):
-        ids, w = [], []
-        for i, (q, a) in enumerate(ex["qas"]):
-            template = (ex["template"] + i) % len(data.QA_TEMPLATES)
-            parts = data.format_qa(tok, ex["context"], q, a, template=template, chunks=ex.get("chunks"))
-            if i == 0:
-                ids += parts["bos"] + parts["context"]
-                w += [context_weight] * (len(parts["bos"]) + len(parts["context"]))
-                spans = [(s + len(parts["bos"]), e + len(parts["bos"])) for s, e in parts["chunk_spans"]]
-            ids += parts["prompt"]
-            cue = len(ids) - 1  # predicts the first answer token
-            ids += parts["answer"]
-            w += [context_weight] * len(parts["prompt"]) + [1.0] * len(parts["answer"])
-            if "qa_people" in ex:
-                lo, hi = spans[ex["chunks"].index(ex["qa_relevant"][i])]
-                last = tok.encode(" " + ex["qa_people"][i].split()[-1], start=False)[0]
-                names = [j for j in range(lo, hi) if ids[j] == last]
-                values = [j for j in range(lo, hi) if ids[j] == parts["answer"][0]]
-                asked = names + [j for j in range(cue - len(parts["prompt"]), cue) if ids[j] == last]
-                bind += [(b, cue, asked)] + [(b, v, [j for j in names if j < v]) for v in values]
-                point += [(b, cue + t, [v + t for v in values if ids[v + t] == token])
-                          for t, token in enumerate(parts["answer"])]
-        seqs.append(ids)
-        weights.append(w)
-    T = max(len(s) for s in seqs)
-    T = -(-T // 64) * 64
-    ids = torch.full((len(seqs), T), tok.pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    wt = torch.zeros(len(seqs), T)
-    for b, (s, w) in enumerate(zip(seqs, weights)):
-        ids[b, :len(s)] = torch.tensor(s)
-        labels[b, :len(s) - 1] = torch.tensor(s[1:])
-        wt[b, :len(s) - 1] = torch.tensor(w[1:])
-    batch = {"ids": ids, "labels": labels, "weights": wt}
-    for name, queries in (("bind", bind), ("point", point)):
-        queries = [qk for qk in queries if qk[2]]  # a value before its name has no key
-        keys = torch.zeros(len(queries), T, dtype=torch.bool)
-        for r, (_, _, js) in enumerate(queries):
-            keys[r, js] = True
-        batch[f"{name}_rows"] = torch.tensor([qk[0] for qk in queries], dtype=torch.long)
-        batch[f"{name}_pos"] = torch.tensor([qk[1] for qk in queries], dtype=torch.long)
-        batch[f"{name}_keys"] = keys
-    return batch
 
 
 def to_device(batch, device):
@@ -627,32 +459,6 @@ def lr_at(step, cfg, schedule="cosine"):
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def ensure_base(cfg):
-    """No --init_from and no out/base: train the tiny base first (SPEC §2.6)."""
-    if not is_tiny(cfg) or os.path.exists(os.path.join(BASE_DIR, "model.safetensors")):
-        return
-    print(f"no {BASE_DIR}: training the tiny base model first (about 12 minutes on 2 idle CPU cores)")
-    main(["--method", "base", "--out_dir", BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
-          "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
-
-
-def prepare_tiny_base(cfg, bc):
-    """Tokenizer and a random-init model config for `--method base` without --init_from."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    tok_path = os.path.join(cfg.out_dir, "tokenizer.model")
-    tok = data.load_tokenizer(tok_path) if os.path.exists(tok_path) else \
-        data.train_default_tokenizer(tok_path, seed=0, vocab_size=bc.vocab_size)
-    mc = tiny_base_config(bc, tok)
-    torch.manual_seed(cfg.seed)
-    model = Transformer(mc)
-    for n, p in model.named_parameters():  # GPT-2 style init
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * mc.num_hidden_layers) if n.endswith(("o_proj.weight", "down_proj.weight")) else 1))
-    if not os.path.exists(os.path.join(cfg.out_dir, "model.safetensors")):
-        model.save_pretrained(cfg.out_dir)
-    return tok
-
-
 def main(argv):
     methods = method_registry()
     # two passes: --method decides which method config's flags exist
@@ -696,20 +502,24 @@ def main(argv):
         raise SystemExit(f"error: --dtype {dtype!r}; choose float32 or bfloat16")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
 
-    if cfg.method == "base" and is_tiny(cfg):
+    if cfg.method == "base" and tiny.is_tiny(cfg.init_from):
         if master:
-            prepare_tiny_base(cfg, mcfg)
+            tiny.init_base(cfg.out_dir, mcfg, cfg.seed)
         if ddp:
             dist.barrier()
         cfg.init_from = cfg.out_dir
-    elif master:
-        ensure_base(cfg)
+    elif master and tiny.needs_training(cfg.init_from):
+        print(f"no {tiny.BASE_DIR}: training the tiny base first (~45 min at 11k tokens/s on 2 cores)")
+        main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
+              "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
     if ddp:
         dist.barrier()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    weights_dtype = torch.bfloat16 if (device.type == "cuda" and not is_tiny(cfg) and cfg.method != "base") else torch.float32
+    weights_dtype = torch.bfloat16 if (device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base") else torch.float32
     tok, base, method = build(cfg, mcfg, device, weights_dtype)
+    if hasattr(method, "token_slots") and tiny.is_tiny(cfg.init_from) and not cfg.no_aids:
+        method.aid = tiny.AttentionDistillation(base, tiny.ATTN_KD)
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable
     params = [p for p in method.parameters() if p.requires_grad]

@@ -174,6 +174,27 @@ def test_memory_embeds_equals_one_pass(llama):
 
 
 @pytest.mark.parametrize("kind", ["embeds", "kv"])
+def test_head_attention_behind_memory_equals_one_pass(llama, kind):
+    """head_log_attention read after a pass behind a memory (K/V prefix, or embedding
+    slots) equals the same queries' attention in one pass over memory tokens + tokens."""
+    from model import head_log_attention, keep_attention_inputs
+    model = copy.deepcopy(llama)
+    last = model.config.num_hidden_layers - 1
+    kept, attn = keep_attention_inputs(model, [last]), model.model.layers[last].self_attn
+    ids = ids_like(2, 20)
+    a, b = ids[:, :12], ids[:, 12:]
+    rows, pos = torch.tensor([0, 1, 1]), torch.tensor([0, 3, 7])
+    with torch.no_grad():
+        model(ids)
+        want = head_log_attention(attn, kept[last], rows, pos + 12).exp()
+        memory = Memory(kv=model(a, return_kv=True)[1]) if kind == "kv" else Memory(embeds=model.model.embed_tokens(a))
+        model(b, memory=memory)
+        got = head_log_attention(attn, kept[last], rows, pos, n_memory=12).exp()
+    assert got.shape == (3, 20) and want[0, 13:].sum() == 0  # causal
+    close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["embeds", "kv"])
 @pytest.mark.parametrize("where", [0, 5, 12])  # left padding, a hole, right padding
 def test_invalid_memory_slot_is_invisible(llama, kind, where):
     ids = ids_like(2, 20)

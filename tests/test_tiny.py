@@ -1,0 +1,218 @@
+"""tiny.py: the embedded default's base (its targets, curriculum), the compressors'
+curriculum, the attention-distillation aid, and the shipped tiny_base/."""
+import pytest
+import torch
+
+import tiny
+import train
+from test_meanpool import _method
+
+
+def test_base_attention_targets(tmp_path):
+    """collate_base's supervision targets: point keys hold the answer token the query
+    predicts, inside the asked person's biography (every answer token is found there:
+    "." is its own token, so a date ending a sentence reads as in the answer); bind keys
+    hold the asked last name and precede their query."""
+    import random
+    import data
+    from common import default_tokenizer
+    tok = default_tokenizer(tmp_path)
+    rng = random.Random(0)
+    syn = data.Synthetic(0, "train")
+    exs = [dict(syn.example(rng, 4, 3, n_questions=4), template=i) for i in range(6)]
+    batch = tiny.collate_base(exs, tok, 0.3)
+    ids, labels = batch["ids"], batch["labels"]
+    n_answer_tokens = sum(len(tok.encode(" " + a, start=False)) for ex in exs for _, a in ex["qas"])
+    assert len(batch["point_rows"]) == n_answer_tokens  # every answer token, none for the end of text
+    for r, p, keys in zip(batch["point_rows"], batch["point_pos"], batch["point_keys"]):
+        assert keys.any() and (ids[r, keys] == labels[r, p]).all() and keys.nonzero().max() < p
+    lasts = {tok.encode(" " + name.split()[-1], start=False)[0] for ex in exs for name in ex["qa_people"]}
+    assert len(batch["bind_rows"]) > 24
+    for r, p, keys in zip(batch["bind_rows"], batch["bind_pos"], batch["bind_keys"]):
+        assert keys.any() and keys.nonzero().max() < p and set(ids[r, keys].tolist()) <= lasts
+        assert len(set(ids[r, keys].tolist())) == 1  # one person's name per query
+    # the point keys of the first question sit in its person's biography, not elsewhere
+    ex, ctx = exs[0], data.format_qa(tok, exs[0]["context"], *exs[0]["qas"][0], chunks=exs[0]["chunks"])
+    lo, hi = ctx["chunk_spans"][ex["chunks"].index(ex["qa_relevant"][0])]
+    keys = batch["point_keys"][0].nonzero().flatten() - 1  # minus [BOS]
+    assert ((keys >= lo) & (keys < hi)).all()
+
+
+def test_base_head_nll_is_the_attention_mass(base_dir):
+    """Base.head_nll equals -log of the attention mass read from the model's own attention
+    (SDPA with one-hot values returns the attention weights)."""
+    import torch.nn.functional as F
+    from model import Transformer, apply_rope
+    base = Transformer.from_pretrained(base_dir)
+    method = tiny.Base(base, tiny.BaseConfig(), None, None)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 200, (2, 12))
+    base(ids)
+    rows, pos = torch.tensor([0, 1, 1]), torch.tensor([5, 11, 3])
+    keys = torch.zeros(3, 12, dtype=torch.bool)
+    keys[0, [1, 4]] = keys[1, [0, 7, 11]] = keys[2, 2] = True
+    layer = base.config.num_hidden_layers - 1
+    att = base.model.layers[layer].self_attn
+    x, cos, sin = method.layer_inputs[layer][:3]
+    q = apply_rope(att.q_proj(x).view(2, 12, att.H, att.hd).transpose(1, 2), cos, sin)
+    k = apply_rope(att.k_proj(x).view(2, 12, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+    weights = F.scaled_dot_product_attention(q, k, torch.eye(12).expand(2, att.Hkv, 12, 12), is_causal=True,
+                                             enable_gqa=True)  # (B, H, T, T)
+    want = -torch.stack([weights[r, 0, p][m].sum().log() for r, p, m in zip(rows, pos, keys)]).mean()
+    got = method.head_nll(layer, rows, pos, keys)
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+
+
+def test_base_curriculum_batches(tmp_path):
+    """The base's curriculum: one person first, then two, then up to 8 x 6; short early
+    examples come 4 to a batch slot, split evenly over ranks and accumulation steps."""
+    from common import default_tokenizer
+    tok = default_tokenizer(tmp_path)
+    cfg = train.TrainConfig(method="base", max_iters=100, batch_size=2, grad_accum=2)
+    method = tiny.Base.__new__(tiny.Base)
+    method.cfg = tiny.BaseConfig()
+    people = {}
+    for step in (0, 30, 99):
+        items = train.Batches(cfg, tok, method).raw(step, 8)
+        people[step] = {len(ex["chunks"]) for ex in items}, len(items)
+        for rank in (0, 1):
+            micro = train.Batches(cfg, tok, method, rank=rank, world=2)(step)
+            assert [len(b["ids"]) for b in micro] == [len(items) // 4] * 2
+    assert people[0] == ({1}, 32) and people[30] == ({2}, 32)
+    assert people[99][1] == 8 and max(people[99][0]) > 2
+
+
+def test_compressor_curriculum_batches(tmp_path):
+    """Compressors on synthetic data: 1-2 people x 1-3 attributes, 4 to a slot, for the first
+    30 % of steps; the eval set's mix (2-8 people, 3-6 attributes) from 70 % on."""
+    from common import default_tokenizer
+    tok = default_tokenizer(tmp_path)
+    cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
+    batches = train.Batches(cfg, tok, None)
+    early, late = batches.raw(10, 16), batches.raw(80, 16)
+    sentences = lambda ex: len(ex["chunks"][0].split(". "))
+    assert len(early) == 64 and {len(ex["chunks"]) for ex in early} == {1, 2}
+    assert max(sentences(ex) for ex in early) <= 3 and all(len(ex["qas"]) == 1 for ex in early)
+    assert len(late) == 16 and min(len(ex["chunks"]) for ex in late) >= 2 and max(sentences(ex) for ex in late) >= 3
+    assert len(batches(10)[0]["context"]) == 16  # 4 per slot: 4 x batch_size rows
+
+
+def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
+    """Attention distillation (tiny.py) on meanpool: the teacher's head-0 attention covers only context tokens; a teacher that
+    looks at context token j makes the loss -log of the decoder's head-0 attention on slot
+    j // r, read from the real decoder pass (SDPA with one-hot values = attention weights)."""
+    import torch.nn.functional as F
+    from model import apply_rope
+    m, batch = _method(tmp_path)
+    m.aid = tiny.AttentionDistillation(m.base, 1.0)
+    _, seen = m.aid.teacher(batch)  # (N, L)
+    rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
+    lens = batch["context_len"][rows]
+    assert (seen.sum(-1) > 0.01).all() and (seen.sum(-1) <= 1 + 1e-5).all()
+    assert all((seen[n, lens[n]:] == 0).all() for n in range(len(rows)))
+    j, r = 5, 4
+    onehot = torch.zeros_like(seen)
+    onehot[:, j] = 1.0
+    with torch.no_grad(), m.base.adapter("decoder"):
+        memory = m.compress(batch, r)
+        m.base(batch["qa"], memory=memory)
+        got = m.aid.memory_loss(onehot, memory, m.token_slots(batch, memory, r), batch["qa_labels"])
+        att = m.base.model.layers[m.aid.last].self_attn
+        x, cos, sin = m.aid.inputs[m.aid.last][:3]
+        B, T, _ = x.shape
+        q = apply_rope(att.q_proj(x).view(B, T, att.H, att.hd).transpose(1, 2), cos, sin)
+        k = apply_rope(att.k_proj(x).view(B, T, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+    C = memory.embeds.shape[1]
+    keys = torch.cat([memory.mask, torch.ones_like(batch["qa"], dtype=torch.bool)], 1)  # (B, T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & keys[:, None]  # (B, T, T)
+    weights = F.scaled_dot_product_attention(q, k, torch.eye(T).expand(B, att.Hkv, T, T), attn_mask=mask[:, None],
+                                             enable_gqa=True)  # (B, H, T, T)
+    want = -weights[rows, 0, pos + C, j // r].log().mean()
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+    loss, n, _ = m(batch, [4])  # and the term enters the training loss
+    m.aid = None
+    assert loss.item() > m(batch, [4])[0].item()
+
+
+def _repo_files():
+    """Every file git sees in the repo, ignored ones included (out/, checkpoints, ...)."""
+    import subprocess
+    from common import ROOT
+    p = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                       capture_output=True, text=True)
+    return {l for l in p.stdout.splitlines() if "__pycache__" not in l and ".pytest_cache" not in l}
+
+
+def test_a_run_on_another_tiny_base_trains_nothing_and_writes_nothing_in_the_repo(tmp_path, monkeypatch):
+    """--init_from a tiny base run dir (as the suite's smoke mode does): the shipped base is
+    neither trained nor touched, and every file lands under --out_dir."""
+    from common import run
+    before = _repo_files()
+    base, out = tmp_path / "base", tmp_path / "mp"
+    run(["--method", "base", "--out_dir", base, "--max_iters", 1, "--batch_size", 2, "--quiet"])
+    p = run(["--method", "meanpool", "--init_from", base, "--out_dir", out, "--max_iters", 1, "--batch_size", 2,
+             "--eval_examples", 2, "--quiet"], env={"PYTHONDONTWRITEBYTECODE": "1"})
+    assert "training the tiny base" not in p.stdout and (out / "metrics.json").exists()
+    assert _repo_files() == before
+    assert not tiny.needs_training(str(base)) and not tiny.needs_training(str(out))
+    monkeypatch.setattr(tiny, "BASE_DIR", str(tmp_path / "deleted"))
+    assert tiny.needs_training("") and not tiny.needs_training(str(out))
+
+
+def _with_aid(base_dir, name, **kw):
+    import data
+    import pic
+    import sac
+    import sentence_gist
+    from model import Transformer
+    tok, base = data.load_tokenizer(base_dir), Transformer.from_pretrained(base_dir)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist}[name]
+    m = cls(base, cls.Config(**kw), tok, train.TrainConfig(method=name, objective="qa"))
+    m.aid = tiny.AttentionDistillation(base, 1.0)
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
+    return m, batch
+
+
+def test_token_slots_follow_each_papers_layout(base_dir):
+    """The memory slot the aid credits with a context token: pic's m_t holds chunk c_t; an
+    SAC anchor holds itself; a gisted token is held by its sentence's gists, or by itself
+    while its sentence is open."""
+    from sentence_gist import GIST, TOKEN
+    m, batch = _with_aid(base_dir, "pic")
+    memory = m.compress(batch, 4)
+    L = batch["context"].shape[1]
+    assert m.token_slots(batch, memory, 4)[0].tolist() == [min(i // 4, memory.mask.shape[1] - 1) for i in range(L)]
+    m, batch = _with_aid(base_dir, "sac", lora_r=4, lora_alpha=8)
+    memory = m.compress(batch, 4)
+    slots = m.token_slots(batch, memory)
+    for b, g in enumerate(memory.stats["anchors"]):
+        assert slots[b, g].tolist() == [1 + t for t in range(len(g))]  # after the BOS slot
+        assert memory.mask[b, slots[b, :batch["context_len"][b]]].all()
+    m, batch = _with_aid(base_dir, "sentence_gist", gists=2)
+    rows = [(batch["prefix"], batch["context"][b, :n].tolist(), []) for b, n in enumerate(batch["context_len"])]
+    lay = m.layout(rows)
+    keys = m.token_slots(lay, batch["context_len"], L)
+    for b, n in enumerate(batch["context_len"].tolist()):
+        pos = (lay["kind"][b] == TOKEN).nonzero().flatten()[:n]
+        for j in range(n):
+            k = keys[b, j]
+            if lay["sentence"][b, pos[j]] == lay["open"][b]:
+                assert (k == pos[j]).all()
+            else:
+                assert (lay["kind"][b, k] == GIST).all() and (lay["sentence"][b, k] == lay["sentence"][b, pos[j]]).all()
+        assert (keys[b, n:] == -1).all()
+
+
+@pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sac", {"lora_r": 4, "lora_alpha": 8}, 4),
+                                       ("sentence_gist", {"gists": 2}, 1)])
+def test_attention_distillation_enters_every_methods_loss(base_dir, name, kw, r):
+    m, batch = _with_aid(base_dir, name, **kw)
+    with_aid, n, _ = m(batch, [r])
+    with_aid.backward()
+    grads = [p.grad for p in m.parameters() if p.requires_grad and p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    m.aid = None
+    without, n2, _ = m(batch, [r])
+    assert n == n2 and with_aid.item() > without.item()
