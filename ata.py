@@ -44,6 +44,8 @@ Choices the paper leaves open, made here:
 - Objectives: `qa` (default; finetuning eq. 11 plus lam * Huber, so one command on the
   tiny default trains encoder and probe and yields a QA F1), `rel` (pretraining, eq. 8),
   `qa+rel` (both from one encoder pass: a one-stage stand-in for the paper's rel -> qa).
+- On the tiny base, tiny.py's aids apply (curriculum; attention distillation in `qa`, with
+  the relevant chunks' tokens spread over the k compression tokens in order).
 - Ablations (Table 2): --no_aac (k = k_max always), --no_selective (C_rel = the whole
   context, 500xCompressor-like; L_rel follows it).
 """
@@ -135,6 +137,7 @@ class ATA(nn.Module):
     # Tables 4-5: constant lr after 300 warmup steps (~1% of 3 epochs of 280k examples / 16)
     PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_frac=0.01, weight_decay=0.2, batch_size=16, ratio="10")
     TINY = dict(lr=2e-3, max_iters=500, batch_size=16, ratio="10", lora_r=16, lora_alpha=32, lora_dropout=0.0)
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -232,6 +235,7 @@ class ATA(nn.Module):
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
         h, kv = self.encode(batch)
+        teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "qa" in self.run.objective else None
         L_hat, L = self.length(batch, h), batch["rel_len"]
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
@@ -242,10 +246,23 @@ class ATA(nn.Module):
             metrics.update(rel_ce=loss.item() / max(m, 1), k_rel=k.float().mean().item())
         if "qa" in self.run.objective.split("+"):
             k = self.policy_k(L, pick(ratios, batch["ids"], "qa").to(L.device))
-            loss, m = self.decode_ce(self.memory(kv, k, batch["enc_len"]), batch["qa"], batch["qa_labels"])
+            memory = self.memory(kv, k, batch["enc_len"])
+            loss, m = self.decode_ce(memory, batch["qa"], batch["qa_labels"])
+            if teacher_attn is not None:
+                loss = loss + m * self.aid.memory_loss(teacher_attn, memory, self.token_slots(batch, memory),
+                                                       batch["qa_labels"])
             total, n = total + loss, n + m
             metrics.update(qa_ce=loss.item() / max(m, 1), k_qa=k.float().mean().item())
         return total, n, metrics
+
+    def token_slots(self, batch, memory):
+        """(B, L) the compression token credited with each context token (tiny.py's aid):
+        the relevant chunks' tokens, in order, split evenly over the k kept tokens; -1 elsewhere."""
+        out = torch.full(batch["context"].shape, -1, dtype=torch.long)
+        for b, (k, spans) in enumerate(zip(memory.slots().tolist(), batch["chunk_spans"])):
+            pos = [i for j in batch["relevant_idx"][b] if j < len(spans) for i in range(*spans[j])]
+            out[b, pos] = torch.arange(len(pos)) * k // max(1, len(pos))
+        return out.to(memory.mask.device)
 
     # --- inference: the probe sets k ---------------------------------------------------
 

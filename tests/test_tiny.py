@@ -160,6 +160,7 @@ def test_a_run_on_another_tiny_base_trains_nothing_and_writes_nothing_in_the_rep
 
 
 def _with_aid(base_dir, name, **kw):
+    import ata
     import data
     import pic
     import sac
@@ -168,11 +169,11 @@ def _with_aid(base_dir, name, **kw):
     tok, base = data.load_tokenizer(base_dir), Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist}[name]
+    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
     m = cls(base, cls.Config(**kw), tok, train.TrainConfig(method=name, objective="qa"))
     m.aid = tiny.AttentionDistillation(base, 1.0)
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
-    return m, batch
+    return m, (m.prepare(batch) if name == "ata" else batch)
 
 
 def test_token_slots_follow_each_papers_layout(base_dir):
@@ -203,10 +204,17 @@ def test_token_slots_follow_each_papers_layout(base_dir):
             else:
                 assert (lay["kind"][b, k] == GIST).all() and (lay["sentence"][b, k] == lay["sentence"][b, pos[j]]).all()
         assert (keys[b, n:] == -1).all()
+    m, batch = _with_aid(base_dir, "ata", lora_r=4, lora_alpha=8)
+    memory = m.memory(m.encode(batch)[1], torch.tensor([3, 1, 8]), batch["enc_len"])
+    slots = m.token_slots(batch, memory)
+    for b, k in enumerate([3, 1, 8]):
+        s, e = batch["chunk_spans"][b][batch["relevant_idx"][b][0]]  # one relevant biography
+        assert slots[b, s:e].tolist() == sorted(slots[b, s:e].tolist()) and set(slots[b, s:e].tolist()) == set(range(k))
+        assert (slots[b, :s] == -1).all() and (slots[b, e:] == -1).all()
 
 
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sac", {"lora_r": 4, "lora_alpha": 8}, 4),
-                                       ("sentence_gist", {"gists": 2}, 1)])
+                                       ("sentence_gist", {"gists": 2}, 1), ("ata", {"lora_r": 4, "lora_alpha": 8}, 10)])
 def test_attention_distillation_enters_every_methods_loss(base_dir, name, kw, r):
     m, batch = _with_aid(base_dir, name, **kw)
     with_aid, n, _ = m(batch, [r])
@@ -216,3 +224,17 @@ def test_attention_distillation_enters_every_methods_loss(base_dir, name, kw, r)
     m.aid = None
     without, n2, _ = m(batch, [r])
     assert n == n2 and with_aid.item() > without.item()
+
+
+def test_shipped_base_reads_its_context():
+    """tiny_base/ (what `python train.py --method base --out_dir tiny_base` wrote) loads and
+    answers from its context: teacher F1 >= 85 on 64 synthetic test questions, no context far
+    below (the eval's own seed and split)."""
+    import data
+    import eval as evaluate
+    from model import Transformer
+    base, tok = Transformer.from_pretrained(tiny.BASE_DIR).eval(), data.load_tokenizer(tiny.BASE_DIR)
+    records = data.Synthetic(seed=train.TrainConfig.seed, split="test").qa_examples(64)
+    rows = evaluate.teacher_rows(base, tok, records, train.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
+    assert rows["teacher"]["f1"] >= 85 and rows["no-context"]["f1"] < 20, rows
+    assert tiny.is_tiny("") and not tiny.needs_training("")
