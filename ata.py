@@ -249,20 +249,10 @@ class ATA(nn.Module):
             memory = self.memory(kv, k, batch["enc_len"])
             loss, m = self.decode_ce(memory, batch["qa"], batch["qa_labels"])
             if teacher_attn is not None:
-                loss = loss + m * self.aid.memory_loss(teacher_attn, memory, self.token_slots(batch, memory),
-                                                       batch["qa_labels"])
+                loss = loss + m * self.aid.memory_loss(teacher_attn, memory, batch, None)
             total, n = total + loss, n + m
             metrics.update(qa_ce=loss.item() / max(m, 1), k_qa=k.float().mean().item())
         return total, n, metrics
-
-    def token_slots(self, batch, memory):
-        """(B, L) the compression token credited with each context token (tiny.py's aid):
-        the relevant chunks' tokens, in order, split evenly over the k kept tokens; -1 elsewhere."""
-        out = torch.full(batch["context"].shape, -1, dtype=torch.long)
-        for b, (k, spans) in enumerate(zip(memory.slots().tolist(), batch["chunk_spans"])):
-            pos = [i for j in batch["relevant_idx"][b] if j < len(spans) for i in range(*spans[j])]
-            out[b, pos] = torch.arange(len(pos)) * k // max(1, len(pos))
-        return out.to(memory.mask.device)
 
     # --- inference: the probe sets k ---------------------------------------------------
 

@@ -120,18 +120,12 @@ class MeanPool(nn.Module):
                 if not torch.is_tensor(r):
                     metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
                 if teacher_attn is not None:
-                    attn_loss = self.aid.memory_loss(teacher_attn, memory, self.token_slots(batch, memory, r), labels)
+                    attn_loss = self.aid.memory_loss(teacher_attn, memory, batch, r)
                     loss = loss + n * attn_loss
                     if not torch.is_tensor(r):
                         metrics[f"attn_r{r}"] = attn_loss.item()
             total = total + loss
         return total, n, metrics
-
-    def token_slots(self, batch, memory, r):
-        """(B, L) the memory slot of each context token: its window (tiny.py's aid)."""
-        L = batch["context"].shape[1]
-        r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
-        return (torch.arange(L, device=r.device)[None] // r[:, None]).clamp(max=memory.mask.shape[1] - 1)
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):

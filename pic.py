@@ -237,7 +237,7 @@ class PIC(nn.Module):
             else:
                 loss, n = kernels.chunked_ce(hs, w, labels)
             if teacher_attn is not None:
-                loss = loss + n * self.aid.memory_loss(teacher_attn, memory, self.token_slots(batch, memory, r), labels)
+                loss = loss + n * self.aid.memory_loss(teacher_attn, memory, batch, r)
             total = total + loss
             metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
         return total, n, metrics
@@ -270,11 +270,6 @@ class PIC(nn.Module):
             total = total + LAMBDA * tc + (1 - LAMBDA) * tr  # eq. 8
             metrics.update({f"tr_r{r}": tr.item() / len(texts), f"tc_r{r}": tc.item() / len(texts)})
         return total, len(texts), metrics
-
-    def token_slots(self, batch, memory, r):
-        """(B, L) the memory slot of each context token: m_t holds chunk c_t (tiny.py's aid)."""
-        i = torch.arange(batch["context"].shape[1], device=memory.mask.device)
-        return (i // r).clamp(max=memory.mask.shape[1] - 1)[None].expand(len(memory.mask), -1)
 
     # --- answering ----------------------------------------------------------------
 

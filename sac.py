@@ -203,17 +203,10 @@ class SAC(nn.Module):
             h = self.decode_hidden(memory, batch)
             loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["qa_labels"])
             if teacher_attn is not None:
-                slots = self.token_slots(batch, memory)
-                loss = loss + n * self.aid.memory_loss(teacher_attn, memory, slots, batch["qa_labels"])
+                loss = loss + n * self.aid.memory_loss(teacher_attn, memory, batch, r)
             total = total + loss
             metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
         return total, n, metrics
-
-    def token_slots(self, batch, memory, r=None):
-        """(B, L) the memory slot of each context token: its nearest anchor (tiny.py's aid)."""
-        P, L = memory.mask.shape[1] - max(len(g) for g in memory.stats["anchors"]), batch["context"].shape[1]
-        i = torch.arange(L, device=memory.mask.device)
-        return torch.stack([P + (i[:, None] - g[None]).abs().argmin(1) for g in memory.stats["anchors"]])
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):

@@ -204,27 +204,9 @@ class SentenceGist(nn.Module):
         teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         L = self.layout(rows, labels)
         loss, n = kernels.chunked_ce(self.hidden(L), self.base.lm_head.weight, L["labels"])
-        if teacher_attn is not None:  # the answer sees the sink, the gists and its open sentence
-            rows_, pos = (L["labels"] != -100).nonzero(as_tuple=True)
-            seen = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))
-            keys = self.token_slots(L, batch["context_len"], batch["context"].shape[1])
-            loss = loss + n * self.aid.loss(teacher_attn, keys, rows_, pos, seen)
+        if teacher_attn is not None:
+            loss = loss + n * self.aid.layout_loss(teacher_attn, L, batch)
         return loss, n, {"gists_per_token": (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())}
-
-    def token_slots(self, L, context_len, width):
-        """(B, width, N_g) the keys of layout L holding each context token (tiny.py's aid):
-        its sentence's gists, or itself while its sentence is open."""
-        G = self.cfg.gists
-        out = torch.full((len(context_len), width, G), -1, dtype=torch.long, device=L["kind"].device)
-        for b, n in enumerate(context_len.tolist()):
-            kind, sentence = L["kind"][b], L["sentence"][b]
-            pos = (kind == TOKEN).nonzero().flatten()[:n]  # context tokens come first
-            first = (kind == GIST).nonzero().flatten()[::G]  # first gist of each finished sentence
-            gist_of = torch.full((int(sentence.max()) + 2,), -1, dtype=torch.long, device=pos.device)
-            gist_of[sentence[first]] = first
-            g = gist_of[sentence[pos]][:, None]  # (n, 1)
-            out[b, :n] = torch.where(g >= 0, g + torch.arange(G, device=g.device), pos[:, None])
-        return out
 
     # --- compressed cache ----------------------------------------------------
 

@@ -11,8 +11,8 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   switches both off (the papers' recipes alone):
   1. `compressor_curriculum`: short contexts first (synthetic data).
   2. `AttentionDistillation`: the decoder learns where the teacher looks.
-  A method takes part in (2) with `token_slots(batch, memory, r)`: the memory slot that
-  holds each context token under its paper's layout (window, chunk, anchor, sentence).
+  SLOTS says, per method, which memory slot holds each context token under its paper's
+  layout (window, chunk, anchor, a sentence's gists, ATA's relevant chunk).
 """
 import json
 import math
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import data
 import kernels
 from model import ModelConfig, Transformer, head_log_attention, keep_attention_inputs
+from sentence_gist import GIST, TOKEN
 
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
 
@@ -249,20 +250,60 @@ def synthetic_items(synth, rng, n, frac, kind, qa_per_context=1, aids=True):
 ATTN_KD = 1.0  # weight of the attention-distillation term
 
 
+# which memory slot holds each context token, under each paper's layout: (B, L) long, -1 = none
+
+
+def window_slots(batch, memory, r):
+    """meanpool: slot k pools window S_k; PIC: memory token m_t reads chunk c_t (r may be (B,))."""
+    r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
+    i = torch.arange(batch["context"].shape[1], device=r.device)
+    return (i[None] // r[:, None]).clamp(max=memory.mask.shape[1] - 1)
+
+
+def anchor_slots(batch, memory, r):
+    """SAC: the nearest anchor (memory = the prefix slots, then the anchors in order)."""
+    anchors = memory.stats["anchors"]
+    P, i = memory.mask.shape[1] - max(len(g) for g in anchors), torch.arange(batch["context"].shape[1])
+    return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in anchors])
+
+
+def relevant_slots(batch, memory, r):
+    """ATA: the relevant chunks' tokens, in order, split evenly over the k kept tokens."""
+    out = torch.full(batch["context"].shape, -1, dtype=torch.long)
+    for b, (k, spans) in enumerate(zip(memory.slots().tolist(), batch["chunk_spans"])):
+        pos = [i for j in batch["relevant_idx"][b] if j < len(spans) for i in range(*spans[j])]
+        out[b, pos] = torch.arange(len(pos)) * k // max(1, len(pos))
+    return out.to(memory.mask.device)
+
+
+def gist_keys(L, context_len, width, n_gists):
+    """sentence_gist: (B, width, N_g) the keys of layout L holding each context token: its
+    sentence's gists (they follow its last token), or itself while its sentence is open."""
+    kind, T = L["kind"], L["kind"].shape[1]
+    ar = torch.arange(T, device=kind.device)
+    next_gist = torch.where(kind == GIST, ar, T).flip(1).cummin(1).values.flip(1)  # (B, T)
+    pos = torch.argsort((kind != TOKEN).to(torch.int8), dim=1, stable=True)[:, :width]  # context tokens first
+    g = next_gist.gather(1, pos)[..., None]  # (B, width, 1)
+    keys = torch.where(g < T, g + torch.arange(n_gists, device=g.device), pos[..., None])
+    return keys.masked_fill((torch.arange(width, device=g.device) >= context_len[:, None])[..., None], -1)
+
+
+SLOTS = {"MeanPool": window_slots, "PIC": window_slots, "SAC": anchor_slots, "ATA": relevant_slots,
+         "SentenceGist": None}  # the methods that take part; sentence_gist reads its layout (layout_loss)
 class AttentionDistillation:
     """The decoder's head 0 of the last layer learns the teacher's pointer attention
     (ours, not in any paper; weight ATTN_KD). The tiny base's head 0 of its last layer
     points each answer position at the context token to copy next (Base); that attention
-    mass, summed over the context tokens each memory slot holds (the method's
-    `token_slots`), is the target of the decoder's head 0 over the memory slots:
+    mass, summed over the context tokens each memory slot holds (SLOTS), is the target of the decoder's head 0 over the memory slots:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
     with n the method's token count, so the term is per answer token like KD/CE. Without
     it the decoder sits on the answer prior for thousands of examples."""
 
-    def __init__(self, base, weight):
-        self.base, self.weight = base, weight
-        self.last = base.config.num_hidden_layers - 1
-        self.inputs = keep_attention_inputs(base, [self.last])
+    def __init__(self, method, weight):
+        self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
+        self.n_gists = getattr(method.cfg, "gists", 0)
+        self.last = self.base.config.num_hidden_layers - 1
+        self.inputs = keep_attention_inputs(self.base, [self.last])
 
     @torch.no_grad()
     def teacher(self, batch):
@@ -291,8 +332,17 @@ class AttentionDistillation:
                                   rows, pos, keys_valid, n_memory)
         return self.weight * -(target * logp).sum(-1).mean()
 
-    def memory_loss(self, teacher_attn, memory, slots, qa_labels):
-        """`loss` for a decoder that read [memory, qa]: slots (B, L) index memory.mask's C slots."""
+    def memory_loss(self, teacher_attn, memory, batch, r):
+        """`loss` for a decoder that read [memory, qa] at ratio r."""
+        qa_labels = batch["qa_labels"]
         rows, pos = (qa_labels != -100).nonzero(as_tuple=True)
         keys_valid = torch.cat([memory.mask, torch.ones_like(qa_labels, dtype=torch.bool)], 1)  # (B, C + T)
-        return self.loss(teacher_attn, slots, rows, pos, keys_valid, memory.mask.shape[1])
+        return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.mask.shape[1])
+
+    def layout_loss(self, teacher_attn, L, batch):
+        """`loss` for sentence_gist's one pass over layout L: an answer sees the sink, the
+        gists and its own open sentence."""
+        rows, pos = (L["labels"] != -100).nonzero(as_tuple=True)
+        seen = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))
+        keys = gist_keys(L, batch["context_len"], batch["context"].shape[1], self.n_gists)
+        return self.loss(teacher_attn, keys, rows, pos, seen)

@@ -518,8 +518,8 @@ def main(argv):
     random.seed(cfg.seed)
     weights_dtype = torch.bfloat16 if (device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base") else torch.float32
     tok, base, method = build(cfg, mcfg, device, weights_dtype)
-    if hasattr(method, "token_slots") and tiny.is_tiny(cfg.init_from) and not cfg.no_aids:
-        method.aid = tiny.AttentionDistillation(base, tiny.ATTN_KD)
+    if type(method).__name__ in tiny.SLOTS and tiny.is_tiny(cfg.init_from) and not cfg.no_aids:
+        method.aid = tiny.AttentionDistillation(method, tiny.ATTN_KD)
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable
     params = [p for p in method.parameters() if p.requires_grad]

@@ -104,7 +104,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     import torch.nn.functional as F
     from model import apply_rope
     m, batch = _method(tmp_path)
-    m.aid = tiny.AttentionDistillation(m.base, 1.0)
+    m.aid = tiny.AttentionDistillation(m, 1.0)
     _, seen = m.aid.teacher(batch)  # (N, L)
     rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
     lens = batch["context_len"][rows]
@@ -116,7 +116,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     with torch.no_grad(), m.base.adapter("decoder"):
         memory = m.compress(batch, r)
         m.base(batch["qa"], memory=memory)
-        got = m.aid.memory_loss(onehot, memory, m.token_slots(batch, memory, r), batch["qa_labels"])
+        got = m.aid.memory_loss(onehot, memory, batch, r)
         att = m.base.model.layers[m.aid.last].self_attn
         x, cos, sin = m.aid.inputs[m.aid.last][:3]
         B, T, _ = x.shape
@@ -171,12 +171,12 @@ def _with_aid(base_dir, name, **kw):
         p.requires_grad_(False)
     cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
     m = cls(base, cls.Config(**kw), tok, train.TrainConfig(method=name, objective="qa"))
-    m.aid = tiny.AttentionDistillation(base, 1.0)
+    m.aid = tiny.AttentionDistillation(m, 1.0)
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
     return m, (m.prepare(batch) if name == "ata" else batch)
 
 
-def test_token_slots_follow_each_papers_layout(base_dir):
+def test_slots_follow_each_papers_layout(base_dir):
     """The memory slot the aid credits with a context token: pic's m_t holds chunk c_t; an
     SAC anchor holds itself; a gisted token is held by its sentence's gists, or by itself
     while its sentence is open."""
@@ -184,17 +184,17 @@ def test_token_slots_follow_each_papers_layout(base_dir):
     m, batch = _with_aid(base_dir, "pic")
     memory = m.compress(batch, 4)
     L = batch["context"].shape[1]
-    assert m.token_slots(batch, memory, 4)[0].tolist() == [min(i // 4, memory.mask.shape[1] - 1) for i in range(L)]
+    assert tiny.window_slots(batch, memory, 4)[0].tolist() == [min(i // 4, memory.mask.shape[1] - 1) for i in range(L)]
     m, batch = _with_aid(base_dir, "sac", lora_r=4, lora_alpha=8)
     memory = m.compress(batch, 4)
-    slots = m.token_slots(batch, memory)
+    slots = tiny.anchor_slots(batch, memory, 4)
     for b, g in enumerate(memory.stats["anchors"]):
         assert slots[b, g].tolist() == [1 + t for t in range(len(g))]  # after the BOS slot
         assert memory.mask[b, slots[b, :batch["context_len"][b]]].all()
     m, batch = _with_aid(base_dir, "sentence_gist", gists=2)
     rows = [(batch["prefix"], batch["context"][b, :n].tolist(), []) for b, n in enumerate(batch["context_len"])]
     lay = m.layout(rows)
-    keys = m.token_slots(lay, batch["context_len"], L)
+    keys = tiny.gist_keys(lay, batch["context_len"], L, 2)
     for b, n in enumerate(batch["context_len"].tolist()):
         pos = (lay["kind"][b] == TOKEN).nonzero().flatten()[:n]
         for j in range(n):
@@ -206,7 +206,7 @@ def test_token_slots_follow_each_papers_layout(base_dir):
         assert (keys[b, n:] == -1).all()
     m, batch = _with_aid(base_dir, "ata", lora_r=4, lora_alpha=8)
     memory = m.memory(m.encode(batch)[1], torch.tensor([3, 1, 8]), batch["enc_len"])
-    slots = m.token_slots(batch, memory)
+    slots = tiny.relevant_slots(batch, memory, None)
     for b, k in enumerate([3, 1, 8]):
         s, e = batch["chunk_spans"][b][batch["relevant_idx"][b][0]]  # one relevant biography
         assert slots[b, s:e].tolist() == sorted(slots[b, s:e].tolist()) and set(slots[b, s:e].tolist()) == set(range(k))
