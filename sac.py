@@ -170,8 +170,8 @@ class SAC(nn.Module):
             k, v = (x.transpose(1, 2).flatten(0, 1) for x in (k, v))
             mem.append((k[flat].transpose(1, 2), v[flat].transpose(1, 2)))
         memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
-        memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)],
-                        "anchors": anchors}
+        memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)]}
+        memory.anchors = anchors  # context indices, per example
         return memory
 
     def split_lm(self, batch):

@@ -262,7 +262,7 @@ def window_slots(batch, memory, r):
 
 def anchor_slots(batch, memory, r):
     """SAC: the nearest anchor (memory = the prefix slots, then the anchors in order)."""
-    anchors = memory.stats["anchors"]
+    anchors = memory.anchors
     P, i = memory.mask.shape[1] - max(len(g) for g in anchors), torch.arange(batch["context"].shape[1])
     return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in anchors])
 

@@ -188,7 +188,7 @@ def test_slots_follow_each_papers_layout(base_dir):
     m, batch = _with_aid(base_dir, "sac", lora_r=4, lora_alpha=8)
     memory = m.compress(batch, 4)
     slots = tiny.anchor_slots(batch, memory, 4)
-    for b, g in enumerate(memory.stats["anchors"]):
+    for b, g in enumerate(memory.anchors):
         assert slots[b, g].tolist() == [1 + t for t in range(len(g))]  # after the BOS slot
         assert memory.mask[b, slots[b, :batch["context_len"][b]]].all()
     m, batch = _with_aid(base_dir, "sentence_gist", gists=2)
