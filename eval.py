@@ -5,11 +5,14 @@ memory size and answering time, for one or many run dirs; and a one-shot mode.
     python eval.py out/meanpool out/pic --ratio 4,16  # one table over several runs
     python eval.py out/pic --context doc.txt --question "Who ...?" --save_memory doc.mem
     python eval.py out/pic --memory doc.mem --question "Where ...?"
+    python eval.py --compare out/meanpool/metrics.json out/pic/metrics.json [--row_a @16 --row_b @16]
 
 Rows: the teacher with full context, the teacher with no context, then method@ratio.
 Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio
 §5.1). Results go to <run>/metrics.json; with several runs, --out writes the combined
-JSON (and a PNG of F1 vs ratio when matplotlib is installed).
+JSON (and a PNG of F1 vs ratio when matplotlib is installed). Every row carries its
+per-question scores and a 95% bootstrap interval of EM and F1; --compare gives the paired-
+bootstrap interval of the F1 difference of two rows on the questions both answered.
 """
 import collections
 import glob
@@ -21,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import data
@@ -45,6 +49,10 @@ class EvalConfig:
     question: str = ""
     memory: str = ""           # answer from a saved compressed context
     save_memory: str = ""      # save the compressed context of --context
+    # --- comparing two results JSON files (metrics.json or --out)
+    compare: bool = False      # the two positional arguments are JSON files: paired F1 difference
+    row_a: str = ""            # rows of A to compare: a name or part of one ("@16", "teacher"); "" = method rows
+    row_b: str = ""            # the same for B; rows pair up by requested ratio
 
 
 # -----------------------------------------------------------------------------
@@ -69,16 +77,39 @@ def f1_score(prediction, gold):
     return 2 * precision * recall / (precision + recall)
 
 
-def qa_metrics(predictions, answers):
+def qa_metrics(predictions, answers, ids=None):
     """predictions: list of strings; answers: list of lists of gold strings ->
-    {"em", "f1"} in percent, max over gold answers per question."""
+    {"em", "f1"} in percent, max over gold answers per question. With question ids, also
+    95% bootstrap intervals "em_ci", "f1_ci" and "scores": {"em": {id: em}, "f1": {id: f1}}."""
     if not predictions:
         return {"em": 0.0, "f1": 0.0}
-    em = f1 = 0.0
-    for pred, golds in zip(predictions, answers):
-        em += max(float(normalize_answer(pred) == normalize_answer(g)) for g in golds)
-        f1 += max(f1_score(pred, g) for g in golds)
-    return {"em": 100 * em / len(predictions), "f1": 100 * f1 / len(predictions)}
+    em = [100 * max(float(normalize_answer(p) == normalize_answer(g)) for g in golds)
+          for p, golds in zip(predictions, answers)]
+    f1 = [100 * max(f1_score(p, g) for g in golds) for p, golds in zip(predictions, answers)]
+    out = {"em": sum(em) / len(em), "f1": sum(f1) / len(f1)}
+    if ids is not None:
+        out.update(em_ci=bootstrap_ci(em), f1_ci=bootstrap_ci(f1),
+                   scores={"em": dict(zip(ids, em)), "f1": dict(zip(ids, f1))})
+    return out
+
+
+def bootstrap_ci(values, n=2000, seed=0):
+    """95% percentile interval [lo, hi] of the mean of values, resampling them n times."""
+    v = np.asarray(values, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(v), size=(n, len(v)))
+    return [float(x) for x in np.percentile(v[idx].mean(1), [2.5, 97.5])]
+
+
+def paired_diff_ci(scores_a, scores_b, n=2000, seed=0):
+    """Scores {question id: value} of two rows -> their means "a", "b" over the ids both
+    have, "diff" = a - b and its paired-bootstrap 95% interval "ci" (questions resampled
+    together), "n" shared ids. ValueError when they share none."""
+    ids = sorted(scores_a.keys() & scores_b.keys())
+    if not ids:
+        raise ValueError(f"the two rows share no question ids ({len(scores_a)} and {len(scores_b)} questions)")
+    a, b = (np.array([s[i] for i in ids], dtype=np.float64) for s in (scores_a, scores_b))
+    return {"a": float(a.mean()), "b": float(b.mean()), "diff": float((a - b).mean()),
+            "ci": bootstrap_ci(a - b, n, seed), "n": len(ids)}
 
 
 # -----------------------------------------------------------------------------
@@ -128,7 +159,7 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
     """The base with full context and with no context (SPEC §4)."""
     rows = {}
     for name, key in (("teacher", "full"), ("no-context", "noctx")):
-        preds, golds, secs = [], [], 0.0
+        preds, golds, ids, secs = [], [], [], 0.0
         for b in batches_of(records, tok, cfg, ecfg.batch_size):
             lab = b[f"{key}_labels"]
             first = (lab != -100).float().argmax(1)  # the last prompt token predicts the first answer token
@@ -137,8 +168,9 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
                 outs, dt = timed(lambda: base.generate([p for p in prompts], ecfg.max_new_tokens))
             preds += decode(tok, outs)
             golds += b["answers"]
+            ids += b["ids"]
             secs += dt
-        rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **qa_metrics(preds, golds),
+        rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **qa_metrics(preds, golds, ids),
                       "examples_per_s": len(preds) / secs, "n": len(preds)}
     return rows
 
@@ -147,13 +179,14 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
 def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     rows = []
     for r in ratios:
-        preds, golds, achieved, nbytes, secs = [], [], [], [], 0.0
+        preds, golds, ids, achieved, nbytes, secs = [], [], [], [], [], 0.0
         extra = collections.defaultdict(list)
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
             b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds += decode(tok, outs)
             golds += b["answers"]
+            ids += b["ids"]
             slots = memory.slots().float().clamp(min=1)
             achieved += (b["context_len"].float() / slots).tolist()
             nbytes += memory.nbytes().tolist()
@@ -161,7 +194,7 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
                 extra[k] += list(v)
             secs += dt
         row = {"method": cfg.method if not getattr(cfg, "tag", "") else cfg.tag, "ratio_requested": r,
-               "ratio": sum(achieved) / len(achieved), **qa_metrics(preds, golds),
+               "ratio": sum(achieved) / len(achieved), **qa_metrics(preds, golds, ids),
                "memory_bytes": sum(nbytes) / len(nbytes), "examples_per_s": len(preds) / secs, "n": len(preds),
                "examples": [{"pred": p, "gold": g} for p, g in list(zip(preds, golds))[:5]]}
         row.update({k: sum(v) / len(v) for k, v in extra.items()})
@@ -228,9 +261,14 @@ def extra_text(row):
     return ", ".join(fmt.format(row[k]) for k, fmt in EXTRA.items() if k in row) or "-"
 
 
+def with_ci(row, key):
+    ci = row.get(key + "_ci")
+    return f"{row[key]:.1f}" + (f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "")
+
+
 def table(results):
     """One markdown table: teacher and no-context rows (from the first run), then one row
-    per run x ratio."""
+    per run x ratio. EM and F1 carry their 95% bootstrap interval."""
     head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | examples/s | method-specific |"
     lines = [head, "|" + "---|" * 8]
     first = results[0]
@@ -239,7 +277,7 @@ def table(results):
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
         norm = f"{r['f1_norm']:.2f}" if "f1_norm" in r else "-"
         mem = f"{r['memory_bytes']:.0f}" if "memory_bytes" in r else "-"
-        lines.append(f"| {r['method']} | {ratio} | {r['em']:.1f} | {r['f1']:.1f} | {norm} | {mem} | "
+        lines.append(f"| {r['method']} | {ratio} | {with_ci(r, 'em')} | {with_ci(r, 'f1')} | {norm} | {mem} | "
                      f"{r['examples_per_s']:.1f} | {extra_text(r)} |")
     return "\n".join(lines)
 
@@ -270,6 +308,51 @@ def plot(results, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+# -----------------------------------------------------------------------------
+# comparing two results files
+
+
+def rows_of(path):
+    """{name: row} of a metrics.json or a combined --out JSON; a method row is named
+    "method@ratio"."""
+    try:
+        results = json.load(open(path))
+        rows = {}
+        for res in results if isinstance(results, list) else [results]:
+            for r in [res["teacher"], res["no_context"]] + res["rows"]:
+                rows.setdefault(r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else ""), r)
+        return rows
+    except OSError as e:
+        raise SystemExit(f"error: --compare: cannot read {path} ({e.strerror})")
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: --compare: {path} is not an eval.py results JSON ({type(e).__name__}: {e})")
+
+
+def compare(path_a, path_b, row_a="", row_b=""):
+    """One line per pair of rows (same requested ratio, or the only row picked on each
+    side): both F1s on the shared questions, A - B with its paired 95% CI, a verdict."""
+    a, b = rows_of(path_a), rows_of(path_b)
+    pick = lambda rows, sel: [n for n in rows if (sel in n if sel else "ratio_requested" in rows[n])]
+    na, nb = pick(a, row_a), pick(b, row_b)
+    pairs = [(x, y) for x in na for y in nb
+             if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")]
+    if not pairs:
+        raise SystemExit(f"error: --compare: no rows to pair; pick them with --row_a/--row_b from "
+                         f"A: {', '.join(a)}; B: {', '.join(b)}")
+    lines = []
+    for x, y in pairs:
+        for path, name, row in ((path_a, x, a[x]), (path_b, y, b[y])):
+            if "scores" not in row:
+                raise SystemExit(f"error: {path}: row {name!r} has no per-question scores; rerun with --recompute")
+        c = paired_diff_ci(a[x]["scores"]["f1"], b[y]["scores"]["f1"])
+        lo, hi = c["ci"]
+        verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
+        lines.append(f"A {x} F1 {c['a']:.1f} vs B {y} F1 {c['b']:.1f} on {c['n']} questions: "
+                     f"A - B {c['diff']:+.1f} [{lo:+.1f}, {hi:+.1f}] -> {verdict}")
+    print("\n".join(lines))
+    return lines
 
 
 # -----------------------------------------------------------------------------
@@ -308,7 +391,13 @@ def one_shot(ecfg):
 
 def main(argv):
     (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs",
-                                  usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
+                                  usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]\n"
+                                        "       python eval.py --compare A.json B.json [--row_a S --row_b S]")
+    if ecfg.compare:
+        paths = ecfg.runs.split()
+        if len(paths) != 2:
+            raise SystemExit(f"error: --compare takes two JSON files (A.json B.json), got {len(paths)}")
+        return compare(*paths, ecfg.row_a, ecfg.row_b)
     runs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not runs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")

@@ -1,11 +1,20 @@
-"""eval.py: SQuAD metrics (hand cases and the official script's numbers), the table builder."""
+"""eval.py: SQuAD metrics (hand cases and the official script's numbers), the table builder,
+bootstrap intervals and --compare."""
 import json
+import re
+import subprocess
+import sys
+import types
 import zipfile
 
+import numpy as np
 import pytest
+import torch
 
+import data
 import eval as evaluate
-from conftest import ASSETS
+import train
+from conftest import ASSETS, ROOT
 
 
 def test_qa_metrics_hand_cases():
@@ -79,3 +88,105 @@ def test_method_specific_columns():
     row = {"k": 3.0, "probe_abs_err": 2.46, "ppl_compressed": 5.5}
     assert evaluate.extra_text(row) == "mean k 3.00, probe MAE 2.5, ppl 5.50"
     assert evaluate.extra_text({}) == "-"
+
+
+# -----------------------------------------------------------------------------
+# confidence intervals
+
+
+def test_bootstrap_ci_constant_covers_mean_and_is_seeded():
+    assert evaluate.bootstrap_ci([40.0] * 30) == pytest.approx([40.0, 40.0])
+    scores = np.random.default_rng(1).choice([0.0, 100.0], size=200, p=[0.4, 0.6])  # true mean 60
+    lo, hi = evaluate.bootstrap_ci(scores)
+    assert lo < scores.mean() < hi and lo < 60 < hi and hi - lo < 20, (lo, hi)
+    assert evaluate.bootstrap_ci(scores, seed=3) == evaluate.bootstrap_ci(scores, seed=3)
+    assert evaluate.bootstrap_ci(scores, seed=3) != evaluate.bootstrap_ci(scores, seed=4)
+
+
+def test_paired_diff_ci_excludes_or_includes_zero():
+    rng = np.random.default_rng(0)
+    b = {f"q{i}": float(x) for i, x in enumerate(rng.uniform(0, 80, 100))}
+    better = {q: v + 10 + rng.uniform(-5, 5) for q, v in b.items()}  # +10 +- 5 on every question
+    c = evaluate.paired_diff_ci(better, b)
+    assert c["n"] == 100 and c["diff"] == pytest.approx(c["a"] - c["b"]) and 5 < c["ci"][0] < c["ci"][1] < 15
+    assert evaluate.paired_diff_ci(b, better)["ci"][1] < 0
+    assert evaluate.paired_diff_ci(b, dict(b))["ci"] == [0.0, 0.0]  # identical runs
+    swapped = {q: 100.0 * (i % 2) for i, q in enumerate(b)}, {q: 100.0 * (1 - i % 2) for i, q in enumerate(b)}
+    lo, hi = evaluate.paired_diff_ci(*swapped)["ci"]  # each wins half the questions
+    assert lo < 0 < hi
+    only = evaluate.paired_diff_ci({"x": 1.0, **b}, {"y": 0.0, **b})  # pairs over shared ids only
+    assert only["n"] == 100 and only["ci"] == [0.0, 0.0]
+    assert evaluate.paired_diff_ci(better, b) == evaluate.paired_diff_ci(better, b, seed=0)
+    with pytest.raises(ValueError, match="share no question ids"):
+        evaluate.paired_diff_ci({"x": 1.0}, {"y": 1.0})
+
+
+def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
+    """evaluate_run with a fake base and method (no model, no training): every row of the
+    written metrics.json carries {id: score} and the table prints the intervals."""
+    tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
+    say = lambda n: [tok.encode(w) for w in (["Paris", "x"] * n)[:n]]
+    base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(len(prompts)))
+    memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
+    method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
+                                   answer_from_memory=lambda mem, prompts, k: say(len(prompts)))
+    cfg = train.TrainConfig(ratio="4", eval_examples=6)
+    monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}}))
+    evaluate.main([str(run), "--batch_size", "4"])
+    res = json.load(open(run / "metrics.json"))
+    ids = [r["id"] for r in evaluate.eval_records(cfg, evaluate.EvalConfig())]
+    for row in [res["teacher"], res["no_context"]] + res["rows"]:
+        for k in ("em", "f1"):
+            assert list(row["scores"][k]) == ids
+            assert sum(row["scores"][k].values()) / 6 == pytest.approx(row[k])
+            assert row[f"{k}_ci"][0] <= row[k] <= row[f"{k}_ci"][1]
+    lo, hi = res["rows"][0]["f1_ci"]
+    assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
+
+
+def _scores_file(path, f1_by_ratio, teacher=None):
+    """A metrics.json whose method rows score {ratio: {id: f1}}."""
+    row = lambda name, s, **kw: {"method": name, "em": 0.0, "f1": sum(s.values()) / len(s), "examples_per_s": 1.0,
+                                 "scores": {"em": {q: 0.0 for q in s}, "f1": s}, **kw}
+    teacher = teacher or {"q0": 100.0}
+    rows = [row("m", s, ratio_requested=r, ratio=float(r)) for r, s in f1_by_ratio.items()]
+    path.write_text(json.dumps({"teacher": row("teacher", teacher, ratio=1.0), "no_context": row("no-context", teacher),
+                                "rows": rows}))
+    return str(path)
+
+
+def test_compare_cli_prints_verdicts(tmp_path, capsys):
+    ids = [f"q{i}" for i in range(60)]
+    good = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}
+    bad = {q: 20.0 * (i % 3) for i, q in enumerate(ids)}
+    coin = {q: 100.0 * (i % 2) for i, q in enumerate(ids)}
+    a = _scores_file(tmp_path / "a.json", {4: good, 16: coin}, teacher=coin)
+    b = _scores_file(tmp_path / "b.json", {4: bad, 16: {q: 100 - v for q, v in coin.items()}}, teacher=coin)
+    lines = evaluate.main(["--compare", a, b])
+    assert capsys.readouterr().out.splitlines() == lines and len(lines) == 2
+    assert lines[0].startswith("A m@4 F1 90.0 vs B m@4 F1 20.0 on 60 questions: A - B +70.0 [")
+    assert lines[0].endswith("-> A > B")
+    assert lines[1].startswith("A m@16 F1 50.0 vs B m@16 F1 50.0") and lines[1].endswith("-> cannot tell")
+    assert evaluate.main(["--compare", b, a, "--row_a", "@4", "--row_b", "@4"])[0].endswith("-> B > A")
+    assert evaluate.main(["--compare", a, b, "--row_a", "teacher", "--row_b", "teacher"])[0].endswith(
+        "A - B +0.0 [+0.0, +0.0] -> cannot tell")
+
+
+def test_compare_bad_input_is_one_line(tmp_path):
+    a = _scores_file(tmp_path / "a.json", {4: {"q0": 1.0, "q1": 2.0}})
+    b = _scores_file(tmp_path / "b.json", {4: {"z0": 1.0}})
+    for args, expected in [([a, str(tmp_path / "nope.json")], "cannot read .*nope.json \\(No such file"),
+                           ([a, b], "share no question ids")]:
+        p = subprocess.run([sys.executable, "eval.py", "--compare", *args], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and re.match(f"error: .*{expected}", p.stderr), p.stderr
+    with pytest.raises(SystemExit, match="no rows to pair; pick them with --row_a/--row_b from A: teacher, no-context"):
+        evaluate.main(["--compare", a, a, "--row_b", "@16"])
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match="bad.json is not an eval.py results JSON \\(KeyError: 'teacher'\\)"):
+        evaluate.main(["--compare", a, str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit, match="takes two JSON files"):
+        evaluate.main(["--compare", a])
