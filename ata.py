@@ -13,10 +13,9 @@ Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A, Tables 2, 4-
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
 
-The target LLM (decoder) is the frozen base, adapter None. Because the encoder is causal,
-compression token j depends only on what precedes it: the encoder always runs all k_max
-and the memory keeps the first k through its validity mask, identical to appending k
-(tests/test_ata.py checks K/V and decoder logits).
+The target LLM (decoder) is the frozen base, adapter None. The encoder is causal, so it
+runs all k_max compression tokens and the memory keeps the first k through its validity
+mask, identical to appending k (tests/test_ata.py checks K/V and decoder logits).
 
 Choices the paper leaves open, made here:
 - Chunks are the records' "chunks" (HotpotQA paragraphs, MS MARCO passages, SQuAD
@@ -26,31 +25,30 @@ Choices the paper leaves open, made here:
 - C_rel, the reconstruction target, is the gold relevant chunks' plain text joined by
   spaces (no <PA> tags, as in Table 7's regenerations), then EOS; L_rel is its token count.
   [BOS] is the tokenizer's BOS (its EOS when it has none, e.g. Qwen).
-- Positions: the encoder input is left-padded, prompt tokens at 0..n-1 and c_j at n+j-1;
-  the K/V keep those positions and the decoder continues at next_pos = n + k, exactly where
-  an encoder that appended only k tokens would stop.
-- Probe: q = W h_last, attention over the input tokens' final hidden states (compression
-  tokens excluded, so k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> one
-  number in units of LEN_UNIT tokens (a fixed output scale: a raw-token output would need
-  thousands of small-lr steps to reach lengths in the hundreds). Gradients of lam * Huber
-  reach the encoder too (joint training, eq. 8).
+- Positions: the encoder input is left-padded, prompt at 0..n-1, c_j at n+j-1; the decoder
+  continues at next_pos = n + k, where an encoder that appended only k tokens would stop.
+- Probe: q = W h_last, attention over the input tokens' final hidden states (not the
+  compression tokens: k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> L_rel in
+  units of LEN_UNIT tokens (raw tokens would need thousands of small-lr steps to reach the
+  hundreds). Gradients of lam * Huber reach the encoder too (joint training, eq. 8).
 - Training uses the gold L_rel for k (so the encoder is trained independently of the
   probe, §3.4); inference (answer/compress) uses the probe. Eq. 5 has no ceil or floor:
   k is rounded up and at least 1 so every example keeps a slot.
-- r is drawn per example, not per batch: from --rel_ratios for `rel` (Table 4:
-  {1, 5, 10, 20, 50}) and from --ratio for `qa` (Table 5: 10), by a hash of the example id,
-  so draws are identical under DDP, resume and grad accumulation. eval --ratio sets the
-  policy r without retraining (§3.4).
+- r is drawn "for each training batch" (§C): one per step from --rel_ratios (`rel`, Table 4)
+  or --ratio (`qa`, Table 5: 10), a pure function of (seed, step), so ranks, micro-batches
+  and --resume agree; eval --ratio sets r without retraining (§3.4).
+- HotpotQA keeps its distractor paragraphs (PAPER sets --hotpot_distractors; Fig. 7); a
+  training batch whose every chunk is relevant warns (selective would be --no_selective).
 - Objectives: `qa` (default; finetuning eq. 11 plus lam * Huber, so one command on the
   tiny default trains encoder and probe and yields a QA F1), `rel` (pretraining, eq. 8),
   `qa+rel` (both from one encoder pass: a one-stage stand-in for the paper's rel -> qa).
-- On the tiny base, tiny.py's aids apply (curriculum; attention distillation in `qa`, with
-  the relevant chunks' tokens spread over the k compression tokens in order).
-- Ablations (Table 2): --no_aac (k = k_max always), --no_selective (C_rel = the whole
-  context, 500xCompressor-like; L_rel follows it).
+- On the tiny base, tiny.py's aids apply (curriculum; `qa` attention distillation, tiny.SLOTS).
+- Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
+  (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
 import math
-import zlib
+import random
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +70,9 @@ class ATAConfig:
     lora_dropout: float = 0.2       # LoRA dropout (Table 4)
     huber_lambda: float = 1e-4      # lam in eq. 8
     huber_delta: float = 10.0       # delta in eq. 10
-    rel_ratios: str = "1,5,10,20,50"  # policy ratios r drawn per example in `rel` (Table 4)
-    no_aac: bool = False            # Table 2 ablation: k = k_max always
+    rel_ratios: str = "1,5,10,20,50"  # policy ratios r drawn per training batch in `rel` (Table 4)
+    no_aac: bool = False            # Table 2 ablation: k = fixed_k always, no probe
+    fixed_k: int = 6                # k under --no_aac (Table 2 "w/o AAC": 6.00)
     no_selective: bool = False      # Table 2 ablation: reconstruct the whole context
 
 
@@ -101,9 +100,10 @@ def encoder_mask(valid):
     return mask_mod
 
 
-def pick(choices, ids, salt):
-    """One value of `choices` per example, from a hash of its id: (B,) long."""
-    return torch.tensor([choices[zlib.crc32(f"{salt}/{i}".encode()) % len(choices)] for i in ids])
+def draw_ratio(choices, seed, step, salt):
+    """The policy ratio r of training step `step`, one for the whole batch: a pure function
+    of (seed, step) (str seeds hash with SHA-512, independent of PYTHONHASHSEED)."""
+    return random.Random(f"ata/{salt}/{seed}/{step}").choice(choices)
 
 
 def _left_pad(rows, value, multiple=64):  # lengths bucketed for --compile
@@ -134,9 +134,10 @@ class Probe(nn.Module):
 class ATA(nn.Module):
     Config = ATAConfig
     objectives = ("qa", "rel", "qa+rel")
-    # Tables 4-5: constant lr after 300 warmup steps (~1% of 3 epochs of 280k examples / 16)
-    PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_frac=0.01, weight_decay=0.2, batch_size=16, ratio="10")
-    TINY = dict(lr=2e-3, max_iters=500, batch_size=16, ratio="10", lora_r=16, lora_alpha=32, lora_dropout=0.0)
+    # Tables 4-5: constant lr after 300 warmup steps; §4.1.4: HotpotQA with its distractor paragraphs
+    PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, ratio="10",
+                 hotpot_distractors=True)
+    TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, lora_r=16, lora_alpha=32, lora_dropout=0.0)  # + PAPER's
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):
@@ -153,12 +154,10 @@ class ATA(nn.Module):
     def check_config(run, cfg):
         if cfg.k_max < 1:
             raise SystemExit(f"error: --k_max {cfg.k_max}: need at least one compression token")
-        try:
-            rs = [int(r) for r in cfg.rel_ratios.split(",")]
-        except ValueError:
-            rs = []
-        if not rs or min(rs) <= 0:
+        if not all(r.strip().isdigit() and int(r) > 0 for r in cfg.rel_ratios.split(",")):
             raise SystemExit(f"error: --rel_ratios {cfg.rel_ratios!r}: a comma list of positive integers, like 1,5,10")
+        if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
+            raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 
     # --- collate time: encoder prompt, reconstruction target, gold length -----------
 
@@ -176,15 +175,19 @@ class ATA(nn.Module):
         (B, R) = [BOS] C_rel [EOS] with next-token labels, rel_len (B,) = L_rel."""
         tok = self.tok
         start = [tok.bos_id if tok.bos_id is not None else tok.eos_ids[0]]
-        enc, rel, labels, rel_len = [], [], [], []
+        enc, rel, labels, rel_len, all_relevant = [], [], [], [], True
         for b, question in enumerate(batch["questions"]):
             chunks = self.kept_chunks(batch, b)
+            all_relevant &= len(batch["relevant_idx"][b]) == len(chunks)
             enc.append(batch["bos"] + tok.encode(encoder_prompt(question, chunks)))
             idx = range(len(chunks)) if self.cfg.no_selective else batch["relevant_idx"][b]
             target = tok.encode(" ".join(chunks[i] for i in idx))[:self.run.max_context] + tok.eos_ids[:1]
             rel.append(start + target)
             labels.append(target + [-100])
             rel_len.append(len(target) - 1)
+        if all_relevant and self.training and not self.cfg.no_selective:  # gold-only HotpotQA, one-chunk records
+            warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
+                          "--no_selective; for HotpotQA use --hotpot_distractors")
         batch["enc_ids"] = _left_pad(enc, tok.pad_id)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])
         R = -(-max(map(len, rel)) // 64) * 64
@@ -216,15 +219,14 @@ class ATA(nn.Module):
         return self.probe(h, torch.arange(T, device=h.device)[None] >= T - batch["enc_len"][:, None])
 
     def memory(self, kv, k, enc_len):
-        """Keep the first k (B,) compression tokens: K/V trimmed to max k columns, the
-        rest masked; the decoder continues at enc_len + k."""
+        """Keep the first k (B,) compression tokens (K/V cut to max k, the rest masked); next_pos enc_len + k."""
         C = int(k.max())
         mask = torch.arange(C, device=k.device)[None] < k[:, None]  # (B, C)
         return Memory(kv=[(kk[:, :, :C], vv[:, :, :C]) for kk, vv in kv], mask=mask, next_pos=enc_len + k)
 
     def policy_k(self, L, r):
         if self.cfg.no_aac:
-            return torch.full_like(L, self.cfg.k_max, dtype=torch.long)
+            return torch.full_like(L, self.cfg.fixed_k, dtype=torch.long)
         return policy(L, r, self.cfg.k_max)
 
     def decode_ce(self, memory, ids, labels):
@@ -239,13 +241,16 @@ class ATA(nn.Module):
         L_hat, L = self.length(batch, h), batch["rel_len"]
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
+        step = batch.get("step", 0)  # train.Batches sets it; a batch built by hand counts as step 0
         if "rel" in self.run.objective.split("+"):
-            k = self.policy_k(L, pick(self.rel_ratios, batch["ids"], "rel").to(L.device))
+            metrics["r_rel"] = r = draw_ratio(self.rel_ratios, self.run.seed, step, "rel")
+            k = self.policy_k(L, r)
             loss, m = self.decode_ce(self.memory(kv, k, batch["enc_len"]), batch["rel_ids"], batch["rel_labels"])
             total, n = total + loss, n + m
             metrics.update(rel_ce=loss.item() / max(m, 1), k_rel=k.float().mean().item())
         if "qa" in self.run.objective.split("+"):
-            k = self.policy_k(L, pick(ratios, batch["ids"], "qa").to(L.device))
+            metrics["r_qa"] = r = draw_ratio(ratios, self.run.seed, step, "qa")
+            k = self.policy_k(L, r)
             memory = self.memory(kv, k, batch["enc_len"])
             loss, m = self.decode_ce(memory, batch["qa"], batch["qa_labels"])
             if teacher_attn is not None:
@@ -279,8 +284,7 @@ def main():
     valid = torch.arange(pad + n + kmax)[None] >= pad
     grid = kernels.dense_mask(encoder_mask(valid), 1, pad + n + kmax, pad + n + kmax, "cpu")[0, 0]
     kinds = "_" * pad + "t" * n + "c" * kmax
-    print(f"\nencoder (causal; _ left padding, t prompt tokens, c compression tokens, k_max={kmax}):")
-    print("  " + kinds)
+    print(f"\nencoder (causal; _ left padding, t prompt tokens, c compression tokens, k_max={kmax}):\n  {kinds}")
     for kind, row in zip(kinds, grid.tolist()):
         print(kind + " " + "".join("#" if x else "." for x in row))
     key_valid = torch.cat([torch.arange(kmax)[None] < k, torch.ones(1, dec, dtype=torch.bool)], 1)

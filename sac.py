@@ -9,6 +9,7 @@ Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt),
     embeddings    e_i = Emb(c_i) + 1[c_i in S] * e_A                        (eq. 1)
     encoder       M~ = LLM(E | theta_LoRA)   base + `encoder` LoRA, bidirectional attention
     memory        per-layer K/V of the anchor tokens only, at their original positions
+                  (after the frozen base's K/V of the BOS prefix, see below)
     decoder       the frozen base continues after the memory:
                   L_LM = -log P(C' | M~)      (pretraining, `--objective lm`, §3.1)
                   L_QA = -log P(A | M~, Q)    (finetuning, `--objective qa`, the default)
@@ -17,10 +18,12 @@ Choices the paper leaves open, made here:
 - Chunks of a sub-context of n tokens split into k = |S| parts: chunk t = [s, e) with
   s = t*n // k, e = (t+1)*n // k (sizes differ by at most one); its middle is s + (e - s) // 2
   (the right one of two middles). A sub-context shorter than r still gets one anchor.
-- The sequence prefix (BOS; `batch["prefix"]`) leads every sub-context in the encoder, and
-  the memory keeps its K/V from sub-context 0 (P slots, counted in the achieved ratio;
-  `memory.stats["anchor_ratio"]` is L / anchors alone). The frozen decoder thus sees BOS
-  where it always did: with r = 1, a causal encoder and no adapter, SAC is the teacher.
+- The sequence prefix (BOS; `batch["prefix"]`) leads every sub-context in the encoder (its
+  attention sink), but the memory's P prefix slots hold the frozen base's own causal K/V of
+  the prefix, a constant that a plain decoder has too, not a learned summary slot (the
+  paper's memory is anchors only). They are counted in the achieved ratio L / (P + |S|);
+  `memory.stats["anchor_ratio"]` is L / |S|. The frozen decoder thus sees BOS where it
+  always did: with r = 1, a causal encoder and no adapter, SAC is the teacher.
 - Positions: prefix 0..P-1, token i of sub-context j at P + 510*j + i in the encoder, so the
   concatenated memory reads as one subsampled cache; the decoder continues at P + L. Inside
   sub-context j > 0 the encoder thus sees a position gap between the prefix and its tokens.
@@ -32,8 +35,9 @@ Choices the paper leaves open, made here:
   and predicts each next token (its first token is input only). No `ae+lm` (Table 5): skipped.
 - Several ratios in `--ratio`: one encoder pass per ratio (anchors differ), losses summed.
 - Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
-  batch 16, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default, objective
-  qa); for pretraining pass `--objective lm --lr 1e-4`.
+  batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default,
+  objective qa); for pretraining pass `--objective lm --lr 1e-4`. One model per ratio
+  (§4.1: r in {5, 15, 51}): PAPER trains r = 5; pass `--ratio 15` or `--ratio 51` for the others.
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation; a token is
 held by its nearest anchor; `qa` only).
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
@@ -101,9 +105,9 @@ def sac_encoder_mask(key_valid, causal):
 class SAC(nn.Module):
     Config = SACConfig
     objectives = ("qa", "lm")
-    PAPER = dict(lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000, warmup_frac=0.015,
-                 min_lr_frac=1.0)
-    TINY = dict(lr=1e-3, max_iters=300, batch_size=16, lora_r=16, lora_alpha=32)
+    PAPER = dict(ratio="5", lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000,
+                 warmup_iters=300, min_lr_frac=1.0)
+    TINY = dict(lr=1e-3, max_iters=300, warmup_iters=4, batch_size=16, lora_r=16, lora_alpha=32)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     @staticmethod
@@ -125,7 +129,8 @@ class SAC(nn.Module):
         self.anchor_emb = None if cfg.no_anchor_embedding else nn.Parameter(torch.zeros(base.config.hidden_size))
 
     def compress(self, batch, ratio):
-        """Memory of the anchors' K/V: (B, Hkv, C, hd) per layer, C = P + max anchors."""
+        """Memory: the frozen base's K/V of the prefix, then the anchors' K/V from the encoder:
+        (B, Hkv, C, hd) per layer, C = P + max anchors."""
         ctx, lengths, dev = batch["context"], batch["context_len"], batch["context"].device
         prefix = batch["prefix"]
         if not torch.is_tensor(prefix):  # collate_qa: one shared list
@@ -137,7 +142,7 @@ class SAC(nn.Module):
         ctx = nn.functional.pad(ctx[:, :L], (0, J * W - L), value=self.pad_id)
         n_tok = (lengths[:, None] - W * torch.arange(J, device=dev)).clamp(0, W)  # (B, J)
         keep = n_tok > 0
-        keep[:, 0] = True  # every example keeps sub-context 0 (its prefix K/V)
+        keep[:, 0] = True  # an empty context keeps one (padding) row: the encoder batch is never empty
         b_of, j_of = keep.nonzero(as_tuple=True)  # (N,) one encoder row per sub-context
         row_of = keep.flatten().long().cumsum(0).view(B, J) - 1  # (B, J) -> row
         ids = torch.cat([prefix[b_of], ctx.view(B, J, W)[b_of, j_of]], 1)  # (N, P + W)
@@ -145,18 +150,18 @@ class SAC(nn.Module):
         ar = torch.arange(T, device=dev)
         valid = ar[None] < P + n_tok[b_of, j_of][:, None]  # (N, P + W)
         pos = torch.where(ar < P, ar, ar + W * j_of[:, None])  # (N, P + W): P + W*j + i
-        # memory slots as flat indices into the (N * T) encoder tokens: prefix of row 0, anchors
-        select, prefix_at, anchor_at, anchors = ANCHORS[self.cfg.anchors], [], [], []
+        # anchor slots as flat indices into the (N * T) encoder tokens
+        select, anchor_at, anchors = ANCHORS[self.cfg.anchors], [], []
         for b, n in enumerate(lengths.tolist()):
             g = anchor_positions(n, ratio, W, select).to(dev)  # context indices
             anchors.append(g)
-            prefix_at.append(row_of[b, 0] * T + torch.arange(P, device=dev))
             anchor_at.append(row_of[b, g // W] * T + P + g % W)
-        C = max(P + len(a) for a in anchor_at)
-        flat = torch.zeros(B, C, dtype=torch.long, device=dev)
-        mask = torch.zeros(B, C, dtype=torch.bool, device=dev)
-        for b, (p, a) in enumerate(zip(prefix_at, anchor_at)):
-            flat[b, :P + len(a)], mask[b, :P + len(a)] = torch.cat([p, a]), True
+        A = max(len(a) for a in anchor_at)
+        flat = torch.zeros(B, A, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, P + A, dtype=torch.bool, device=dev)
+        mask[:, :P] = True
+        for b, a in enumerate(anchor_at):
+            flat[b, :len(a)], mask[b, P:P + len(a)] = a, True
         is_anchor = torch.zeros(len(ids) * T, dtype=torch.bool, device=dev)
         is_anchor[torch.cat(anchor_at)] = True
         e = self.base.model.embed_tokens(ids)  # (N, T, d)
@@ -165,10 +170,15 @@ class SAC(nn.Module):
         with self.base.adapter("encoder"):
             _, kv = self.base(embeds=e, pos=pos, mask=sac_encoder_mask(valid, self.cfg.causal), return_kv=True,
                               output="hidden")
+        if P:  # the prefix slots: the frozen base, causal, positions 0..P-1 (a constant, as in any decoder)
+            with torch.no_grad(), self.base.adapter(None):
+                _, prefix_kv = self.base(prefix, return_kv=True, output="hidden")  # (B, Hkv, P, hd) per layer
         mem = []
-        for k, v in kv:  # (N, Hkv, T, hd) -> (N*T, Hkv, hd) -> (B, C, Hkv, hd) -> (B, Hkv, C, hd)
-            k, v = (x.transpose(1, 2).flatten(0, 1) for x in (k, v))
-            mem.append((k[flat].transpose(1, 2), v[flat].transpose(1, 2)))
+        for i, (k, v) in enumerate(kv):  # (N, Hkv, T, hd) -> (N*T, Hkv, hd) -> (B, A, Hkv, hd) -> (B, Hkv, A, hd)
+            k, v = (x.transpose(1, 2).flatten(0, 1)[flat].transpose(1, 2) for x in (k, v))
+            if P:
+                k, v = torch.cat([prefix_kv[i][0], k], 2), torch.cat([prefix_kv[i][1], v], 2)
+            mem.append((k, v))
         memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
         memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)]}
         memory.anchors = anchors  # context indices, per example

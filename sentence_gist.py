@@ -1,44 +1,36 @@
 """Sentence-anchored gist tokens: a KV cache that keeps N_g gists per finished sentence.
 
 Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs"
-(../shared/papers/sentence_gist.txt), §3, Tables 1-4; SPEC §3.3.
+(../shared/papers/sentence_gist.txt), §3, Tables 1-5, App. A and C.3; SPEC §3.3.
 
-    vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, Sigma) of the old rows   (§3.1, mean-resizing)
+    vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, 1e-5 Sigma) of the old rows  (§3.1, mean-resizing)
     placement   t t t .  g_1..g_Ng  t t ?  g_1..g_Ng  t t ...   after every token ending in . ! ?  (§3.2)
     mask        token of sentence s: the tokens of s up to itself + the gists of sentences < s  (§3.3, Fig. 1)
                 gist j of s: all of s, g_1..g_j of s, the gists of sentences < s; causal overall
-    loss        L = -sum_t log P(x_t | x_<t, C) over regular tokens                         (eq. 1)
-    memory      K/V of the gists of finished sentences + the tokens of the unfinished one;
-                ratio = context tokens / kept slots (eval.py); memory.stats["gist_rc"] = eq. 2
+    loss        L = -sum_t log P(x_t | x_<t, C) over the regular tokens x_t                 (eq. 1)
+    memory      K/V of the sink and the gists; ratio = context tokens / slots; stats["gist_rc"] = eq. 2
+    answering   (and `qa` training) the same rule: gists after every sentence of prompt and
+                answer, whose tokens then leave the cache (sink, gists, open sentence stay)
 
 Choices the paper leaves open (or that differ from it), made here:
-- The shared base is not resized: the gist rows are this method's own Parameter (N_g, d)
-  and the input embeddings are built here (embed_tokens for ids < V, row j for id V + j).
-  Gists are inserted by rule and never predicted, so the softmax stays over the original
-  V and no LM-head rows are added, tied head or not (the same as gist logits = -inf; the
-  paper resizes the head and scores gists in its PG19 perplexity, App. C.3).
-- Sigma = covariance of the old rows + 1e-4 * mean variance * I (jitter, so it is PSD).
-- Targets: every regular token predicts the next regular token, across the gists (the
-  last token of a sentence predicts the first of the next); gists have no target.
-- The sequence prefix (BOS, chat header) is an attention sink: kept in the cache and seen
-  by every later token. Gists take position ids (positions run over the gisted sequence).
-- A hard cap inserts gists after `max_sentence_len` tokens without punctuation (guard).
-- Question and answer continue the unfinished sentence with no gists inserted: they see
-  the whole cache causally, in `qa` training and in `answer` (base.generate with the
-  cache as Memory). No gists are inserted into the generated answer (short answers).
-- Stages (§3.5, `--stage`): 1 gist rows only; 2 gist rows + LoRA adapter `gist` (the paper
-  finetunes every weight; the base is shared here); 3 as 2 with `lr_schedule = "linear"`
-  (to 0) for train.py. Chain them with --init_from: --stage 1, then --stage 2
-  --init_from out/stage1, then --stage 3 --init_from out/stage2 (--lr 5e-5, Table 3).
-- Objectives: `lm` (the paper's; the default on real checkpoints) and `qa` (CE on the
-  answer given the gisted context and the prompt; the default on the tiny base, whose
-  eval is QA F1). --ratio does not apply (the ratio is achieved, not asked for): any
-  value but 1 is an error.
-- `perplexity(method, texts)`: ppl of each text's second half given the full first half
-  (plain base) or its compressed cache; the halves split at the sentence end nearest
-  the middle, so that cache holds only the sink and gists.
-On the tiny base, tiny.py's aids apply (curriculum, attention distillation onto a token's
-sentence gists; `qa` only).
+- The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id
+  V + j embeds as row j; gists are inserted by rule, never predicted: no LM-head rows.
+- Mean-resizing as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma (HF's mean_resizing: 1e-9).
+- Targets as App. C.3: a sentence's final gist predicts the next sentence's first token
+  (its last token and other gists predict nothing): perplexity is Fig. 2's "no Gist Tokens".
+- The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take
+  position ids. A guard (not in the paper) ends a sentence at `max_sentence_len` tokens.
+- A context's end ends its last sentence: a Memory carries no token kinds, so an open
+  sentence in it could not be dropped once the prompt finishes it.
+- Stages (§3.5, --stage; Table 3's values in STAGES): 1 gist rows; 2 + LoRA adapter `gist`
+  (the paper finetunes every weight); 3 as 2, lr linearly to 0. Stage 1 matters (Tables
+  4-5): on a checkpoint run the three in turn (same --gists), each from the one before:
+      python train.py --method sentence_gist --init_from $HF --stage 1 --out_dir out/g1
+      python train.py --method sentence_gist --init_from out/g1 --stage 2 --out_dir out/g2
+      python train.py --method sentence_gist --init_from out/g2 --stage 3 --out_dir out/g3
+  with --max_context 4096 and 64 / 128 / 512 sequences a step (batch x grad_accum x GPUs).
+- Objectives: `lm` (the paper's; default on real checkpoints) and `qa` (the tiny base's,
+  whose eval is QA F1; tiny.py's aids apply). --ratio does not apply (it is achieved).
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 `python sentence_gist.py` prints the mask of a toy input.
 """
@@ -63,35 +55,29 @@ class SentenceGistConfig:
 
 
 def mean_resize(weight, n, generator=None):
-    """n new rows ~ N(mu, Sigma) of the rows of weight (V, d) (Hewitt 2021) -> (n, d) fp32."""
+    """n new rows ~ N(mu, 1e-5 Sigma) of the rows of weight (V, d) (Hewitt 2021) -> (n, d) fp32;
+    mu alone where Sigma is singular (V <= d), as HF's mean_resizing does."""
     w = weight.detach().float()
-    mu, cov = w.mean(0), torch.cov(w.T)  # (d,), (d, d)
-    cov = cov + 1e-4 * cov.diagonal().mean() * torch.eye(w.shape[1], device=w.device)
-    dist = torch.distributions.MultivariateNormal(mu, covariance_matrix=cov)
+    mu, cov = w.mean(0), torch.cov(w.T, correction=0)  # (d,), (d, d)
+    scale, info = torch.linalg.cholesky_ex(1e-5 * cov)
     z = torch.randn(n, w.shape[1], generator=generator).to(w.device)
-    return mu + z @ dist.scale_tril.T
+    return mu + z @ scale.T if int(info) == 0 else mu.repeat(n, 1)
 
 
-def sentence_ends(tok, V):
-    """(V,) bool: the token's text, trailing whitespace stripped, ends in . ! or ? (§3.2)."""
-    texts = tok.token_texts()[:V]
-    return torch.tensor([t.rstrip().endswith((".", "!", "?")) for t in texts] + [False] * (V - len(texts)))
-
-
-def insert_gists(ids, is_end, n_gists, max_sentence_len):
+def insert_gists(ids, is_end, n_gists, max_sentence_len, run=0, close=False):
     """Gists after every sentence end: ids (T,) -> (new_ids, sentence, kind, src), each (T',).
-    Gist j is id V + j (V = len(is_end)); sentences count from 0 and own their gists; kind
-    is TOKEN or GIST; src is each token's index in ids (-1 for gists). A sentence also ends
-    after max_sentence_len tokens without punctuation (the guard)."""
+    Gist j is id V + j (V = len(is_end)); sentences count from 0 and own their gists; src: the
+    index in ids of the token whose target a position carries (-1: none; a final gist carries
+    its sentence's last token's, App. C.3). A sentence also ends at max_sentence_len tokens
+    (the guard; `run` of them came before ids) and, if close, where ids end."""
     ids = torch.as_tensor(ids, dtype=torch.long).cpu()
-    V, new, sent, kind, src = len(is_end), [], [], [], []
-    s = run = 0
+    V, new, sent, kind, src, s = len(is_end), [], [], [], [], 0
     for i, (t, end) in enumerate(zip(ids.tolist(), is_end[ids].tolist())):
         new.append(t), sent.append(s), kind.append(TOKEN), src.append(i)
         run += 1
-        if end or run == max_sentence_len:
-            new += range(V, V + n_gists)
-            sent, kind, src = sent + [s] * n_gists, kind + [GIST] * n_gists, src + [-1] * n_gists
+        if end or run == max_sentence_len or (close and i == len(ids) - 1):
+            new, src[-1] = new + list(range(V, V + n_gists)), -1
+            sent, kind, src = sent + [s] * n_gists, kind + [GIST] * n_gists, src + [-1] * (n_gists - 1) + [i]
             s, run = s + 1, 0
     return tuple(torch.tensor(x, dtype=torch.long) for x in (new, sent, kind, src))
 
@@ -108,51 +94,62 @@ def sentence_mask(sentence, kind):
     return mask_mod
 
 
-def layout(rows, is_end, n_gists, max_sentence_len, labels=None, device="cpu", multiple=64):
+def layout(rows, is_end, n_gists, max_sentence_len, labels=None, device="cpu", multiple=64, runs=None):
     """rows: per example (prefix, body, tail) id lists. prefix = sink (sentence 0); body gets
-    gists (sentences 1..); tail continues the open sentence with no gists. labels: per
-    example targets of prefix + body + tail, moved with their tokens (-100 on gists).
-    Returns (B, T) ids, sentence, kind (PAD on padding), labels; (B,) length and open (the
-    sentence a continuation joins)."""
-    cols, lengths, opens = {k: [] for k in ("ids", "sentence", "kind", "labels")}, [], []
+    gists (sentences 1..), its end ending a sentence; tail (prompt + answer) gets gists, may
+    end unfinished, and its first sentence has runs[b] tokens before it (in a cache). labels:
+    per example targets of prefix + body + tail, moved as insert_gists says. Returns (B, T)
+    ids, sentence, kind (PAD on padding), labels; (B,) length and open (the last sentence
+    while unfinished, else the next)."""
     full = lambda n, v: torch.full((n,), v, dtype=torch.long)  # noqa: E731
+    cols, opens = {k: [] for k in ("ids", "sentence", "kind", "labels")}, []
     for b, (prefix, body, tail) in enumerate(rows):
-        ids, sent, kind, src = insert_gists(body, is_end, n_gists, max_sentence_len)
-        P, N, n_tail = len(prefix), len(body), len(tail)
-        open_ = int(sent[-1]) + 1 + int(kind[-1] == GIST) if len(ids) else 1
-        src = torch.cat([torch.arange(P), torch.where(src >= 0, src + P, -1), torch.arange(P + N, P + N + n_tail)])
-        cols["ids"].append(torch.cat([torch.as_tensor(prefix, dtype=torch.long).cpu(), ids,
-                                      torch.as_tensor(tail, dtype=torch.long).cpu()]))
-        cols["sentence"].append(torch.cat([full(P, 0), sent + 1, full(n_tail, open_)]))
-        cols["kind"].append(torch.cat([full(P, SINK), kind, full(n_tail, TOKEN)]))
-        lab = torch.as_tensor(labels[b] if labels is not None else full(P + N + n_tail, -100)).cpu()
+        P, N = len(prefix), len(body)
+        ids, sent, kind, src = insert_gists(body, is_end, n_gists, max_sentence_len, close=True)
+        t_ids, t_sent, t_kind, t_src = insert_gists(tail, is_end, n_gists, max_sentence_len, runs[b] if runs else 0)
+        src = torch.cat([torch.arange(P), torch.where(src >= 0, src + P, -1), torch.where(t_src >= 0, t_src + P + N, -1)])
+        lab = torch.as_tensor(labels[b]).cpu() if labels is not None else full(P + N + len(tail), -100)
+        cols["ids"].append(torch.cat([torch.as_tensor(prefix, dtype=torch.long).cpu(), ids, t_ids]))
+        cols["sentence"].append(torch.cat([full(P, 0), sent + 1, t_sent + (int(sent[-1]) + 2 if N else 1)]))
+        cols["kind"].append(torch.cat([full(P, SINK), kind, t_kind]))
         cols["labels"].append(torch.where(src >= 0, lab[src.clamp(min=0)], -100))
-        lengths.append(len(src)), opens.append(open_)
-    T = -(-max(lengths) // multiple) * multiple
-    pad = {"ids": 0, "sentence": -1, "kind": PAD, "labels": -100}
+        opens.append(int(cols["sentence"][-1][-1]) + int(cols["kind"][-1][-1] != TOKEN))
+    lengths = [len(x) for x in cols["ids"]]
+    T, pad = -(-max(lengths) // multiple) * multiple, {"ids": 0, "sentence": -1, "kind": PAD, "labels": -100}
     out = {k: torch.stack([torch.cat([x, full(T - len(x), pad[k])]) for x in v]).to(device) for k, v in cols.items()}
     return dict(out, length=torch.tensor(lengths, device=device), open=torch.tensor(opens, device=device))
+
+
+def keep_slots(kv, keep, *more):
+    """The slots where keep (B, S) holds, in order, left-aligned: per-layer (k, v), each
+    (B, Hkv, S, hd) -> (B, Hkv, C, hd), C the most kept in a row; keep and more (B, S) -> (B, C)."""
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :int(keep.sum(1).max())]  # (B, C)
+    at = lambda x: x.gather(2, order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
+    return ([(at(k), at(v)) for k, v in kv], *(t.gather(1, order) for t in (keep, *more)))
 
 
 class SentenceGist(nn.Module):
     Config = SentenceGistConfig
     objectives = ("lm", "qa")
-    # Table 3 / App. A (stage 1-2 values; stage 3: --lr 5e-5 --grad_clip 2). ratio "1": see check_config
-    PAPER = dict(lr=1e-4, min_lr_frac=0.5, warmup_frac=0.1, weight_decay=0.1, grad_clip=1.0, ratio="1")
-    TINY = dict(objective="qa", lr=2e-3, max_iters=300, batch_size=16)
+    # Table 3 per --stage (train.py puts STAGES[stage] over PAPER); App. A: AdamW wd 0.1, betas (0.9, 0.95)
+    STAGES = {1: dict(max_iters=1000, lr=1e-4, min_lr_frac=0.5, warmup_frac=100 / 1000, grad_clip=1.0),
+              2: dict(max_iters=9000, lr=1e-4, min_lr_frac=0.5, warmup_frac=1000 / 9000, grad_clip=2.0),
+              3: dict(max_iters=2000, lr=5e-5, min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0)}
+    PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
+    TINY = dict(objective="qa", lr=2e-3, max_iters=300, batch_size=16, grad_clip=1.0, warmup_frac=0.1)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         self.V = base.config.vocab_size
-        self.is_end = sentence_ends(tok, self.V)  # (V,) bool on the CPU, where insert_gists runs
+        texts = tok.token_texts()[:self.V]  # is_end (V,): the token's text ends in . ! or ? (§3.2); on the CPU
+        self.is_end = torch.tensor([t.rstrip().endswith((".", "!", "?")) for t in texts] + [False] * (self.V - len(texts)))
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
         self.gist = nn.Parameter(mean_resize(base.model.embed_tokens.weight, cfg.gists, g))  # (N_g, d)
         base.add_adapter("gist", cfg.lora_r, cfg.lora_alpha)
-        for n, p in base.named_parameters():
-            if n.endswith("lora_A.gist") or n.endswith("lora_B.gist"):
-                p.requires_grad_(cfg.stage >= 2)
+        for A, B in base.adapter_state("gist").values():  # stage 1: the gist rows only
+            A.requires_grad_(cfg.stage >= 2), B.requires_grad_(cfg.stage >= 2)
         self.lr_schedule = "linear" if cfg.stage == 3 else "cosine"  # for train.py: stage 3 decays to 0
 
     @staticmethod
@@ -196,11 +193,10 @@ class SentenceGist(nn.Module):
             rows = [(r[:P], r[P:n], []) for r, n in zip(batch["ids"].tolist(), batch["lengths"].tolist())]
             labels = [lab[:n] for lab, n in zip(batch["labels"], batch["lengths"].tolist())]
         else:
-            rows, labels = [], []
-            for b in range(len(batch["qa"])):
-                ctx, n_qa = batch["context"][b, :batch["context_len"][b]].tolist(), int(batch["qa_len"][b])
-                rows.append((batch["prefix"], ctx, batch["qa"][b, :n_qa].tolist()))
-                labels.append([-100] * (len(batch["prefix"]) + len(ctx)) + batch["qa_labels"][b, :n_qa].tolist())
+            ctx = [c[:n].tolist() for c, n in zip(batch["context"], batch["context_len"])]
+            rows = [(batch["prefix"], c, qa[:n].tolist()) for c, qa, n in zip(ctx, batch["qa"], batch["qa_len"])]
+            labels = [[-100] * (len(batch["prefix"]) + len(c)) + lab[:n].tolist()
+                      for c, lab, n in zip(ctx, batch["qa_labels"], batch["qa_len"])]
         teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         L = self.layout(rows, labels)
         loss, n = kernels.chunked_ce(self.hidden(L), self.base.lm_head.weight, L["labels"])
@@ -208,88 +204,95 @@ class SentenceGist(nn.Module):
             loss = loss + n * self.aid.layout_loss(teacher_attn, L, batch)
         return loss, n, {"gists_per_token": (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())}
 
-    # --- compressed cache ----------------------------------------------------
+    # --- compressed cache, answering -----------------------------------------
 
     def keep(self, L, kv):
-        """Memory of the kept slots of a prefilled layout: the sink, the gists, and the tokens
-        of the open (unfinished) sentence, in order, at their positions."""
-        keep = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))  # (B, T)
-        C = int(keep.sum(1).max())
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :C]  # (B, C) kept positions first
-        kv = [tuple(x.gather(2, order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])) for x in pair)
-              for pair in kv]  # each (B, Hkv, C, hd)
-        memory = Memory(kv=kv, mask=keep.gather(1, order), next_pos=L["length"])
-        n_tok, n_gist = ((L["kind"] == TOKEN).sum(1), (L["kind"] == GIST).sum(1))
-        memory.stats = {"gist_rc": (n_tok.float() / n_gist.clamp(min=1)).tolist()}  # paper eq. 2
+        """Memory of a prefilled layout whose last sentence is finished: the sink and the gists;
+        stats["gist_rc"] = regular tokens / gists (paper eq. 2)."""
+        kv, mask = keep_slots(kv, L["kind"] > 0)
+        memory = Memory(kv=kv, mask=mask, next_pos=L["length"])
+        memory.stats = {"gist_rc": ((L["kind"] == TOKEN).sum(1) / (L["kind"] == GIST).sum(1).clamp(min=1)).tolist()}
         return memory
 
     def compress(self, batch, ratio=None):
-        """Prefill prefix + context under the sentence mask and keep the cache's slots."""
-        rows = [(batch["prefix"], batch["context"][b, :batch["context_len"][b]].tolist(), [])
-                for b in range(len(batch["context"]))]
-        L = self.layout(rows)
-        _, kv = self.hidden(L, return_kv=True)
-        return self.keep(L, kv)
+        """Prefill prefix + context under the sentence mask; keep the sink and the gists."""
+        L = self.layout([(batch["prefix"], c[:n].tolist(), []) for c, n in zip(batch["context"], batch["context_len"])])
+        return self.keep(L, self.hidden(L, return_kv=True)[1])
+
+    def extend(self, cache, is_open, id_lists):
+        """Feed each row's ids after the cache, gisted, under the sentence mask; they continue the
+        cache's open sentence, whose slots is_open (B, C) marks -> ((B, V) logits of each row's
+        last position, the cache without the tokens of the sentences that ended, its is_open)."""
+        L = layout([([], [], x) for x in id_lists], self.is_end, self.cfg.gists, self.cfg.max_sentence_len,
+                   device=cache.mask.device, multiple=1, runs=is_open.sum(1).tolist())
+        h, kv = self.hidden(L, memory=cache, return_kv=True)
+        ended = ((L["kind"] == GIST) & (L["sentence"] == 1)).any(1, keepdim=True)  # (B, 1) the cache's open sentence
+        new_open = (L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None])
+        kv, mask, is_open = keep_slots(kv, torch.cat([cache.mask & ~(is_open & ended), (L["kind"] == GIST) | new_open], 1),
+                                       torch.cat([is_open & ~ended, new_open], 1))
+        logits = self.base.lm_head(h[torch.arange(len(h), device=h.device), L["length"] - 1])  # (B, V)
+        return logits, Memory(kv=kv, mask=mask, next_pos=cache.next_pos + L["length"]), is_open
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter("gist"):
-            return self.base.generate(prompts, max_new_tokens, memory=memory)
+        """Greedy answers under the rule (§3.3, SPEC §3.3): the prompt, then each generated token,
+        goes into the cache with gists after every sentence end, and a finished sentence's
+        tokens leave it (= one pass over the gisted prompt and answer under the sentence mask)."""
+        eos, out, done = set(self.base.config.eos_token_id), [[] for _ in prompts], [False] * len(prompts)
+        logits, cache, is_open = self.extend(memory, torch.zeros_like(memory.mask), prompts)
+        for i in range(max_new_tokens):
+            tok = logits.argmax(-1).tolist()  # (B,)
+            done = [d or t in eos for d, t in zip(done, tok)]
+            out = [o if d else o + [t] for o, d, t in zip(out, done, tok)]
+            if all(done) or i + 1 == max_new_tokens:
+                break
+            logits, cache, is_open = self.extend(cache, is_open, [[t] for t in tok])
+        return out
 
     def heldout_metrics(self, texts):
         """eval.py's extra columns for this method: perplexity with the compressed cache."""
-        ppl = perplexity(self, texts)
-        return {"ppl_full": ppl["full"], "ppl_compressed": ppl["compressed"], "ppl_ratio": ppl["ratio"]}
+        return {f"ppl_{k}": v for k, v in perplexity(self, texts).items() if k != "tokens"}
 
 
 @torch.no_grad()
 def perplexity(method, texts):
-    """Perplexity of each text's second half, given (a) "full": the whole first half, plain
-    base (no adapter, no gists) and (b) "compressed": the cache of the first half (sink and
-    gists only: the cut is the sentence end nearest the middle), the second half gisted
-    under the sentence mask. Both score the same tokens; "ratio" = first-half tokens / slots."""
-    base, tok, ce = method.base, method.tok, torch.nn.functional.cross_entropy
-    dev = method.gist.device
-    nll, count, ratios = {"full": 0.0, "compressed": 0.0}, 0, []
+    """Perplexity of each text's second half given (a) "full": the first half, plain base (no
+    adapter, no gists); (b) "compressed": the first half's cache (sink and gists: the cut is
+    the sentence end nearest the middle), the second half gisted, a sentence's first token
+    scored from the gist before it (App. C.3). "ratio" = first-half tokens / slots."""
+    base, ce, nll, count, ratios = method.base, torch.nn.functional.cross_entropy, {"full": 0.0, "compressed": 0.0}, 0, []
     for text in texts:
-        prefix, body = method.prefix(), tok.encode(text)
+        prefix, body = method.prefix(), method.tok.encode(text)
         _, _, kind, src = insert_gists(body, method.is_end, method.cfg.gists, method.cfg.max_sentence_len)
-        ends = [int(src[i]) + 1 for i in range(len(kind) - 1) if kind[i] == TOKEN and kind[i + 1] == GIST]
-        ends = [e for e in ends if e < len(body)]
+        ends = [s + 1 for k, s in zip(kind.tolist(), src.tolist()) if k == GIST and 0 <= s < len(body) - 1]
         if not ends:
             continue  # one sentence: no second half
-        cut = min(ends, key=lambda e: abs(e - len(body) / 2))
-        ids = torch.tensor([prefix + body], device=dev)  # (1, P + N)
-        P, target = len(prefix), ids[0, len(prefix) + cut:]
+        cut, P = min(ends, key=lambda e: abs(e - len(body) / 2)), len(prefix)
+        ids = torch.tensor([prefix + body], device=method.gist.device)  # (1, P + N)
+        target = ids[0, P + cut:]
         with base.adapter(None):
-            logits = base(ids)[0, P + cut - 1:-1]
-        nll["full"] += ce(logits.float(), target, reduction="sum").item()
-        L1 = method.layout([(prefix, body[:cut], [])])
+            nll["full"] += ce(base(ids)[0, P + cut - 1:-1].float(), target, reduction="sum").item()
+        L1, L2 = method.layout([(prefix, body[:cut], [])]), method.layout([([], [], body[cut:])], [body[cut + 1:] + [-100]])
         h1, kv = method.hidden(L1, return_kv=True)
         memory = method.keep(L1, kv)
-        last = int((L1["kind"][0] == TOKEN).nonzero()[-1])  # the first half's last token predicts body[cut]
-        L2 = method.layout([([], body[cut:], [])], [body[cut + 1:] + [-100]])
-        h2 = method.hidden(L2, memory=memory)
-        h = torch.cat([h1[0, last:last + 1], h2[0][L2["labels"][0] != -100]])
+        h2 = method.hidden(L2, memory=memory)[0][L2["labels"][0] != -100]
+        h = torch.cat([h1[0, L1["length"][0] - 1, None], h2])  # the first half's final gist, then the second half
         nll["compressed"] += ce(base.lm_head(h).float(), target, reduction="sum").item()
-        count += len(target)
-        ratios.append((P + cut) / memory.slots().item())
+        count, ratios = count + len(target), ratios + [(P + cut) / memory.slots().item()]
     out = {k: torch.tensor(v / max(count, 1)).exp().item() for k, v in nll.items()}
     return dict(out, ratio=sum(ratios) / max(len(ratios), 1), tokens=count)
 
 
 def main():
     """Print the sentence mask for a toy input (N_g = 2, a sink, one unfinished sentence)."""
-    words = ["<s>", "The", "sun", "shone", ".", "Birds", "sang", "!", "It", "was"]
-    is_end = torch.tensor([w in ".!" for w in words])
-    L = layout([([0], list(range(1, len(words))), [])], is_end, 2, 64, multiple=1)
-    names = [words[i] if i < len(words) else f"g{i - len(words) + 1}" for i in L["ids"][0].tolist()]
-    grid = kernels.dense_mask(sentence_mask(L["sentence"], L["kind"]), 1, len(names), len(names), "cpu")[0, 0]
-    print("sentence mask, N_g = 2: row = query, column = key; kept in the cache: *")
-    keep = ((L["kind"] > 0) | (L["sentence"] == L["open"][:, None]))[0]
-    for name, row in zip(names, grid.tolist()):
-        print(f"{name:>6} " + "".join("#" if x else "." for x in row))
-    print("       " + "".join("*" if k else " " for k in keep.tolist()))
+    words = ["<s>", "The", "sun", "shone", ".", "Birds", "sang", "!", "It", "was", "g1", "g2"]  # gist j: id 10 + j
+    L = layout([([0], list(range(1, 8)), [8, 9])], torch.tensor([w in ".!" for w in words[:10]]), 2, 64, multiple=1)
+    T = int(L["length"][0])
+    grid = kernels.dense_mask(sentence_mask(L["sentence"], L["kind"]), 1, T, T, "cpu")[0, 0]
+    print("sentence mask, N_g = 2: row = query, column = key; in the cache while answering: *")
+    for i, row in zip(L["ids"][0].tolist(), grid.tolist()):
+        print(f"{words[i]:>6} " + "".join("#" if x else "." for x in row))
+    print("       " + "".join("*" if k else " " for k in ((L["kind"] > 0) | (L["sentence"] == L["open"][:, None]))[0]))
 
 
 if __name__ == "__main__":

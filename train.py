@@ -61,6 +61,7 @@ class TrainConfig:
     lr: float = 0.0
     min_lr_frac: float = 0.1   # cosine decays to lr * min_lr_frac
     warmup_frac: float = 0.05
+    warmup_iters: int = 0      # linear warmup steps where a paper gives a count; 0 = warmup_frac * max_iters
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     max_context: int = 1024
@@ -244,7 +245,7 @@ def apply_defaults(cfg, mcfg, explicit, cls):
     """0 = method default. On the tiny base the method's TINY values; on real checkpoints
     the paper's (its Config fields)."""
     small = dict(getattr(cls, "TINY", {})) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
-    paper = getattr(cls, "PAPER", {})
+    paper = {**getattr(cls, "PAPER", {}), **getattr(cls, "STAGES", {}).get(getattr(mcfg, "stage", None), {})}
     for key, val in {**paper, **small}.items():
         if key in explicit:
             continue
@@ -286,6 +287,8 @@ class Batches:
             if not self.records:
                 raise SystemExit(f"error: --data {cfg.data!r} holds no usable records ({stats})")
         self.synth = data.Synthetic(seed=cfg.seed, split="train")
+        aided = tiny.is_tiny(cfg.init_from) and not cfg.no_aids
+        self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if aided else 1
         self.stats = {}
 
     def raw(self, step, n):
@@ -301,7 +304,7 @@ class Batches:
                 out.append(self.records[perm[j]])
             return out
         kind = "text" if self.text else "base" if self.cfg.method == "base" else "qa"
-        qas = self.method.cfg.qa_per_context if kind == "base" else 1
+        qas = self.method.cfg.qa_per_context if kind == "base" else self.questions
         return tiny.synthetic_items(self.synth, rng, n, step / max(1, self.cfg.max_iters), kind, qas,
                                     aids=not self.cfg.no_aids)
 
@@ -318,7 +321,7 @@ class Batches:
         out = []
         for a in range(accum):
             lo = (a * self.world + self.rank) * per_rank
-            out.append(self.collate(items[lo:lo + per_rank]))
+            out.append(dict(self.collate(items[lo:lo + per_rank]), step=step))  # step: for per-step draws (ata's r)
         return out
 
     def collate(self, items):
@@ -330,6 +333,8 @@ class Batches:
             return data.collate_lm(items, self.tok, cfg.max_context, pad_multiple=pad)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
                                 stats=self.stats, pad_multiple=pad)
+        if self.questions > 1:
+            batch = tiny.add_questions(batch, items, self.tok)
         prepare = getattr(self.method, "prepare", None)
         return prepare(batch) if prepare else batch
 
@@ -450,7 +455,7 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
 def lr_at(step, cfg, schedule="cosine"):
     """1) linear warmup, 2) cosine decay to lr * min_lr_frac, or linear decay to 0 for a
     method whose `lr_schedule` is "linear" (sentence_gist's stage-3 cool-down)."""
-    warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
+    warmup = cfg.warmup_iters or max(1, int(cfg.warmup_frac * cfg.max_iters))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     t = (step - warmup) / max(1, cfg.max_iters - warmup)

@@ -2,6 +2,7 @@
 "append k", the objectives and ablations, Memory round trips, bad input, the real-checkpoint
 path and DDP."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -105,13 +106,91 @@ def test_loss_terms_and_ablations(base_dir):
     loss1, _, _ = m(batch, [10])
     assert (loss1 - loss0).item() == pytest.approx(0.5 * ata.huber(L_hat, batch["rel_len"], 3.0).item(), rel=1e-4)
     m.cfg.no_aac = True
-    assert m(batch, [10])[2]["k_rel"] == 8.0  # w/o AAC: k = k_max
+    assert m(batch, [10])[2]["k_rel"] == 6.0  # w/o AAC: the fixed k of Table 2 (6.00)
     m, batch = _method(base_dir, objective="qa+rel", k_max=3)
     loss, n, metrics = m(batch, [1])
     assert metrics["k_qa"] == 3.0 and n == int((batch["rel_labels"] != -100).sum() + (batch["qa_labels"] != -100).sum())
     loss.backward()
     for name in ("comp", "probe.mlp.2.weight", "base.model.layers.0.self_attn.q_proj.lora_A.encoder"):
         assert dict(m.named_parameters())[name].grad.abs().sum() > 0, name
+
+
+def test_no_aac_fixed_k_is_a_flag_with_the_papers_value(base_dir):
+    """Issue 20 item 10: Table 2's "w/o AAC" row uses k = 6.00, not k_max = 8."""
+    m, batch = _method(base_dir, objective="qa+rel", no_aac=True)
+    assert m.cfg.fixed_k == 6 and m.cfg.k_max == 8
+    with torch.no_grad():
+        metrics = m(batch, [10])[2]
+        assert metrics["k_rel"] == metrics["k_qa"] == 6.0
+        assert m.compress(batch, 10).slots().tolist() == [6, 6, 6]  # the probe is not consulted
+        m.cfg.fixed_k = 3
+        assert m(batch, [10])[2]["k_rel"] == 3.0 and m.compress(batch, 1).slots().tolist() == [3, 3, 3]
+
+
+def test_r_is_drawn_per_step_for_the_whole_batch(base_dir):
+    """Issue 20 item 8: r is drawn "for each training batch" (§C), a pure function of (seed,
+    step): one example meets different r over the steps; every micro-batch of a step (and
+    every rank) shares one r; the same step gives the same r again (--resume)."""
+    choices = [1, 5, 10, 20, 50]
+    rs = [ata.draw_ratio(choices, 1337, s, "rel") for s in range(40)]
+    assert rs == [ata.draw_ratio(choices, 1337, s, "rel") for s in range(40)] and set(rs) == set(choices)
+    assert rs != [ata.draw_ratio(choices, 7, s, "rel") for s in range(40)]
+    m, batch = _method(base_dir, objective="rel", huber_lambda=0.0)
+    lo, hi = rs.index(1), rs.index(50)
+    with torch.no_grad():  # the same batch: r = 1 at one step, r = 50 at another
+        k_lo, k_hi = (m(dict(batch, step=s), [10])[2] for s in (lo, hi))
+    L = batch["rel_len"].float()
+    assert (k_lo["r_rel"], k_hi["r_rel"]) == (1, 50)
+    assert k_lo["k_rel"] == ata.policy(L, 1, 8).float().mean().item()
+    assert k_hi["k_rel"] == ata.policy(L, 50, 8).float().mean().item() < k_lo["k_rel"]
+    cfg = train.TrainConfig(method="ata", objective="rel", init_from=base_dir, batch_size=2, grad_accum=2,
+                            no_aids=True)
+    batches = train.Batches(cfg, m.tok, m)
+    for step in (lo, hi):
+        micro = batches(step)
+        assert [mb["step"] for mb in micro] == [step, step]
+        with torch.no_grad():
+            assert {m(mb, [10])[2]["r_rel"] for mb in micro} == {rs[step]}
+
+
+def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
+    """Issue 20 items 7 and 9: on a real checkpoint 300 warmup steps (Tables 4-5), whatever
+    --max_iters is; HotpotQA keeps its distractor paragraphs (explicit flags win)."""
+    cfg, mcfg = train.TrainConfig(method="ata", init_from=base_dir), ata.ATAConfig()
+    train.apply_defaults(cfg, mcfg, set(), ata.ATA)
+    assert cfg.warmup_iters == 300 and cfg.max_iters == 1000 and cfg.hotpot_distractors and cfg.ratio == "10"
+    assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
+    assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
+    hotpot = tmp_path / "hotpot.json"
+    paragraphs = [["A", ["Ann wrote A."]], ["B", ["Ann wrote B."]], ["C", ["Cid slept."]]]  # C: a distractor
+    hotpot.write_text(json.dumps([{"_id": "h1", "question": "Who wrote both?", "answer": "Ann",
+                                   "supporting_facts": [["A", 0], ["B", 0]], "context": paragraphs}]))
+    rec = next(train.read_records(str(hotpot), cfg))
+    assert len(rec["chunks"]) == 3 and len(rec["relevant"]) == 2
+    gold_only = train.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False)
+    train.apply_defaults(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
+    assert len(next(train.read_records(str(hotpot), gold_only))["chunks"]) == 2
+    tiny_cfg = train.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup
+    train.apply_defaults(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
+    assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
+
+
+def test_training_batch_with_every_chunk_relevant_warns(base_dir):
+    """Issue 20 item 7: gold-only contexts make selective reconstruction --no_selective."""
+    m, _ = _method(base_dir)
+    one = data.Synthetic(0, "val").qa_examples(3, n_people=(1, 1))  # one biography, the relevant one
+    assert all(len(r["chunks"]) == 1 for r in one)
+    with pytest.warns(UserWarning, match="every chunk"):
+        m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))
+    many = data.Synthetic(0, "val").qa_examples(3, n_people=(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.prepare(data.collate_qa(many, m.tok, pad_multiple=8))  # distractors: no warning
+        m.eval()
+        m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))  # eval of a one-chunk document: none
+        m.train()
+        m.cfg.no_selective = True
+        m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))  # the ablation means it
 
 
 def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
@@ -151,7 +230,10 @@ def test_bad_input_one_line_error(base_dir, tmp_path, args, msg):
 
 
 @pytest.mark.parametrize("args, msg", [(["--k_max", "0"], "--k_max"), (["--rel_ratios", "5,x"], "--rel_ratios"),
-                                       (["--objective", "kd"], "--objective")])
+                                       (["--rel_ratios", "5,0"], "--rel_ratios"),
+                                       (["--objective", "kd"], "--objective"),
+                                       (["--no_aac", "--fixed_k", "9", "--max_iters", "1"], "--fixed_k"),
+                                       (["--no_aac", "--k_max", "4", "--max_iters", "1"], "--fixed_k")])
 def test_bad_method_flags(base_dir, tmp_path, args, msg):  # in process: the same SystemExit line, no start-up cost
     with pytest.raises(SystemExit) as e:
         train.main(["--method", "ata", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *args])

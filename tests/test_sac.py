@@ -116,6 +116,45 @@ def test_causal_fresh_memory_is_base_cache(base_dir, config):
             assert not torch.allclose(moved.kv[0][0][:, :, 1], mem.kv[0][0][:, :, 1], atol=1e-3)
 
 
+def test_prefix_slots_are_the_frozen_base_constant(base_dir):
+    """Issue 20 item 6: the BOS slot holds the frozen base's causal K/V of [bos] (what a plain
+    decoder holds), not the adapted bidirectional encoder's, so it is no extra learned
+    summary slot; it is still counted in the achieved ratio."""
+    m, tok = make(base_dir, lora_b=0.05)  # a non-zero adapter and e_A, bidirectional
+    torch.nn.init.normal_(m.anchor_emb)
+    with torch.no_grad(), m.base.adapter(None):
+        _, ref = m.base(torch.tensor([[tok.bos_id]]), return_kv=True, output="hidden")
+    lm = m.split_lm(data.collate_lm(["Ada Lovelace was born in London.", "Short text."], tok, max_len=64))
+    with torch.no_grad():
+        for batch in (ctx_batch(tok, [700, 300]), ctx_batch(tok, [40, 0], seed=1), lm):
+            mem = m.compress(batch, 5)
+            B = len(batch["context"])
+            for (k, v), (mk, mv) in zip(ref, mem.kv):
+                assert torch.allclose(mk[:, :, :1], k.expand(B, -1, -1, -1), atol=1e-6)
+                assert torch.allclose(mv[:, :, :1], v.expand(B, -1, -1, -1), atol=1e-6)
+            anchors = torch.tensor([len(a) for a in mem.anchors])
+            assert mem.slots().tolist() == (1 + anchors).tolist()  # the BOS slot counts in L / slots
+        with m.base.adapter("encoder"):  # the adapter does move BOS: the encoder's own BOS slot would differ
+            _, enc = m.base(torch.tensor([[tok.bos_id]]), return_kv=True, output="hidden")
+        assert not torch.allclose(enc[0][0], ref[0][0], atol=1e-3)
+
+
+def test_paper_defaults_one_ratio_per_model_and_300_warmup_steps(base_dir):
+    """Issue 20 items 5 and 9: on a real checkpoint one model per ratio, r = 5 (§4.1), and
+    300 warmup steps (Table 6) whatever --max_iters is; an explicit --ratio wins."""
+    cfg, mcfg = train.TrainConfig(method="sac", init_from=base_dir), sac.SACConfig()
+    train.apply_defaults(cfg, mcfg, set(), sac.SAC)
+    assert train.ratios_of(cfg.ratio) == [5] and cfg.warmup_iters == 300 and cfg.max_iters == 20000
+    cfg = train.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000)
+    train.apply_defaults(cfg, mcfg, {"ratio", "max_iters"}, sac.SAC)
+    assert cfg.ratio == "15" and cfg.max_iters == 1000
+    assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
+    assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
+    tiny_cfg = train.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
+    train.apply_defaults(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
+    assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
+
+
 def test_bidirectional_anchor_sees_later_tokens(base_dir):
     m, tok = make(base_dir, lora_b=0.05)
     causal, _ = make(base_dir, lora_b=0.05, causal=True)
