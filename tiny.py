@@ -243,6 +243,33 @@ def synthetic_items(synth, rng, n, frac, kind, qa_per_context=1, aids=True):
                           same_attrs=ramp < 1 or rng.random() < 0.5) for _ in range(n * per_slot)]
 
 
+QUESTIONS = {"MeanPool": 4, "PIC": 4, "SAC": 4}  # QA pairs per context for the methods that compress without the question
+
+
+def add_questions(batch, items, tok):
+    """Aid 3: every QA pair of an item after the first is appended to its `qa` and `full`
+    rows, as the base was trained (collate_base), so one encoder pass over a context
+    teaches several answers (for methods that compress without seeing the question)."""
+    for key in ("qa", "full"):
+        rows, labels = [], []
+        for b, ex in enumerate(items):
+            n = int(batch[key + "_len"][b])
+            ids, lab = batch[key][b, :n].tolist(), batch[key + "_labels"][b, :n].tolist()
+            for i, (q, a) in enumerate(ex["qas"][1:], 1):
+                parts = data.format_qa(tok, "", q, a, template=(ex["template"] + i) % len(data.QA_TEMPLATES))
+                ids += parts["prompt"] + parts["answer"]
+                lab += [-100] * (len(parts["prompt"]) - 1) + parts["answer"] + [-100]
+            rows.append(ids)
+            labels.append(lab)
+        T = -(-max(len(r) for r in rows) // 8) * 8
+        batch[key] = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
+        batch[key + "_labels"] = torch.full((len(rows), T), -100, dtype=torch.long)
+        for b, (r, l) in enumerate(zip(rows, labels)):
+            batch[key][b, :len(r)], batch[key + "_labels"][b, :len(l)] = torch.tensor(r), torch.tensor(l)
+        batch[key + "_len"] = torch.tensor([len(r) for r in rows])
+    return batch
+
+
 # -----------------------------------------------------------------------------
 # aid 2: attention distillation
 

@@ -97,6 +97,28 @@ def test_compressor_curriculum_batches(tmp_path):
     assert len(batches(10)[0]["context"]) == 16  # 4 per slot: 4 x batch_size rows
 
 
+def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
+    """Aid 3: meanpool/pic/sac batches hold all QA pairs of a context after the memory (qa)
+    and after the context (full), answers labelled in the same order in both."""
+    from common import default_tokenizer
+    import data
+    tok = default_tokenizer(tmp_path)
+    cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
+    method = type("MeanPool", (), {})()
+    batches = train.Batches(cfg, tok, method)
+    items = batches.raw(90, 4)
+    b = batches(90)[0]
+    for i, ex in enumerate(items):
+        assert len(ex["qas"]) == tiny.QUESTIONS["MeanPool"]
+        want = [t for q, a in ex["qas"] for t in tok.encode(" " + a, start=False) + tok.eos_ids[:1]]
+        for key in ("qa", "full"):
+            lab = b[key + "_labels"][i]
+            assert lab[lab != -100].tolist() == want
+            row = tok.decode(b[key][i, :b[key + "_len"][i]].tolist())
+            assert all(q in row for q, _ in ex["qas"])
+    assert train.Batches(cfg, tok, None).questions == 1  # ata, sentence_gist: one question
+
+
 def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     """Attention distillation (tiny.py) on meanpool: the teacher's head-0 attention covers only context tokens; a teacher that
     looks at context token j makes the loss -log of the decoder's head-0 attention on slot
