@@ -145,8 +145,13 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
+        with torch.autocast(h.device.type, enabled=False):  # fp32 even inside the caller's autocast
+            return _ChunkedLoss._run(ctx, h, w, weights, kind, target, teacher_h, teacher_w)
+
+    @staticmethod
+    def _run(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
         h32, w32 = h.float(), w.float()
-        tw32 = teacher_w.float() if teacher_w is not None else None
+        tw32 = w32 if teacher_w is w else teacher_w.float() if teacher_w is not None else None  # one fp32 head when shared
         grad_h = torch.zeros_like(h32)
         grad_w = torch.zeros_like(w32) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)

@@ -170,3 +170,20 @@ def test_chunked_losses_bf16(small_chunks):
     torch.testing.assert_close(wb.grad.float(), rw, atol=0.02, rtol=0.05)
     kd = kernels.chunked_kd(hb, wb, th.bfloat16(), tw.bfloat16(), labels)[0]
     torch.testing.assert_close(kd, kernels.naive_kd(h, w, th, tw, labels), atol=0.05, rtol=0.02)
+
+
+def test_losses_stay_fp32_under_autocast():
+    """The chunked losses compute logits and gradients in fp32 even inside bf16 autocast
+    (issue: `h.float() @ w.float().T` ran in bf16 there)."""
+    torch.manual_seed(0)
+    h, w = torch.randn(24, 32, requires_grad=True), torch.randn(50, 32, requires_grad=True)
+    t, labels = torch.randn(24, 32), torch.randint(0, 50, (24,))
+    naive_ce = F.cross_entropy(h @ w.T, labels, reduction="sum")
+    naive_kd = F.kl_div(torch.log_softmax(h @ w.T, -1), torch.log_softmax(t @ w.T, -1), log_target=True, reduction="sum")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ce, _ = kernels.chunked_ce(h[None], w, labels[None])
+        kd, _ = kernels.chunked_kd(h, w, t, w)
+    assert torch.allclose(ce, naive_ce, rtol=1e-5) and torch.allclose(kd, naive_kd, rtol=1e-5)
+    g, = torch.autograd.grad(ce, h)
+    g_naive, = torch.autograd.grad(naive_ce, h)
+    assert torch.allclose(g, g_naive, rtol=1e-4, atol=1e-5)
