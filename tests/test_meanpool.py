@@ -90,3 +90,19 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
     no_w = meanpool.MeanPool(Transformer.from_pretrained(base_dir), meanpool.MeanPoolConfig(no_linear=True), tok,
                              train.TrainConfig())
     assert no_w.proj is None
+
+
+def test_paper_defaults_on_a_real_checkpoint(base_dir):
+    """Table 6 and §5.1 on a real checkpoint: R = {4..128}, 48k steps, answers up to 256
+    tokens; the tiny default keeps 4,8,16; explicit flags win."""
+    import train
+    cfg, mcfg = train.TrainConfig(method="meanpool", init_from=base_dir), meanpool.MeanPoolConfig()
+    train.apply_defaults(cfg, mcfg, set(), meanpool.MeanPool)
+    assert train.ratios_of(cfg.ratio) == [4, 8, 16, 32, 64, 128] and cfg.max_iters == 48000 and cfg.max_answer == 256
+    assert cfg.lr == 2e-4 and cfg.batch_size == 32
+    cfg = train.TrainConfig(method="meanpool", init_from=base_dir, ratio="16")
+    train.apply_defaults(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
+    assert cfg.ratio == "16"
+    tiny_cfg = train.TrainConfig(method="meanpool")
+    train.apply_defaults(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
+    assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 600
