@@ -258,14 +258,10 @@ def add_questions(batch, items, tok):
             for i, (q, a) in enumerate(ex["qas"][1:], 1):
                 parts = data.format_qa(tok, "", q, a, template=(ex["template"] + i) % len(data.QA_TEMPLATES))
                 ids += parts["prompt"] + parts["answer"]
-                lab += [-100] * (len(parts["prompt"]) - 1) + parts["answer"] + [-100]
+                lab += data._answer_labels(len(parts["prompt"]), parts["answer"])
             rows.append(ids)
             labels.append(lab)
-        T = -(-max(len(r) for r in rows) // 8) * 8
-        batch[key] = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
-        batch[key + "_labels"] = torch.full((len(rows), T), -100, dtype=torch.long)
-        for b, (r, l) in enumerate(zip(rows, labels)):
-            batch[key][b, :len(r)], batch[key + "_labels"][b, :len(l)] = torch.tensor(r), torch.tensor(l)
+        batch[key], batch[key + "_labels"] = data._pad(rows, tok.pad_id, 8), data._pad(labels, -100, 8)
         batch[key + "_len"] = torch.tensor([len(r) for r in rows])
     return batch
 
