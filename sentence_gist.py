@@ -135,6 +135,7 @@ class SentenceGist(nn.Module):
     STAGES = {1: dict(max_iters=1000, lr=1e-4, min_lr_frac=0.5, warmup_frac=100 / 1000, grad_clip=1.0),
               2: dict(max_iters=9000, lr=1e-4, min_lr_frac=0.5, warmup_frac=1000 / 9000, grad_clip=2.0),
               3: dict(max_iters=2000, lr=5e-5, min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0)}
+    STAGE_FLAGS = ("stage",)  # what a later stage may change (train.inherit_first_stage)
     PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
     TINY = dict(objective="qa", lr=2e-3, max_iters=300, batch_size=16, grad_clip=1.0, warmup_frac=0.1)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base

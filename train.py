@@ -241,6 +241,23 @@ def first_stage(init_from, method):
     return first if first["method"] == method else None
 
 
+def inherit_first_stage(cfg, mcfg, explicit, cls):
+    """A second stage (--init_from an earlier run of the same method) runs under the first
+    stage's method config: its tensors were shaped and trained under it (a pic memory table
+    of --max_mem rows, an encoder pretrained with --mask causal). A flag given with another
+    value is a one-line error, except the stage's own (cls.STAGE_FLAGS: gist's --stage)."""
+    if not first_stage(cfg.init_from, cfg.method):
+        return
+    first = json.load(open(os.path.join(cfg.init_from, "run.json")))["method"]
+    for key, val in first.items():
+        if key in getattr(cls, "STAGE_FLAGS", ()) or not hasattr(mcfg, key):
+            continue
+        if key in explicit and getattr(mcfg, key) != val:
+            raise SystemExit(f"error: --{key} {getattr(mcfg, key)!r} conflicts with the first stage "
+                             f"{cfg.init_from} ({key}={val!r}); drop the flag to inherit it")
+        setattr(mcfg, key, val)
+
+
 def apply_defaults(cfg, mcfg, explicit, cls):
     """0 = method default. On the tiny base the method's TINY values; on real checkpoints
     the paper's (its Config fields)."""
@@ -483,6 +500,7 @@ def main(argv):
             raise SystemExit(f"error: --{key} does not apply to --method {method_name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, mcls)
     apply_defaults(cfg, mcfg, explicit, cls)
+    inherit_first_stage(cfg, mcfg, explicit, cls)
     ratios = ratios_of(cfg.ratio)
     check = getattr(cls, "check_config", None)
     if check:

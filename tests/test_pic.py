@@ -1,6 +1,7 @@
 """pic.py: the three masks as literal grids, receptive fields checked through outputs,
 padding and positions, eq. 6-8 by hand, encoder/decoder of different widths, Memory round
 trip, CLI errors, DDP and real checkpoints."""
+import json
 import random
 
 import pytest
@@ -269,11 +270,18 @@ def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):
 def test_two_stage_recipe_starts_qa_from_ae_lm(base_dir, tmp_path):
     common = ["--method", "pic", "--max_iters", 1, "--batch_size", 2, "--device", "cpu", "--quiet",
               "--max_context", 128]
-    train.main([str(a) for a in common + ["--init_from", base_dir, "--objective", "ae+lm", "--out_dir", tmp_path / "pt"]])
+    train.main([str(a) for a in common + ["--init_from", base_dir, "--objective", "ae+lm", "--out_dir", tmp_path / "pt",
+                                          "--mask", "causal", "--max_mem", 48]])
     train.main([str(a) for a in common + ["--init_from", tmp_path / "pt", "--objective", "qa", "--lr", "1e-12",
                                           "--out_dir", tmp_path / "ft"]])
     pt, ft = read_params(tmp_path / "pt"), read_params(tmp_path / "ft")
     assert "ae" in pt and "ae" not in ft and torch.allclose(pt["mem_embed"], ft["mem_embed"], atol=1e-6)
+    method = json.load(open(tmp_path / "ft" / "run.json"))["method"]  # the second stage inherits the first's config
+    assert (method["mask"], method["max_mem"]) == ("causal", 48)
+    with pytest.raises(SystemExit, match="--mask 'blockwise' conflicts with the first stage"):
+        train.main([str(a) for a in common + ["--init_from", tmp_path / "pt", "--mask", "blockwise",
+                                              "--out_dir", tmp_path / "bad"]])
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
 
 
 def test_check_config_errors():
