@@ -17,10 +17,13 @@ Choices the paper leaves open, made here:
   frozen teacher. On the tiny default the base itself is the teacher.
 - Padding tokens are never attended to nor pooled; a partial last window averages only
   its real tokens (C = ceil(L / r)).
-- The decoder sees no BOS: its input is [z_1 .. z_C, prompt, answer], positions 0.. in
-  order. The loss is normalised by the number of answer tokens (sum over ratios kept).
-- `--ratio_sampling` (Table 3): one ratio drawn per example instead of all of them.
-- `--no_linear` (Table 3): no W. A decoder of another width gets W in R^{d_dec x d_enc}.
+- The decoder reads [prefix, z_1 .. z_C, prompt, answer] (prefix = BOS / chat header, as
+  the teacher's [prefix, context, prompt, answer]; model.behind_prefix), positions 0.. in
+  order; the prefix slots count in the memory size. The loss is normalised by the number of answer tokens (sum over ratios kept).
+- Table 3's ablations: `--fixed_decoder` (no decoder adapter: only the encoder and W
+  train), `--fixed_encoder` (no encoder adapter: the frozen base, still bidirectional,
+  encodes), `--no_encoder` (no encoder pass: the decoder's token embeddings are pooled),
+  `--no_linear` (no W), `--ratio_sampling` (one ratio drawn per example, not all).
 - `--objective qa`: CE on the answer instead of KD (an alternative, not the paper's).
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation; slot k
 holds window S_k).
@@ -32,7 +35,7 @@ import torch
 import torch.nn as nn
 
 import kernels
-from model import Memory
+from model import behind_prefix
 
 
 @dataclass
@@ -41,6 +44,9 @@ class MeanPoolConfig:
     lora_alpha: int = 16
     no_linear: bool = False       # Table 3 ablation: no projection W
     ratio_sampling: bool = False  # Table 3 ablation: one ratio per example, not all
+    fixed_decoder: bool = False   # Table 3 ablation: the decoder stays frozen (no decoder adapter)
+    fixed_encoder: bool = False   # Table 3 ablation: the encoder stays frozen (no encoder adapter)
+    no_encoder: bool = False      # Table 3 ablation: pool the token embeddings, no encoder
 
 
 def mean_pool(h, lengths, r):
@@ -70,28 +76,32 @@ class MeanPool(nn.Module):
         super().__init__()
         self.base, self.cfg, self.run = base, cfg, run
         d = base.config.hidden_size
-        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha)
-        base.add_adapter("decoder", cfg.lora_r, cfg.lora_alpha)
+        self.enc_adapter = None if cfg.fixed_encoder or cfg.no_encoder else "encoder"
+        self.dec_adapter = None if cfg.fixed_decoder else "decoder"
+        for name in filter(None, (self.enc_adapter, self.dec_adapter)):
+            base.add_adapter(name, cfg.lora_r, cfg.lora_alpha)
         self.proj = None
         if not cfg.no_linear:
             self.proj = nn.Linear(d, d, bias=False)
             nn.init.eye_(self.proj.weight)
 
     def encode(self, batch):
-        """Bidirectional encoder over the context: (B, L, d)."""
+        """Bidirectional encoder over the context (or its token embeddings, --no_encoder): (B, L, d)."""
         ctx, lengths = batch["context"], batch["context_len"]
+        if self.cfg.no_encoder:
+            return self.base.model.embed_tokens(ctx)
         real = torch.arange(ctx.shape[1], device=ctx.device)[None] < lengths[:, None]
-        with self.base.adapter("encoder"):
+        with self.base.adapter(self.enc_adapter):
             return self.base(ctx, mask=kernels.bidirectional(real), output="hidden")
 
-    def pool(self, h, lengths, r):
-        z, mask = mean_pool(h, lengths, r)
+    def pool(self, h, batch, r):
+        z, mask = mean_pool(h, batch["context_len"], r)
         if self.proj is not None:
             z = self.proj(z.to(self.proj.weight.dtype))
-        return Memory(embeds=z, mask=mask)
+        return behind_prefix(self.base, batch["prefix"], z, mask)
 
     def compress(self, batch, ratio):
-        return self.pool(self.encode(batch), batch["context_len"], ratio)
+        return self.pool(self.encode(batch), batch, ratio)
 
     def forward(self, batch, ratios):
         """Training loss: (sum over answer tokens and ratios, n answer tokens, metrics)."""
@@ -111,8 +121,8 @@ class MeanPool(nn.Module):
             groups = ratios
         total, metrics = 0.0, {}
         for r in groups:
-            memory = self.pool(h, batch["context_len"], r)
-            with self.base.adapter("decoder"):
+            memory = self.pool(h, batch, r)
+            with self.base.adapter(self.dec_adapter):
                 hs = self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
                 if self.run.objective == "kd":
                     loss, n = kernels.chunked_kd(hs[labels != -100], w_head, teacher, w_head)
@@ -130,7 +140,7 @@ class MeanPool(nn.Module):
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter("decoder"):
+        with self.base.adapter(self.dec_adapter):
             return self.base.generate(prompts, max_new_tokens, memory=memory)
 
 

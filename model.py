@@ -153,6 +153,15 @@ class Memory:
         return Memory(embeds, kv, self.mask, self.next_pos)
 
 
+def behind_prefix(model, prefix, embeds, mask):
+    """Embedding memory (B, C, d) behind the sequence prefix (BOS, a chat header; a list of
+    ids): the decoder reads [prefix, memory, prompt] as the teacher reads [prefix, context,
+    prompt], since BOS is the attention sink of real checkpoints. Prefix slots count as memory."""
+    ids = torch.as_tensor(prefix, dtype=torch.long, device=embeds.device)[None].expand(len(embeds), -1)
+    e = model.model.embed_tokens(ids).to(embeds.dtype)  # (B, P, d)
+    return Memory(embeds=torch.cat([e, embeds], 1), mask=torch.cat([torch.ones_like(ids, dtype=torch.bool), mask], 1))
+
+
 # -----------------------------------------------------------------------------
 # LoRA: W x + (alpha / r) B A x, several named adapters on one base weight
 #

@@ -25,7 +25,7 @@ Choices the paper leaves open, made here:
 - Memory tokens: a learned table of `max_mem` rows (PIC), or `--mem single`: one learned token
   repeated (the compression tokens of meanpool §5.1); initialised at the token embeddings' scale.
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec). The decoder reads the
-  memory at positions 0 .. N_b - 1, then the prompt (no BOS), as in meanpool.py.
+  prefix (BOS / chat header), the memory, then the prompt, as in meanpool.py.
 - Encoder training: the paper finetunes its encoder fully (Qwen2.5-0.5B, frozen Llama-3-8B
   decoder). Here the encoder is by default the shared base with an `encoder` LoRA adapter,
   as the frozen decoder shares those weights; a separate `--encoder` checkpoint can be
@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 import kernels
-from model import Memory, Transformer
+from model import Transformer, behind_prefix
 
 LAMBDA = 0.5  # eq. 8
 
@@ -208,7 +208,7 @@ class PIC(nn.Module):
     def compress(self, batch, ratio):
         h, valid = self.encode(batch["context"], batch["context_len"], ratio)
         z = self.converter(h.to(self.converter[0].weight.dtype))  # (B, N, d_dec)
-        return Memory(embeds=z, mask=valid)
+        return behind_prefix(self.dec, batch["prefix"], z, valid)
 
     def decode_hidden(self, memory, ids, embeds=None):
         """Frozen decoder over [memory, embeds, ids] -> hidden states (B, T, d_dec)."""
@@ -255,7 +255,8 @@ class PIC(nn.Module):
 
         def per_example(labels, counts):  # eq. 6-7 are means per example: weight 1 / count
             return (1.0 / torch.tensor(counts, device=dev).clamp(min=1))[:, None].expand(labels.shape)
-        ctx = {"context": rows(lambda x, k: x[:k]), "context_len": torch.tensor(ks, device=dev)}
+        ctx = {"context": rows(lambda x, k: x[:k]), "context_len": torch.tensor(ks, device=dev),
+               "prefix": ids[0, :off].tolist()}
         tr_in, tr_lab = rows(lambda x, k: x[:k - 1]), rows(lambda x, k: x[:k], -100)  # [<AE>, x_<k] -> x_1..x_k
         tc_in, tc_lab = rows(lambda x, k: x[k - 1:-1]), rows(lambda x, k: x[k:], -100)  # x_k..x_{L-1} -> x_{k+1}..x_L
         tr_w, tc_w = per_example(tr_lab, ks), per_example(tc_lab, [len(x) - k for x, k in zip(texts, ks)])

@@ -280,7 +280,8 @@ def window_slots(batch, memory, r):
     """meanpool: slot k pools window S_k; PIC: memory token m_t reads chunk c_t (r may be (B,))."""
     r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
     i = torch.arange(batch["context"].shape[1], device=r.device)
-    return (i[None] // r[:, None]).clamp(max=memory.mask.shape[1] - 1)
+    P = len(batch["prefix"])  # the prefix slots come first (model.behind_prefix)
+    return (P + i[None] // r[:, None]).clamp(max=memory.mask.shape[1] - 1)
 
 
 def anchor_slots(batch, memory, r):

@@ -67,7 +67,8 @@ def test_encoder_is_bidirectional_and_ignores_padding(tmp_path):
         last = batch["context_len"][0] - 1
         ctx[0, last] = (ctx[0, last] + 1) % 100 + 5
         changed = m.compress(dict(batch, context=ctx), 4)
-        assert not torch.allclose(mem.embeds[0, 0], changed.embeds[0, 0])  # first slot sees the last token
+        P = len(batch["prefix"])  # the prefix slots (BOS) come first
+        assert not torch.allclose(mem.embeds[0, P], changed.embeds[0, P])  # first slot sees the last token
         ctx = batch["context"].clone()
         L = batch["context_len"][1]
         ctx[1, L:] = 7  # garbage in the padding of example 1
@@ -86,7 +87,10 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
     with torch.no_grad():
         h = base(batch["context"], mask=kernels.bidirectional(real), output="hidden")
         expected, _ = meanpool.mean_pool(h, batch["context_len"], 8)
-        assert torch.allclose(m.compress(batch, 8).embeds, expected, atol=1e-6)
+        memory = m.compress(batch, 8)
+        P = len(batch["prefix"])  # [BOS embedding, z_1 .. z_C]
+        assert P == 1 and torch.equal(memory.embeds[:, 0], base.model.embed_tokens.weight[[tok.bos_id] * 2])
+        assert torch.allclose(memory.embeds[:, P:], expected, atol=1e-6)
     no_w = meanpool.MeanPool(Transformer.from_pretrained(base_dir), meanpool.MeanPoolConfig(no_linear=True), tok,
                              train.TrainConfig())
     assert no_w.proj is None
@@ -106,3 +110,26 @@ def test_paper_defaults_on_a_real_checkpoint(base_dir):
     tiny_cfg = train.TrainConfig(method="meanpool")
     train.apply_defaults(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
     assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 600
+
+
+def test_table3_fixed_decoder_fixed_encoder_no_encoder(tmp_path):
+    """Table 3: which adapters exist and train, and what each ablation pools."""
+    def trained(m):
+        loss, _, _ = m(batch, [4])
+        loss.backward()
+        return {n.split("lora_")[1].split(".")[1] if "lora_" in n else n for n, p in m.named_parameters()
+                if p.grad is not None and p.grad.abs().sum() > 0}
+    m, batch = _method(tmp_path, fixed_decoder=True)
+    assert trained(m) == {"encoder", "proj.weight"}
+    m, batch = _method(tmp_path, fixed_encoder=True)
+    assert trained(m) == {"decoder", "proj.weight"}
+    real = torch.arange(batch["context"].shape[1])[None] < batch["context_len"][:, None]
+    with torch.no_grad():  # the frozen base, bidirectional, is the encoder
+        h = m.base(batch["context"], mask=kernels.bidirectional(real), output="hidden")
+        assert torch.allclose(m.compress(batch, 4).embeds[:, 1:], meanpool.mean_pool(h, batch["context_len"], 4)[0],
+                              atol=1e-6)
+    m, batch = _method(tmp_path, no_encoder=True, no_linear=True)
+    assert trained(m) == {"decoder"}
+    with torch.no_grad():  # window means of the token embeddings
+        e = m.base.model.embed_tokens(batch["context"])
+        assert torch.allclose(m.compress(batch, 4).embeds[:, 1:], meanpool.mean_pool(e, batch["context_len"], 4)[0])

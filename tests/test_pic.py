@@ -147,7 +147,7 @@ def test_batch_padding_and_positions_match_one_example_alone(base_dir):
         for b, r in enumerate(recs):
             alone = m.compress(data.collate_qa([r], tok, pad_multiple=1), 16)  # eval padding: none
             n = int(alone.slots()[0])
-            assert int(mem.slots()[b]) == n == -(-int(batch["context_len"][b]) // 16)
+            assert int(mem.slots()[b]) == n == len(batch["prefix"]) - (-int(batch["context_len"][b]) // 16)
             assert torch.allclose(mem.embeds[b, :n], alone.embeds[0], atol=1e-5)
 
 
@@ -181,7 +181,8 @@ def test_ae_lm_is_eq8_per_example_by_hand(base_dir):
         for t in texts:
             x = tok.encode(t, bos=False, eos=True)
             k = len(x) // 2
-            mem = m.compress({"context": torch.tensor([x[:k]]), "context_len": torch.tensor([k])}, 4).embeds
+            mem = m.compress({"context": torch.tensor([x[:k]]), "context_len": torch.tensor([k]),
+                              "prefix": [tok.bos_id]}, 4).embeds  # [BOS, H]
             N = mem.shape[1]
             tr_in = torch.cat([mem, m.ae[None, None], emb(torch.tensor([x[:k - 1]]))], 1)  # [H, <AE>, x_<k]
             tr = F.cross_entropy(base(embeds=tr_in)[0, N:], torch.tensor(x[:k]))  # eq. 6

@@ -149,7 +149,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & keys[:, None]  # (B, T, T)
     weights = F.scaled_dot_product_attention(q, k, torch.eye(T).expand(B, att.Hkv, T, T), attn_mask=mask[:, None],
                                              enable_gqa=True)  # (B, H, T, T)
-    want = -weights[rows, 0, pos + C, j // r].log().mean()
+    want = -weights[rows, 0, pos + C, len(batch["prefix"]) + j // r].log().mean()  # after the BOS slot
     assert torch.allclose(got, want, atol=1e-5), (got, want)
     loss, n, _ = m(batch, [4])  # and the term enters the training loss
     m.aid = None
@@ -206,7 +206,8 @@ def test_slots_follow_each_papers_layout(base_dir):
     m, batch = _with_aid(base_dir, "pic")
     memory = m.compress(batch, 4)
     L = batch["context"].shape[1]
-    assert tiny.window_slots(batch, memory, 4)[0].tolist() == [min(i // 4, memory.mask.shape[1] - 1) for i in range(L)]
+    assert tiny.window_slots(batch, memory, 4)[0].tolist() == [min(1 + i // 4, memory.mask.shape[1] - 1)
+                                                               for i in range(L)]  # after the BOS slot
     m, batch = _with_aid(base_dir, "sac", lora_r=4, lora_alpha=8)
     memory = m.compress(batch, 4)
     slots = tiny.anchor_slots(batch, memory, 4)
