@@ -24,6 +24,9 @@ Choices the paper leaves open, made here:
   64, eval to 1). The last chunk is partial (the paper assumes r divides L).
 - Memory tokens: a learned table of `max_mem` rows (PIC), or `--mem single`: one learned token
   repeated (the compression tokens of meanpool §5.1); initialised at the token embeddings' scale.
+  `--mem single` is that paper's baseline whole, so Table 1 compares like with like: a
+  `decoder` LoRA adapter, a linear W (identity init) instead of the converter, and `kd` as
+  the default objective; PIC (`--mem table`) keeps its frozen decoder and converter.
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec). The decoder reads the
   prefix (BOS / chat header), the memory, then the prompt, as in meanpool.py.
 - Encoder training: the paper finetunes its encoder fully (Qwen2.5-0.5B, frozen Llama-3-8B
@@ -130,6 +133,10 @@ class PIC(nn.Module):
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     @staticmethod
+    def default_objective(mcfg):
+        return "kd" if mcfg.mem == "single" else "qa"  # meanpool §5.1's baseline distils; PIC finetunes on qa
+
+    @staticmethod
     def check_config(cfg, mcfg):
         if mcfg.mask not in MASKS:
             raise SystemExit(f"error: --mask {mcfg.mask!r}; choose from {', '.join(MASKS)}")
@@ -163,7 +170,14 @@ class PIC(nn.Module):
                              f"the encoder has max_position_embeddings {enc.config.max_position_embeddings}")
         std = lambda model: model.model.embed_tokens.weight.float().std().item()  # noqa: E731
         self.mem_embed = nn.Parameter(torch.randn(1 if cfg.mem == "single" else cfg.max_mem, d_enc) * std(enc))
-        self.converter = nn.Sequential(nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
+        self.dec_adapter = "decoder" if cfg.mem == "single" else None  # meanpool §5.1's baseline trains its decoder
+        if self.dec_adapter:
+            dec.add_adapter("decoder", cfg.lora_r or 16, cfg.lora_alpha)
+            self.converter = nn.Sequential(nn.Linear(d_enc, d_dec, bias=False))  # meanpool's W
+            if d_enc == d_dec:
+                nn.init.eye_(self.converter[0].weight)
+        else:
+            self.converter = nn.Sequential(nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
         self.ae = nn.Parameter(torch.randn(d_dec) * std(dec), requires_grad=run.objective == "ae+lm")  # <AE>
 
     def load(self, path, dtype, trainable):
@@ -211,8 +225,8 @@ class PIC(nn.Module):
         return behind_prefix(self.dec, batch["prefix"], z, valid)
 
     def decode_hidden(self, memory, ids, embeds=None):
-        """Frozen decoder over [memory, embeds, ids] -> hidden states (B, T, d_dec)."""
-        with self.dec.adapter(None):
+        """Decoder (frozen; meanpool's baseline: its adapter) over [memory, embeds, ids] -> (B, T, d_dec)."""
+        with self.dec.adapter(self.dec_adapter):
             return self.dec(ids, embeds=embeds, memory=memory, output="hidden")
 
     # --- losses -------------------------------------------------------------------
@@ -276,7 +290,7 @@ class PIC(nn.Module):
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.dec.adapter(None):
+        with self.dec.adapter(self.dec_adapter):
             return self.dec.generate(prompts, max_new_tokens, memory=memory)
 
 

@@ -273,7 +273,7 @@ def apply_defaults(cfg, mcfg, explicit, cls):
     cfg.lr = cfg.lr or 1e-4
     cfg.out_dir = cfg.out_dir or os.path.join("out", cfg.method)
     if not cfg.objective:
-        cfg.objective = cls.objectives[0]
+        cfg.objective = cls.default_objective(mcfg) if hasattr(cls, "default_objective") else cls.objectives[0]
     if cfg.objective not in cls.objectives:
         raise SystemExit(f"error: --objective {cfg.objective!r} does not apply to --method {cfg.method}; "
                          f"choose from {', '.join(cls.objectives)}")

@@ -327,3 +327,21 @@ def test_real_checkpoints(tmp_path):
     method_smoke(tmp_path / "llama", "pic")
     method_smoke(tmp_path / "qwen3", "pic", extra=["--objective", "ae+lm", "--mem", "single", "--mask", "bidir"],
                  family="qwen3")
+
+
+def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
+    """--mem single is meanpool §5.1's compression-token baseline: decoder adapter, linear W
+    (identity init), kd by default; PIC (--mem table) keeps a frozen decoder and the MLP converter."""
+    m, tok = make(base_dir, objective="kd", mem="single", mask="bidir")
+    assert m.dec_adapter == "decoder" and len(m.converter) == 1
+    assert torch.equal(m.converter[0].weight, torch.eye(m.base.config.hidden_size))
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    loss, n, _ = m(batch, [4])
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for k, p in m.named_parameters() if "lora_B.decoder" in k)
+    pic_m, _ = make(base_dir)
+    assert pic_m.dec_adapter is None and len(pic_m.converter) == 3
+    for mem, objective in (("single", "kd"), ("table", "qa")):
+        cfg, mcfg = train.TrainConfig(method="pic"), pic.PICConfig(mem=mem)
+        train.apply_defaults(cfg, mcfg, set(), pic.PIC)
+        assert cfg.objective == objective
