@@ -162,6 +162,83 @@ def test_unsupported_tokenizers(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# GPT-2-style byte-level BPE: ByteLevel(use_regex) alone (GPT-2), Digits + ByteLevel
+# (SmolLM), and vocabularies that lack some single bytes (SmolLM's lacks 21)
+
+LACKED = {*range(9), *range(0xC0, 0xD0), 0x9F, 0xA9}  # control bytes, UTF-8 lead bytes of Latin/Greek, ©, é's 2nd
+BYTE_PROBES = ["a\x01b\x02\x03c", "\x00\x07\x1f end", "é𝔘ÀÁ ǅ naïve", "Ωmega\x05\x05z", "a  1 22\t3 4.5",
+               "x²³ ٣٤ Ⅻ 12ab3", "©2024 — Ünïcödé", "tab\there\r\n\x0bvt"]
+
+
+def shakespeare(n):
+    text = need(ASSETS / "corpora" / "tinyshakespeare_input.txt").read_text(encoding="utf-8")
+    return [p for p in text.split("\n\n") if p.strip()][:n]
+
+
+def train_gpt2_style(kind):
+    """kind: gpt2 | digits (Digits(individual) + ByteLevel) | lacking | lacking_unk (a vocab
+    without the LACKED bytes; no unk token: HF drops them; with a fused unk token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    unk = kind == "lacking_unk"
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True) if unk else models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = byte_level if kind == "gpt2" else pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    corpus = varied_texts(300, seed=1) + data.synthetic_corpus(0, 20_000).split("\n")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if kind.startswith("lacking"):
+        alphabet = [data.bytes_to_unicode()[b] for b in range(256) if b not in LACKED]
+        corpus = [t for t in corpus if not LACKED & set(t.encode())]
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet, show_progress=False,
+                                  special_tokens=["<|endoftext|>"] + ["<unk>"] * unk)
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module", params=["gpt2", "digits", "lacking", "lacking_unk"])
+def gpt2_pair(request, tmp_path_factory):
+    hf = train_gpt2_style(request.param)
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save(str(d / "tokenizer.json"))
+    return request.param, hf, data.load_tokenizer(d)
+
+
+def test_gpt2_style_byte_level_matches_hf(gpt2_pair):
+    kind, hf, tok = gpt2_pair
+    spec = json.loads(hf.to_str())
+    n_bytes = sum(data.bytes_to_unicode()[b] in spec["model"]["vocab"] for b in range(256))
+    assert n_bytes == (256 - len(LACKED) if kind.startswith("lacking") else 256)
+    texts = shakespeare(300) + varied_texts(100, seed=9) + BYTE_PROBES
+    for t in texts:
+        ids = tok.encode(t)
+        assert ids == hf.encode(t, add_special_tokens=False).ids, repr(t)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False), repr(t)
+        if not kind.startswith("lacking"):
+            assert tok.decode(ids) == t
+    if kind == "lacking":  # dropped, and the neighbours merge as if adjacent
+        assert tok.encode("a\u00e9b") == tok.encode("ab") and tok.encode("\x01") == []
+    if kind == "lacking_unk":  # é's second byte: one unk; two control bytes in a row: one fused unk
+        unk = hf.token_to_id("<unk>")
+        assert tok.encode("\x05\x05") == [unk] and unk in tok.encode("né")
+
+
+def test_unsupported_tokenizer_json_is_one_line(tmp_path):
+    """Any tokenizer.json we cannot read exactly is a ValueError naming what was found."""
+    cases = {"list": [], "no model": {"decoder": "x"}, "bad sequence": {
+        "model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": "x"}},
+        "byte_fallback": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True},
+                          "pre_tokenizer": {"type": "ByteLevel"}},
+        "prefix space": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+                         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True}}}
+    for name, spec in cases.items():
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+        with pytest.raises(ValueError, match="unsupported") as e:
+            data.load_tokenizer(tmp_path)
+        assert "\n" not in str(e.value), name
+
+
+# -----------------------------------------------------------------------------
 # the real tokenizer files against llama.cpp's HF-generated test vectors
 
 VOCAB_TESTS = [("llama-spm", "llama2_tokenizer.model"), ("llama-bpe", "llama3_tokenizer.model"),
