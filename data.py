@@ -8,7 +8,8 @@ Read top to bottom:
    a `tokenizer.model` is either a tiktoken ranks file (Llama 3 original, Qwen) or a
    sentencepiece model (Llama 2, the embedded default). Both sit behind one `Tokenizer`.
 2. Prompt formats. `format_qa` turns (context, question, answer) into token spans
-   `prefix | context | prompt | answer`, so a method can compress the context alone.
+   `prefix | context | prompt | answer`, so a method can compress the context alone;
+   `chat_format` reads an instruct checkpoint's format from its chat_template.
 3. Readers. SQuAD, MRQA, HotpotQA, MS MARCO, generic JSONL, plain text; all yield
    `{"id", "context", "question", "answers", "relevant", "chunks"}` dicts.
 4. The synthetic benchmark: biographies of invented people, and the default tokenizer.
@@ -98,6 +99,7 @@ class Tokenizer:
         self.always = set(always)     # added tokens that are matched in text even when not allowed
         self.nfc = nfc                # NFC-normalise text first (Qwen)
         self.lacking = lacking        # (split regex, ranks, lacking bytes, unk id, fuse_unk): see _encode_lacking
+        self.chat_template = None     # the checkpoint's: its text, "" = it has none (base), None = no config read
         self.bos_id = bos_id
         self.eos_ids = list(eos_ids)
         self.pad_id = pad_id          # None until load_tokenizer falls back to eos
@@ -352,6 +354,12 @@ def _apply_checkpoint_config(tok, folder):
         raise ValueError(f"{folder / 'tokenizer_config.json'}: {name} {text!r} is not a token of this tokenizer")
 
     tcfg, gcfg, cfg = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+    if tcfg:
+        template = tcfg.get("chat_template") or ""
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), "")
+        jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
+        tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
     if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
         for t in _read_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
             tok.specials.setdefault(t["content"], t["id"])
@@ -389,12 +397,24 @@ QA_TEMPLATES = [
 ANSWER_CUE = "\nAnswer:"
 
 
+# chat format -> (turn start, turn end): the special tokens its template writes
+CHAT_FORMATS = {"llama3": ("<|start_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>"),
+                "gemma": ("<start_of_turn>", "<end_of_turn>")}
+
+
 def chat_format(tok):
-    """"llama3" or "chatml" when the tokenizer has that chat format's special tokens, else None."""
-    if tok.has_special("<|start_header_id|>") and tok.has_special("<|eot_id|>"):
-        return "llama3"
-    if tok.has_special("<|im_start|>") and tok.has_special("<|im_end|>"):
-        return "chatml"
+    """"llama3", "chatml", "gemma" or None (plain). The checkpoint's chat_template decides when
+    it has one (the format whose turn tokens it writes); a checkpoint whose
+    tokenizer_config.json has no chat_template is a base model: None. With no config at all
+    (a bare tokenizer file), the format whose special tokens the tokenizer has."""
+    if tok.chat_template == "":
+        return None
+    for name, (start, end) in CHAT_FORMATS.items():
+        if tok.chat_template and start in tok.chat_template and end in tok.chat_template:
+            return name
+    for name, (start, end) in CHAT_FORMATS.items():  # no template, or one we do not know
+        if tok.has_special(start) and tok.has_special(end):
+            return name
     return None
 
 
@@ -437,8 +457,8 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
     can compress it alone; `prompt` ends with the answer cue ("\\nAnswer:" or the
     assistant header); `answer` ends with the first eos id (chat: the turn-end token).
     template: an index into QA_TEMPLATES or a string with {question}; None draws one with
-    rng, or takes template 0 without rng. format: "plain", "llama3", "chatml", or "auto"
-    (the tokenizer's chat format if it has one, else plain). Chat formats add no system turn.
+    rng, or takes template 0 without rng. format: "plain", "llama3", "chatml", "gemma", or
+    "auto" (chat_format(tok), else plain). Chat formats add no system turn (Gemma has none).
     """
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
@@ -456,11 +476,12 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
             return [tok.special("<|start_header_id|>")] + enc(role) + [tok.special("<|end_header_id|>")] + enc("\n\n")
         end = [tok.special("<|eot_id|>")]
         prefix, prompt = bos + head("user"), enc(text) + end + head("assistant")
-    elif fmt == "chatml":
-        start, end = [tok.special("<|im_start|>")], [tok.special("<|im_end|>")]
-        prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc("assistant\n")
+    elif fmt in ("chatml", "gemma"):  # <start>user\n ... <end>\n<start>assistant\n (Gemma: model\n)
+        start, end = ([tok.special(t)] for t in CHAT_FORMATS[fmt])
+        reply = "assistant\n" if fmt == "chatml" else "model\n"
+        prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc(reply)
     else:
-        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, auto")
+        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, auto")
     ctx, spans = encode_chunks(tok, context, chunks, start=not prefix[len(bos):])
     return {"bos": bos, "prefix": prefix, "context": ctx, "prompt": prompt, "answer": enc(answer) + end, "chunk_spans": spans}
 

@@ -113,6 +113,8 @@ def test_bpe_json_specials(hf_pair):
         assert tok.special(s) == hf.token_to_id(s)
     assert tok.bos_id == hf.token_to_id("<|begin_of_text|>")
     assert tok.eos_ids == [hf.token_to_id("<|end_of_text|>"), hf.token_to_id("<|eot_id|>")]
+    assert data.chat_format(tok) is None  # a tokenizer_config.json without chat_template: a base model
+    tok.chat_template = None  # no config read: the special tokens decide
     assert data.chat_format(tok) == "llama3"
     text = "Hi<|eot_id|>there<tool_call>x"
     allowed = tok.encode(text, allow_special=True)
@@ -318,6 +320,48 @@ def test_format_qa_plain_and_chat(tmp_path):
     c = data.format_qa(q, "ctx", "q?", "ans", format="auto")
     assert q.decode(c["prefix"] + c["context"] + c["prompt"] + c["answer"]) == (
         "<|im_start|>user\nctx\nQuestion: q?<|im_end|>\n<|im_start|>assistant\nans<|im_end|>")
+
+
+# the chat templates the checkpoints ship (tokenizer_config.json), as jinja
+CHAT_TEMPLATES = {
+    "chatml": "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "llama3": "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+              "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+              "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+              "{% endif %}",
+    "gemma": "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+             "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+             "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+             "{{'<start_of_turn>model\\n'}}{% endif %}",
+}
+
+
+@pytest.mark.parametrize("fmt", list(CHAT_TEMPLATES))
+def test_chat_template_picks_the_format(fmt, tmp_path):
+    """One tokenizer with every family's turn tokens: the chat_template decides, and
+    format_qa(format="auto") writes what the template renders (jinja2 as the oracle)."""
+    import jinja2
+    hf = train_hf_bpe(data.LLAMA3_PATTERN, specials_first=True, nfc=False, vocab_size=400)
+    hf.add_special_tokens(["<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATES[fmt]}
+    if fmt == "chatml":  # a template list, as some checkpoints ship it
+        cfg["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": cfg["chat_template"]}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = data.load_tokenizer(tmp_path)
+    assert data.chat_format(tok) == fmt
+    f = data.format_qa(tok, "Anna lives in Oslo.", "Where does Anna live?", "Oslo", format="auto")
+    text = data.QA_TEMPLATES[0].format(question="Where does Anna live?")
+    want = jinja2.Template(CHAT_TEMPLATES[fmt]).render(
+        messages=[{"role": "user", "content": "Anna lives in Oslo." + text}, {"role": "assistant", "content": "Oslo"}],
+        bos_token="<|begin_of_text|>" if fmt != "chatml" else "", add_generation_prompt=False)
+    bos = tok.decode(f["bos"]) if fmt == "chatml" else ""  # ChatML's template writes no bos; format_qa does
+    assert bos + want.removesuffix("\n") == tok.decode(f["prefix"] + f["context"] + f["prompt"] + f["answer"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=None)))
+    assert data.chat_format(data.load_tokenizer(tmp_path)) is None  # a base model: plain QA prompts
 
 
 # -----------------------------------------------------------------------------
