@@ -162,8 +162,9 @@ def test_rope_scaling_matters(ckpt):
         assert (ours(ids_like(1, T_LONG)) - hf(ids_like(1, T_LONG)).logits).abs().max() > 1e-2
 
 
-def test_save_pretrained_loads_in_transformers(ckpt, tmp_path):
-    hf, path = ckpt["llama3"]
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "qwen2_window"])
+def test_save_pretrained_loads_in_transformers(ckpt, tmp_path, family):
+    hf, path = ckpt[family]
     Transformer.from_pretrained(path).save_pretrained(str(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = ids_like(1, T_LONG)
