@@ -41,8 +41,8 @@ _compiled_flex = None
 
 def _flex(q, k, v, block_mask, scale, score_mod):
     global _compiled_flex
-    fn = flex_attention
-    if q.device.type == "cuda":  # eager flex forward on CPU: tests only
+    fn = flex_attention  # eager flex forward on CPU: tests only
+    if q.device.type == "cuda":
         _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -183,8 +183,8 @@ def scored_attention(q, k, v, dense, scale, score_mod):
     Hkv, S = k.shape[1], k.shape[2]
     scale = hd ** -0.5 if scale is None else scale
     s = q.reshape(B, Hkv, H // Hkv * Q, hd) @ k.transpose(-1, -2) * scale  # (B, Hkv, G * Q, S)
-    b, h, q_idx, kv_idx = (torch.arange(n, device=q.device).view(*[-1 if i == j else 1 for j in range(4)])
-                           for i, n in enumerate((B, H, Q, S)))
+    idx = [torch.arange(n, device=q.device) for n in (B, H, Q, S)]
+    b, h, q_idx, kv_idx = idx[0][:, None, None, None], idx[1][:, None, None], idx[2][:, None], idx[3]
     s = score_mod(s.view(B, H, Q, S), b, h, q_idx, kv_idx)
     s = s.masked_fill(~dense, torch.finfo(s.dtype).min)  # finite: a row with no key stays NaN-free
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
