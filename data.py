@@ -132,11 +132,11 @@ class Tokenizer:
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (self.eos_ids[:1] if eos else [])
 
     def _encode_lacking(self, text, allowed):
-        """HF's BPE on a byte-level vocab that lacks some single bytes (SmolLM's lacks 21).
-        After the regex split, a byte the vocab lacks becomes the unk token (one per run of
-        them with fuse_unk) or, with no unk token, is dropped, and its neighbours then merge
-        as if adjacent (tokenizers' BPE::merge_word). tiktoken needs all 256 bytes, so here
-        the pieces are merged in Python (bpe_merge, tiktoken's rule)."""
+        """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes
+        they saw). After the regex split, a byte the vocab lacks becomes the unk token (one per
+        run of them with fuse_unk) or, with no unk token, is dropped, and its neighbours then
+        merge as if adjacent (tokenizers' BPE::merge_word). tiktoken needs all 256 bytes, so
+        the pieces are merged here in Python (bpe_merge, tiktoken's rule)."""
         pattern, ranks, lacks, unk, fuse = self.lacking
         names = sorted(allowed, key=len, reverse=True)
         parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
@@ -285,7 +285,12 @@ def _from_tokenizer_json(path):
     bos = next((specials[s] for s in ("<|begin_of_text|>", "<s>", "<bos>") if s in specials), None)
     eos = [specials[s] for s in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>") if s in specials][:1]
     unk = model["vocab"].get(model.get("unk_token"))
-    lacking = (regex.compile(pattern), ranks, lacks, unk, bool(model.get("fuse_unk"))) if lacks else None
+    lacking = None
+    if lacks:
+        try:
+            lacking = (regex.compile(pattern), ranks, lacks, unk, bool(model.get("fuse_unk")))
+        except regex.error as e:
+            raise ValueError(f"{path}: unsupported pre_tokenizer regex {pattern!r} ({e})") from None
     return Tokenizer("tiktoken", enc, specials, bos, eos, nfc=nfc, always=always, lacking=lacking)
 
 

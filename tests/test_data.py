@@ -165,7 +165,7 @@ def test_unsupported_tokenizers(tmp_path):
 
 # -----------------------------------------------------------------------------
 # GPT-2-style byte-level BPE: ByteLevel(use_regex) alone (GPT-2), Digits + ByteLevel
-# (SmolLM), and vocabularies that lack some single bytes (SmolLM's lacks 21)
+# (SmolLM), and vocabularies that lack some single bytes
 
 LACKED = {*range(9), *range(0xC0, 0xD0), 0x9F, 0xA9}  # control bytes, UTF-8 lead bytes of Latin/Greek, ©, é's 2nd
 BYTE_PROBES = ["a\x01b\x02\x03c", "\x00\x07\x1f end", "é𝔘ÀÁ ǅ naïve", "Ωmega\x05\x05z", "a  1 22\t3 4.5",
