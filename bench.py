@@ -2,6 +2,7 @@
 
     python bench.py model        # fwd+bwd ms/iter: our Transformer vs transformers' Llama
     python bench.py loss         # time and peak memory: chunked_kd vs naive_kd at vocab 152k
+    python bench.py attention    # fwd+bwd ms/iter: Gemma 2's soft-capping attention vs plain SDPA
 
 On CPU the loss benchmark runs each variant in a fresh subprocess and reports the growth
 of its peak RSS (ru_maxrss) over the inputs; on CUDA, torch.cuda.max_memory_allocated.
@@ -20,7 +21,7 @@ import kernels
 from model import Transformer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("what", choices=["model", "loss"])
+parser.add_argument("what", choices=["model", "loss", "attention"])
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
 parser.add_argument("--burn_in", type=int, default=2, help="untimed iterations first")
@@ -33,6 +34,8 @@ parser.add_argument("--kv_heads", type=int, default=2)
 parser.add_argument("--vocab", type=int, default=8192, help="model benchmark vocab (loss uses --loss_vocab)")
 parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--seq", type=int, default=512)
+parser.add_argument("--window", type=int, default=128, help="attention benchmark: sliding window")
+parser.add_argument("--softcap", type=float, default=50.0, help="attention benchmark: Gemma 2's attn_logit_softcapping")
 # loss
 parser.add_argument("--loss_vocab", type=int, default=152064, help="Qwen2.5's vocab")
 parser.add_argument("--tokens", type=int, default=2048)
@@ -140,10 +143,40 @@ def bench_loss():
             subprocess.run([sys.executable, __file__, "loss", "--only", variant] + sys.argv[2:], check=True)
 
 
+# -----------------------------------------------------------------------------
+# (c) attention: the soft-capping path (score_mod; on CPU dense scores, on CUDA flex) vs SDPA
+
+
+def bench_attention():
+    g = torch.Generator(device=device).manual_seed(0)
+    B, H, Hkv, T, hd = args.batch, args.heads, args.kv_heads, args.seq, args.width // args.heads
+    q = torch.randn(B, H, T, hd, generator=g, device=device).requires_grad_()
+    k, v = (torch.randn(B, Hkv, T, hd, generator=g, device=device).requires_grad_() for _ in range(2))
+    causal = kernels.Mask(kernels.causal, B, T, T, device)
+    window = kernels.Mask(kernels.and_masks(kernels.causal, kernels.sliding_window(args.window)), B, T, T, device)
+    cap = kernels.softcap(args.softcap)
+    variants = {"sdpa is_causal": lambda: kernels.attention(q, k, v),
+                "sdpa dense mask": lambda: kernels.attention(q, k, v, causal),
+                "softcap": lambda: kernels.attention(q, k, v, causal, None, cap),
+                f"softcap + window {args.window}": lambda: kernels.attention(q, k, v, window, None, cap)}
+    print(f"attention B={B}, H/Hkv={H}/{Hkv}, T={T}, hd={hd}, softcap {args.softcap}, {device} "
+          f"({causal.backend()} masks), {torch.get_num_threads()} threads")
+    ms = {}
+    for name, fn in variants.items():
+        def step():
+            fn().sum().backward()
+            q.grad = k.grad = v.grad = None
+        ms[name] = timeit(step, args.burn_in, args.iters)
+        print(f"{name:24s} fwd+bwd {ms[name]:8.2f} ms/iter")
+    print(f"softcap / sdpa is_causal: {ms['softcap'] / ms['sdpa is_causal']:.2f}x")
+
+
 if __name__ == "__main__":
     if args.only:
         bench_one_loss(args.only)
     elif args.what == "model":
         bench_model()
+    elif args.what == "attention":
+        bench_attention()
     else:
         bench_loss()

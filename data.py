@@ -3,11 +3,13 @@ benchmark and batching (SPEC §2.6, §2.7).
 
 Read top to bottom:
 1. Tokenizers. `load_tokenizer(path)` reads an HF checkpoint dir or a tokenizer file:
-   a byte-level BPE `tokenizer.json` (Llama 3, Qwen2) becomes a `tiktoken.Encoding`;
+   a byte-level BPE `tokenizer.json` (Llama 3, Qwen2, GPT-2, SmolLM) becomes a
+   `tiktoken.Encoding`;
    a `tokenizer.model` is either a tiktoken ranks file (Llama 3 original, Qwen) or a
    sentencepiece model (Llama 2, the embedded default). Both sit behind one `Tokenizer`.
 2. Prompt formats. `format_qa` turns (context, question, answer) into token spans
-   `prefix | context | prompt | answer`, so a method can compress the context alone.
+   `prefix | context | prompt | answer`, so a method can compress the context alone;
+   `chat_format` reads an instruct checkpoint's format from its chat_template.
 3. Readers. SQuAD, MRQA, HotpotQA, MS MARCO, generic JSONL, plain text; all yield
    `{"id", "context", "question", "answers", "relevant", "chunks"}` dicts.
 4. The synthetic benchmark: biographies of invented people, and the default tokenizer.
@@ -20,6 +22,7 @@ import base64
 import gzip
 import io
 import json
+import math
 import random
 import re
 import unicodedata
@@ -27,6 +30,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import regex  # tiktoken's own dependency: \p{L} classes for the split regexes
 import sentencepiece as spm
 import tiktoken
 import torch
@@ -39,6 +43,11 @@ import torch
 LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Digits(individual_digits) then ByteLevel(use_regex), as SmolLM ships, in one regex: a
+# digit (or a digit run) is a piece of its own, so no space joins it and whitespace before
+# it ends a piece (GPT-2's (?!\S) seen at the end of a Digits piece).
+GPT2_DIGITS = {individual: GPT2_PATTERN.replace(r" ?\p{N}+", r"\p{N}" if individual else r"\p{N}+")
+               .replace(r"(?!\S)", r"(?![^\s\p{N}])") for individual in (True, False)}
 
 # Meta's llama3 tokenizer.py: 256 special tokens right after the 128000 ranks.
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special_token_{i}|>" for i in range(4)),
@@ -60,6 +69,20 @@ def bytes_to_unicode():
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
 
 
+def bpe_merge(ranks, piece):
+    """tiktoken's byte-pair encoding of one piece (bytes): the piece itself if it is a token,
+    else merge the adjacent pair whose merge has the lowest rank (leftmost first), repeatedly."""
+    if piece in ranks:
+        return [ranks[piece]]
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        rank, i = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        if rank == math.inf:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return [ranks[p] for p in parts]
+
+
 class Tokenizer:
     """One interface over a tiktoken Encoding or a sentencepiece processor.
 
@@ -69,12 +92,14 @@ class Tokenizer:
     continues earlier text: sentencepiece then adds no dummy-prefix space.
     """
 
-    def __init__(self, kind, model, specials, bos_id, eos_ids, pad_id=None, nfc=False, always=()):
+    def __init__(self, kind, model, specials, bos_id, eos_ids, pad_id=None, nfc=False, always=(), lacking=None):
         self.kind = kind              # "tiktoken" | "sentencepiece"
         self.model = model
         self.specials = dict(specials)  # token text -> id, for special and added tokens
         self.always = set(always)     # added tokens that are matched in text even when not allowed
         self.nfc = nfc                # NFC-normalise text first (Qwen)
+        self.lacking = lacking        # (split regex, ranks, lacking bytes, unk id, fuse_unk): see _encode_lacking
+        self.chat_template = None     # the checkpoint's: its text, "" = it has none (base), None = no config read
         self.bos_id = bos_id
         self.eos_ids = list(eos_ids)
         self.pad_id = pad_id          # None until load_tokenizer falls back to eos
@@ -90,7 +115,10 @@ class Tokenizer:
             text = unicodedata.normalize("NFC", text)
         if self.kind == "tiktoken":
             allowed = set(self.specials) if allow_special else self.always
-            ids = self.model.encode(text, allowed_special=allowed, disallowed_special=())
+            if self.lacking:
+                ids = self._encode_lacking(text, allowed)
+            else:
+                ids = self.model.encode(text, allowed_special=allowed, disallowed_special=())
         else:
             ids, parts = [], [text]
             if allow_special:  # split out special-token strings; odd parts are specials
@@ -102,6 +130,32 @@ class Tokenizer:
                 elif part:
                     ids += self._sp_encode(part, start or i > 0)
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (self.eos_ids[:1] if eos else [])
+
+    def _encode_lacking(self, text, allowed):
+        """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes
+        they saw). After the regex split, a byte the vocab lacks becomes the unk token (one per
+        run of them with fuse_unk) or, with no unk token, is dropped, and its neighbours then
+        merge as if adjacent (tokenizers' BPE::merge_word). tiktoken needs all 256 bytes, so
+        the pieces are merged here in Python (bpe_merge, tiktoken's rule)."""
+        pattern, ranks, lacks, unk, fuse = self.lacking
+        names = sorted(allowed, key=len, reverse=True)
+        parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
+        ids = []
+        for i, part in enumerate(parts):
+            if i % 2:  # an added token
+                ids.append(self.specials[part])
+                continue
+            for piece in pattern.findall(part):
+                run, after_unk = [], False
+                for byte in piece.encode("utf-8"):
+                    if byte not in lacks:
+                        run.append(byte)
+                        after_unk = False
+                    elif unk is not None and not (fuse and after_unk):
+                        ids += bpe_merge(ranks, bytes(run)) + [unk]
+                        run, after_unk = [], True
+                ids += bpe_merge(ranks, bytes(run))
+        return ids
 
     def _sp_encode(self, text, start):
         if start or not self._dummy:
@@ -160,24 +214,26 @@ def load_tokenizer(path):
     come from tokenizer_config.json, generation_config.json and config.json next to it.
     """
     path = Path(path)
-    folder = path if path.is_dir() else path.parent
+    try:
+        tok = _load_tokenizer_file(path)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a JSON file of another shape
+        raise ValueError(f"{path}: unsupported tokenizer: unexpected file structure ({type(e).__name__}: "
+                         f"{e}); {UNSUPPORTED}") from None
+    _apply_checkpoint_config(tok, path if path.is_dir() else path.parent)
+    return tok
+
+
+def _load_tokenizer_file(path):
     if path.is_dir():
         tj, tm = path / "tokenizer.json", path / "tokenizer.model"
-        spec = _read_json(tj) if tj.exists() else None
-        if spec is not None and (_is_byte_level(spec) or not tm.exists()):
-            tok = _from_tokenizer_json(tj)
-        elif tm.exists():
-            tok = _from_model_file(tm)
-        else:
-            raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
-    elif not path.exists():
+        if tj.exists() and (not tm.exists() or _is_byte_level(_read_json(tj))):
+            return _from_tokenizer_json(tj)
+        if tm.exists():
+            return _from_model_file(tm)
+        raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
+    if not path.exists():
         raise ValueError(f"{path}: tokenizer file not found")
-    elif path.suffix == ".json":
-        tok = _from_tokenizer_json(path)
-    else:
-        tok = _from_model_file(path)
-    _apply_checkpoint_config(tok, folder)
-    return tok
+    return _from_tokenizer_json(path) if path.suffix == ".json" else _from_model_file(path)
 
 
 def _read_json(path):
@@ -208,9 +264,10 @@ def _from_tokenizer_json(path):
         if any(c not in byte_of for c in piece):
             raise ValueError(f"{path}: vocab entry {piece!r} is not byte-level; {UNSUPPORTED}")
         ranks[bytes(byte_of[c] for c in piece)] = i
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ValueError(f"{path}: byte-level vocab lacks {len(missing)} of the 256 single bytes")
+    lacks = {b for b in range(256) if bytes([b]) not in ranks}
+    if lacks and model.get("byte_fallback"):
+        raise ValueError(f"{path}: unsupported tokenizer: found byte_fallback on a byte-level vocab that lacks "
+                         f"{len(lacks)} of the 256 single bytes; {UNSUPPORTED}")
     # tiktoken merges by the rank of the merged token; that matches HF's merge order
     # when the merged tokens' ids never decrease along the merges list (true for files
     # written by `tokenizers` trainers and for Llama 3 / Qwen2, converted from tiktoken).
@@ -227,23 +284,33 @@ def _from_tokenizer_json(path):
     enc = tiktoken.Encoding(name=str(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     bos = next((specials[s] for s in ("<|begin_of_text|>", "<s>", "<bos>") if s in specials), None)
     eos = [specials[s] for s in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>") if s in specials][:1]
-    return Tokenizer("tiktoken", enc, specials, bos, eos, nfc=nfc, always=always)
+    unk = model["vocab"].get(model.get("unk_token"))
+    lacking = None
+    if lacks:
+        try:
+            lacking = (regex.compile(pattern), ranks, lacks, unk, bool(model.get("fuse_unk")))
+        except regex.error as e:
+            raise ValueError(f"{path}: unsupported pre_tokenizer regex {pattern!r} ({e})") from None
+    return Tokenizer("tiktoken", enc, specials, bos, eos, nfc=nfc, always=always, lacking=lacking)
 
 
 def _pretokenizer(path, spec):
-    """(split regex, nfc) from a tokenizer.json: Split(Regex) + ByteLevel, or ByteLevel alone."""
+    """(split regex, nfc) from a tokenizer.json: Split(Regex) + ByteLevel, ByteLevel alone
+    (GPT-2), or Digits + ByteLevel (SmolLM)."""
     norm = spec.get("normalizer")
     norms = (norm or {}).get("normalizers", [norm] if norm else [])
     if any(n.get("type") != "NFC" for n in norms):
         raise ValueError(f"{path}: unsupported normalizer {norm}; only NFC or none")
     pre = spec.get("pre_tokenizer") or {}
-    pattern = None
+    pattern = digits = None
     for step in pre.get("pretokenizers", [pre]):
-        kind, gpt2 = step.get("type"), step.get("use_regex", True)
-        if kind == "Split" and pattern is None and step.get("behavior") == "Isolated" and not step.get("invert"):
+        kind, gpt2, first = step.get("type"), step.get("use_regex", True), pattern is None and digits is None
+        if kind == "Split" and first and step.get("behavior") == "Isolated" and not step.get("invert"):
             pattern = step["pattern"].get("Regex") or re.escape(step["pattern"].get("String", ""))
+        elif kind == "Digits" and first:
+            digits = bool(step.get("individual_digits"))
         elif kind == "ByteLevel" and not step.get("add_prefix_space") and not (gpt2 and pattern):
-            pattern = GPT2_PATTERN if gpt2 else pattern
+            pattern = (GPT2_PATTERN if digits is None else GPT2_DIGITS[digits]) if gpt2 else pattern
         else:
             raise ValueError(f"{path}: unsupported pre_tokenizer step {json.dumps(step)[:200]}")
     if pattern is None:
@@ -292,6 +359,12 @@ def _apply_checkpoint_config(tok, folder):
         raise ValueError(f"{folder / 'tokenizer_config.json'}: {name} {text!r} is not a token of this tokenizer")
 
     tcfg, gcfg, cfg = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+    if tcfg:
+        template = tcfg.get("chat_template") or ""
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), "")
+        jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
+        tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
     if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
         for t in _read_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
             tok.specials.setdefault(t["content"], t["id"])
@@ -329,12 +402,24 @@ QA_TEMPLATES = [
 ANSWER_CUE = "\nAnswer:"
 
 
+# chat format -> (turn start, turn end): the special tokens its template writes
+CHAT_FORMATS = {"llama3": ("<|start_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>"),
+                "gemma": ("<start_of_turn>", "<end_of_turn>")}
+
+
 def chat_format(tok):
-    """"llama3" or "chatml" when the tokenizer has that chat format's special tokens, else None."""
-    if tok.has_special("<|start_header_id|>") and tok.has_special("<|eot_id|>"):
-        return "llama3"
-    if tok.has_special("<|im_start|>") and tok.has_special("<|im_end|>"):
-        return "chatml"
+    """"llama3", "chatml", "gemma" or None (plain). The checkpoint's chat_template decides when
+    it has one (the format whose turn tokens it writes); a checkpoint whose
+    tokenizer_config.json has no chat_template is a base model: None. With no config at all
+    (a bare tokenizer file), the format whose special tokens the tokenizer has."""
+    if tok.chat_template == "":
+        return None
+    for name, (start, end) in CHAT_FORMATS.items():
+        if tok.chat_template and start in tok.chat_template and end in tok.chat_template:
+            return name
+    for name, (start, end) in CHAT_FORMATS.items():  # no template, or one we do not know
+        if tok.has_special(start) and tok.has_special(end):
+            return name
     return None
 
 
@@ -377,8 +462,8 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
     can compress it alone; `prompt` ends with the answer cue ("\\nAnswer:" or the
     assistant header); `answer` ends with the first eos id (chat: the turn-end token).
     template: an index into QA_TEMPLATES or a string with {question}; None draws one with
-    rng, or takes template 0 without rng. format: "plain", "llama3", "chatml", or "auto"
-    (the tokenizer's chat format if it has one, else plain). Chat formats add no system turn.
+    rng, or takes template 0 without rng. format: "plain", "llama3", "chatml", "gemma", or
+    "auto" (chat_format(tok), else plain). Chat formats add no system turn (Gemma has none).
     """
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
@@ -396,11 +481,12 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
             return [tok.special("<|start_header_id|>")] + enc(role) + [tok.special("<|end_header_id|>")] + enc("\n\n")
         end = [tok.special("<|eot_id|>")]
         prefix, prompt = bos + head("user"), enc(text) + end + head("assistant")
-    elif fmt == "chatml":
-        start, end = [tok.special("<|im_start|>")], [tok.special("<|im_end|>")]
-        prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc("assistant\n")
+    elif fmt in ("chatml", "gemma"):  # <start>user\n ... <end>\n<start>assistant\n (Gemma: model\n)
+        start, end = ([tok.special(t)] for t in CHAT_FORMATS[fmt])
+        reply = "assistant\n" if fmt == "chatml" else "model\n"
+        prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc(reply)
     else:
-        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, auto")
+        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, auto")
     ctx, spans = encode_chunks(tok, context, chunks, start=not prefix[len(bos):])
     return {"bos": bos, "prefix": prefix, "context": ctx, "prompt": prompt, "answer": enc(answer) + end, "chunk_spans": spans}
 

@@ -9,6 +9,12 @@ function into whichever backend the device wants:
   FlexAttention backward on CPU; also the reference the tests compare against),
 - ``is_causal=True`` when the pattern is plain causal (``mask=None``).
 
+A ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (Gemma 2's attention logit
+soft-capping, ``softcap``) is one definition for both backends too: flex takes it as is,
+the dense path (SDPA cannot modify scores) materialises the (B, H, Q, S) scores and calls
+the same function on them. Sliding-window attention is a mask_mod (``sliding_window``)
+ANDed with the method's own (``and_masks``).
+
 mask_mods are written with tensor indexing only (no Python ``if`` on values), so the
 dense builder can call them once on broadcast index grids instead of per element.
 
@@ -33,13 +39,13 @@ BACKEND = None
 _compiled_flex = None
 
 
-def _flex(q, k, v, block_mask):
+def _flex(q, k, v, block_mask, scale, score_mod):
     global _compiled_flex
-    if q.device.type != "cuda":  # eager flex forward on CPU: tests only
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    fn = flex_attention  # eager flex forward on CPU: tests only
+    if q.device.type == "cuda":
+        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 # -----------------------------------------------------------------------------
@@ -77,6 +83,38 @@ def with_prefix(mask_mod, prefix_len, prefix_valid):
                            mask_mod(b, h, q_idx, kv_new))
     shifted.__name__ = f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}"
     return shifted
+
+
+def sliding_window(window, prefix_len=0):
+    """Keys fewer than `window` slots away from the query, the queries being the last Q of
+    S = prefix_len + Q keys. ANDed with causal this is HF's ``kv_idx > q_idx - window``
+    (masking_utils.sliding_window_overlay); ANDed with a bidirectional mask it is symmetric.
+    The window counts key slots, as HF counts cache slots (padding and memory included)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        dist = q_idx + prefix_len - kv_idx
+        return (dist < window) & (dist > -window)
+    mask_mod.__name__ = f"sliding_window_{window}"
+    return mask_mod
+
+
+def and_masks(*mask_mods):
+    """A key is seen where every mask_mod sees it."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        out = mask_mods[0](b, h, q_idx, kv_idx)
+        for m in mask_mods[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+    mask_mod.__name__ = "_and_".join(getattr(m, "__name__", "mask") for m in mask_mods)
+    return mask_mod
+
+
+def softcap(cap):
+    """score_mod: cap * tanh(score / cap), Gemma 2's attention logit soft-capping
+    (HF gemma2 eager_attention_forward: after the 1/sqrt scaling, before the mask)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    score_mod.__name__ = f"softcap_{cap}"
+    return score_mod
 
 
 # -----------------------------------------------------------------------------
@@ -118,18 +156,39 @@ class Mask:
         return self._block
 
 
-def attention(q, k, v, mask=None):
+def attention(q, k, v, mask=None, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S.
+    scale: of q.k (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap).
     GQA without repeating K/V (SDPA ``enable_gqa``, flex ``enable_gqa``)."""
     gqa = q.shape[1] != k.shape[1]
+    if mask is None and score_mod is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask = Mask(causal, q.shape[0], q.shape[2], k.shape[2], q.device)
     if mask.backend() == "flex":
-        return _flex(q, k, v, mask.block())
+        return _flex(q, k, v, mask.block(), scale, score_mod)
     dense = mask.dense()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+    if score_mod is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+    else:
+        out = scored_attention(q, k, v, dense, scale, score_mod)
     # A query row that sees no key (padding) gives NaN in SDPA; flex gives 0. Match flex.
     return out.masked_fill(~dense.any(-1, keepdim=True), 0.0)
+
+
+def scored_attention(q, k, v, dense, scale, score_mod):
+    """Dense attention with a score_mod, as HF's eager attention computes it: scores in the
+    input dtype, softmax in fp32. dense (B, 1, Q, S) bool. GQA by grouping the queries."""
+    B, H, Q, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scale = hd ** -0.5 if scale is None else scale
+    s = q.reshape(B, Hkv, H // Hkv * Q, hd) @ k.transpose(-1, -2) * scale  # (B, Hkv, G * Q, S)
+    idx = [torch.arange(n, device=q.device) for n in (B, H, Q, S)]
+    b, h, q_idx, kv_idx = idx[0][:, None, None, None], idx[1][:, None, None], idx[2][:, None], idx[3]
+    s = score_mod(s.view(B, H, Q, S), b, h, q_idx, kv_idx)
+    s = s.masked_fill(~dense, torch.finfo(s.dtype).min)  # finite: a row with no key stays NaN-free
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (p.view(B, Hkv, -1, S) @ v).view(B, H, Q, hd)
 
 
 # -----------------------------------------------------------------------------
@@ -141,15 +200,17 @@ CHUNK = 1024  # tokens per chunk: 1024 x 152k fp32 logits = 620 MB; at most 3 su
 class _ChunkedLoss(torch.autograd.Function):
     """Sum over tokens of a per-token loss of logits = h @ w.T, computed chunk by chunk.
     The forward also computes d loss / d (h, w) chunk by chunk; backward only scales.
-    ``kind`` is "ce" (target ids) or "kd" (teacher hidden states + teacher head)."""
+    ``kind`` is "ce" (target ids) or "kd" (teacher hidden states + teacher head). ``cap``:
+    final logit soft-capping (Gemma 2), cap * tanh(logits / cap), on student and teacher
+    logits alike (both run the same base family here)."""
 
     @staticmethod
-    def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
+    def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):
         with torch.autocast(h.device.type, enabled=False):  # fp32 even inside the caller's autocast
-            return _ChunkedLoss._run(ctx, h, w, weights, kind, target, teacher_h, teacher_w)
+            return _ChunkedLoss._run(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap)
 
     @staticmethod
-    def _run(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
+    def _run(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):
         h32, w32 = h.float(), w.float()
         tw32 = w32 if teacher_w is w else teacher_w.float() if teacher_w is not None else None  # one fp32 head when shared
         grad_h = torch.zeros_like(h32)
@@ -157,14 +218,19 @@ class _ChunkedLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], CHUNK):
             hc, wt = h32[s:s + CHUNK], weights[s:s + CHUNK].float()
-            logp = torch.log_softmax(hc @ w32.T, dim=-1)  # (n, V)
+            z, tanh = hc @ w32.T, None  # (n, V) logits
+            if cap:  # soft-capped: cap * tanh(z / cap); tanh kept for the chain rule
+                tanh = z.div_(cap).tanh_()
+                z = tanh * cap
+            logp = torch.log_softmax(z, dim=-1)
+            del z
             if kind == "ce":
                 tc = target[s:s + CHUNK]
                 loss = -logp.gather(1, tc[:, None]).squeeze(1)
                 grad_logits = logp.exp_()  # in place, as below: few (n, V) buffers alive at once
                 grad_logits[torch.arange(len(tc), device=h.device), tc] -= 1.0
             else:  # KL(teacher || student) = sum p_t (log p_t - log p_s)
-                logq = torch.log_softmax(teacher_h[s:s + CHUNK].float() @ tw32.T, -1)
+                logq = soft_cap(teacher_h[s:s + CHUNK].float() @ tw32.T, cap).log_softmax(-1)
                 p_t = logq.exp()
                 loss = logq.sub_(logp).mul_(p_t).sum(-1)
                 del logq
@@ -172,6 +238,9 @@ class _ChunkedLoss(torch.autograd.Function):
                 del p_t
             total += (loss * wt).sum()
             grad_logits *= wt[:, None]
+            if tanh is not None:  # d cap * tanh(z / cap) / dz = 1 - tanh^2
+                grad_logits *= tanh.square_().neg_().add_(1)
+            del tanh
             grad_h[s:s + CHUNK] = grad_logits @ w32
             if grad_w is not None:
                 grad_w += grad_logits.T @ hc
@@ -185,7 +254,12 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = (grad_h * grad_out).to(ctx.dtypes[0])
         gw = (grad_w * grad_out).to(ctx.dtypes[1]) if ctx.has_grad_w else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
+
+
+def soft_cap(logits, cap):
+    """cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping); cap None/0: unchanged."""
+    return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def _select(h, labels, weights):
@@ -196,34 +270,36 @@ def _select(h, labels, weights):
     return h, labels.reshape(-1)[keep], w, keep
 
 
-def chunked_ce(h, w_head, labels, weights=None):
+def chunked_ce(h, w_head, labels, weights=None, softcap=None):
     """Summed next-token CE: h (B, T, d) final hidden states, w_head (V, d), labels (B, T)
-    target ids or -100, optional per-token weights (B, T). Returns (sum, n_tokens)."""
+    target ids or -100, optional per-token weights (B, T). softcap: the model's
+    final_logit_softcapping (Gemma 2), None for the others. Returns (sum, n_tokens)."""
     h, target, w, _ = _select(h, labels, weights)
-    return _ChunkedLoss.apply(h, w_head, w, "ce", target, None, None), target.numel()
+    return _ChunkedLoss.apply(h, w_head, w, "ce", target, None, None, softcap), target.numel()
 
 
-def chunked_kd(h, w_head, teacher_h, teacher_w, labels=None):
+def chunked_kd(h, w_head, teacher_h, teacher_w, labels=None, softcap=None):
     """Summed KL(teacher || student) (meanpool eq. 5). With labels (B, T): h and teacher_h
     (B, T, d|d_t) are aligned and the positions with labels != -100 count. Without: h (N, d)
-    and teacher_h (N, d_t) are the already selected rows. Returns (sum, n_tokens)."""
+    and teacher_h (N, d_t) are the already selected rows. softcap as in chunked_ce, for
+    both. Returns (sum, n_tokens)."""
     if labels is not None:
         h, _, _, keep = _select(h, labels, None)
         teacher_h = teacher_h.reshape(-1, teacher_h.shape[-1])[keep]
     w = torch.ones(h.shape[0], device=h.device)
-    return _ChunkedLoss.apply(h, w_head, w, "kd", None, teacher_h.detach(), teacher_w.detach()), h.shape[0]
+    return _ChunkedLoss.apply(h, w_head, w, "kd", None, teacher_h.detach(), teacher_w.detach(), softcap), h.shape[0]
 
 
-def naive_ce(h, w_head, labels, weights=None):
-    logits = h.float() @ w_head.float().T
+def naive_ce(h, w_head, labels, weights=None, softcap=None):
+    logits = soft_cap(h.float() @ w_head.float().T, softcap)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     if weights is not None:
         loss = loss * weights.flatten()
     return loss.sum()
 
 
-def naive_kd(h, w_head, teacher_h, teacher_w, labels):
-    logp = torch.log_softmax(h.float() @ w_head.float().T, -1)
-    logq = torch.log_softmax(teacher_h.float() @ teacher_w.float().T, -1)
+def naive_kd(h, w_head, teacher_h, teacher_w, labels, softcap=None):
+    logp = torch.log_softmax(soft_cap(h.float() @ w_head.float().T, softcap), -1)
+    logq = torch.log_softmax(soft_cap(teacher_h.float() @ teacher_w.float().T, softcap), -1)
     kl = (logq.exp() * (logq - logp)).sum(-1)
     return (kl * (labels != -100)).sum()

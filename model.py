@@ -2,7 +2,12 @@
 greedy generation (SPEC §2.1-2.3).
 
 Families: Llama 2/3/3.1/3.2 (rope scaling ``llama3`` or ``linear``), Mistral, Qwen2/2.5
-(q/k/v bias), Qwen3 (q_norm/k_norm, explicit ``head_dim``); tied or untied LM head.
+(q/k/v bias), Qwen3 (q_norm/k_norm, explicit ``head_dim``), Gemma 2; tied or untied LM
+head. Gemma 2 is the Llama layout with a few config-driven differences (HF
+modeling_gemma2.py): token embeddings times sqrt(d) in the model dtype, RMSNorm with
+(1 + weight), four norms per layer (around attention and around the MLP), GELU-tanh gated
+MLP, scores scaled by query_pre_attn_scalar^-0.5 and soft-capped (cap * tanh(s / cap)),
+soft-capped final logits, a tied head.
 Module names are the HF checkpoint's (``model.layers.N.self_attn.q_proj``), so loading is
 a key-for-key copy and adapters save in PEFT's key format.
 
@@ -14,9 +19,16 @@ prefix embeddings or prefix K/V) and teachers (plain causal):
     h, kv = model(embeds=e, return_kv=True, output="hidden")
     logits = model(ids, memory=Memory(...))               # memory, then the tokens
 
+Sliding-window attention (Mistral, Qwen2/3 with use_sliding_window from
+max_window_layers on, Gemma 2 on every other layer; ``layer_types`` when the config has
+it): those layers AND the forward's mask with ``kernels.sliding_window``. As in HF the
+window counts key slots, not position ids: a query sees the last ``sliding_window`` keys
+of [memory, tokens] (left padding and invalid memory slots count as slots). So when
+memory + prompt exceed the window, the sliding layers of a query far enough along no
+longer see the first memory slots (the full-attention layers still do); a K/V memory
+computed by an encoder keeps what it holds, but the decoder reads only its window of it.
+
 Legend: B batch, T tokens, C memory slots, d width, H/Hkv heads, hd head dim, V vocab.
-Not implemented (documented choices): Mistral/Qwen2 sliding-window attention (all layers
-attend to the full context, exact while sequences are shorter than the window).
 """
 import json
 import math
@@ -32,8 +44,13 @@ from safetensors.torch import load_file, save_file
 
 import kernels
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# HF Gemma2Config's defaults for keys a gemma2 config.json may leave out
+GEMMA2_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+                       hidden_activation="gelu_pytorch_tanh")
 
 
 @dataclass
@@ -54,12 +71,25 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False      # Llama's flag: bias on q, k, v, o
     mlp_bias: bool = False
+    hidden_act: str = "silu"          # Gemma 2's key is hidden_activation
+    sliding_window: int = 0           # 0 = none; the window of the layer_types that slide
+    layer_types: list = None          # "full_attention" | "sliding_attention" per layer
+    query_pre_attn_scalar: float = 0  # 0 = head_dim: scores scaled by its -1/2 power
+    attn_logit_softcapping: float = None   # Gemma 2: cap * tanh(score / cap)
+    final_logit_softcapping: float = None  # Gemma 2: cap * tanh(logit / cap)
     bos_token_id: int = None
     eos_token_id: list = field(default_factory=list)
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.query_pre_attn_scalar = self.query_pre_attn_scalar or self.head_dim
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unknown hidden activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if self.layer_types is None:  # HF's defaults per family
+            n = self.num_hidden_layers
+            slides = [i % 2 == 0 for i in range(n)] if self.model_type == "gemma2" else [True] * n
+            self.layer_types = ["sliding_attention" if self.sliding_window and s else "full_attention" for s in slides]
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = list(self.eos_token_id or [])
@@ -75,17 +105,34 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"{path}: unknown rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if model_type == "gemma2":
+            raw = {**GEMMA2_DEFAULTS, **raw}
+            raw["hidden_act"] = raw["hidden_activation"]  # HF's Gemma 2 reads this key only
         known = {f.name for f in fields(cls)}
         cfg = {k: v for k, v in raw.items() if k in known and v is not None}
         cfg["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         cfg["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
         cfg.setdefault("tie_word_embeddings", False)  # HF's default when the key is absent
+        if model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, from max_window_layers on
+            if not raw.get("use_sliding_window"):
+                cfg.pop("sliding_window", None)
+            elif "layer_types" not in cfg:
+                first = raw.get("max_window_layers", 28)
+                cfg["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(cfg["num_hidden_layers"])]
+        if model_type == "mistral":
+            cfg.pop("layer_types", None)  # HF's Mistral slides on every layer when it has a window
         return cls(**cfg)
 
     def to_json(self):
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["rope_parameters"] = dict(self.rope_scaling or {"rope_type": "default"}, rope_theta=self.rope_theta)
         d.pop("rope_scaling")
+        if self.model_type in ("qwen2", "qwen3") and self.sliding_window:
+            d["use_sliding_window"] = True
+        d["sliding_window"] = self.sliding_window or None
+        if self.model_type == "gemma2":
+            d["hidden_activation"] = d.pop("hidden_act")
         return d
 
 
@@ -208,15 +255,33 @@ class LoRALinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    """Llama: weight * x.to(dtype). Gemma (unit_offset): (x * (1 + weight)).to(dtype), the
+    weight stored as an offset from 1 and applied in fp32 (HF Gemma2RMSNorm)."""
+
+    def __init__(self, dim, eps, unit_offset=False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+class Embedding(nn.Embedding):
+    """Token embeddings, times ``scale`` (Gemma: sqrt(d), rounded to the weight dtype as
+    in HF's Gemma2TextScaledWordEmbedding) when it is set."""
+
+    def __init__(self, n, d, scale=None):
+        super().__init__(n, d)
+        self.scale = scale
+
+    def forward(self, ids):
+        x = super().forward(ids)
+        return x if self.scale is None else x * torch.tensor(self.scale, dtype=x.dtype)
 
 
 def rope_inv_freq(cfg, device):
@@ -257,6 +322,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.H, self.Hkv, self.hd = H, Hkv, hd
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        cap = cfg.attn_logit_softcapping
+        self.score_mod = kernels.softcap(cap) if cap else None
 
     def forward(self, x, cos, sin, mask, prefix_kv):
         B, T, _ = x.shape
@@ -270,7 +338,7 @@ class Attention(nn.Module):
         if prefix_kv is not None:
             k = torch.cat([prefix_kv[0].to(k.dtype), k], dim=2)  # (B, Hkv, P + T, hd)
             v = torch.cat([prefix_kv[1].to(v.dtype), v], dim=2)
-        y = kernels.attention(q, k, v, mask)
+        y = kernels.attention(q, k, v, mask, self.scale, self.score_mod)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
@@ -301,7 +369,9 @@ def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
     k = apply_rope(k, cos[:, 0], sin[:, 0])  # (B, T, hd)
     if prefix is not None:
         k = torch.cat([prefix[0][:, 0].float(), k], 1)  # (B, C + T, hd), memory keys already rotated
-    scores = torch.einsum("nd,ntd->nt", q, k[rows]) / math.sqrt(hd)
+    scores = torch.einsum("nd,ntd->nt", q, k[rows]) * attn.scale
+    if attn.score_mod is not None:
+        scores = attn.score_mod(scores, None, None, None, None)
     hidden = torch.arange(k.shape[1], device=x.device)[None] > (at + k.shape[1] - x.shape[1])[:, None]
     if keys_valid is not None:
         hidden = hidden | ~keys_valid[rows]
@@ -315,31 +385,45 @@ class MLP(nn.Module):
         self.gate_proj = LoRALinear(d, f, bias=bias)
         self.up_proj = LoRALinear(d, f, bias=bias)
         self.down_proj = LoRALinear(f, d, bias=bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    """Llama: x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). Gemma 2 (four
+    norms): x + post_attention_layernorm(attn(norm(x))), then
+    x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+
+    def __init__(self, cfg, layer):
         super().__init__()
+        gemma, d, eps = cfg.model_type == "gemma2", cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(d, eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
+        self.sliding = bool(cfg.sliding_window) and cfg.layer_types[layer] == "sliding_attention"
 
-    def forward(self, x, cos, sin, mask, prefix_kv):
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix_kv)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+    def forward(self, x, cos, sin, masks, prefix_kv):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, masks[self.sliding], prefix_kv)
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        gemma = cfg.model_type == "gemma2"
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size ** 0.5 if gemma else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -455,16 +539,26 @@ class Transformer(nn.Module):
             attn_mask = kernels.Mask(mask, B, Q, S, x.device)
         elif valid is not None:
             attn_mask = kernels.Mask(kernels.causal_after_prefix(S - Q, valid), B, Q, S, x.device)
+        masks = (attn_mask, attn_mask)  # (full-attention layers, sliding-window layers)
+        if self.config.sliding_window:
+            window = kernels.sliding_window(self.config.sliding_window, S - Q)
+            within = kernels.and_masks(attn_mask.mask_mod if attn_mask else kernels.causal, window)
+            masks = (attn_mask, kernels.Mask(within, B, Q, S, x.device))
         cos, sin = self.rope(pos)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         kvs = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, attn_mask, prefix[i] if prefix else None)
+            x, kv = layer(x, cos, sin, masks, prefix[i] if prefix else None)
             if return_kv:
                 kvs.append(kv)
         h = self.model.norm(x[:, n_mem:])
-        out = h if output == "hidden" else self.lm_head(h)
+        out = h if output == "hidden" else self.logits(h)
         return (out, kvs) if return_kv else out
+
+    def logits(self, h):
+        """(..., V) logits of final hidden states, soft-capped when the config says so (Gemma 2:
+        HF Gemma2ForCausalLM caps after lm_head). The chunked losses take the same cap."""
+        return kernels.soft_cap(self.lm_head(h), self.config.final_logit_softcapping)
 
     # --- generation -------------------------------------------------------------
 

@@ -200,7 +200,8 @@ class SentenceGist(nn.Module):
                       for c, lab, n in zip(ctx, batch["qa_labels"], batch["qa_len"])]
         teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         L = self.layout(rows, labels)
-        loss, n = kernels.chunked_ce(self.hidden(L), self.base.lm_head.weight, L["labels"])
+        loss, n = kernels.chunked_ce(self.hidden(L), self.base.lm_head.weight, L["labels"],
+                                     softcap=self.base.config.final_logit_softcapping)
         if teacher_attn is not None:
             loss = loss + n * self.aid.layout_loss(teacher_attn, L, batch)
         return loss, n, {"gists_per_token": (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())}
@@ -231,7 +232,7 @@ class SentenceGist(nn.Module):
         new_open = (L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None])
         kv, mask, is_open = keep_slots(kv, torch.cat([cache.mask & ~(is_open & ended), (L["kind"] == GIST) | new_open], 1),
                                        torch.cat([is_open & ~ended, new_open], 1))
-        logits = self.base.lm_head(h[torch.arange(len(h), device=h.device), L["length"] - 1])  # (B, V)
+        logits = self.base.logits(h[torch.arange(len(h), device=h.device), L["length"] - 1])  # (B, V)
         return logits, Memory(kv=kv, mask=mask, next_pos=cache.next_pos + L["length"]), is_open
 
     @torch.no_grad()
@@ -278,7 +279,7 @@ def perplexity(method, texts):
         memory = method.keep(L1, kv)
         h2 = method.hidden(L2, memory=memory)[0][L2["labels"][0] != -100]
         h = torch.cat([h1[0, L1["length"][0] - 1, None], h2])  # the first half's final gist, then the second half
-        nll["compressed"] += ce(base.lm_head(h).float(), target, reduction="sum").item()
+        nll["compressed"] += ce(base.logits(h).float(), target, reduction="sum").item()
         count, ratios = count + len(target), ratios + [(P + cut) / memory.slots().item()]
     out = {k: torch.tensor(v / max(count, 1)).exp().item() for k, v in nll.items()}
     return dict(out, ratio=sum(ratios) / max(len(ratios), 1), tokens=count)

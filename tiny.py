@@ -118,7 +118,8 @@ class Base(torch.nn.Module):
 
     def forward(self, batch, ratios):
         h = self.base(batch["ids"], output="hidden")
-        loss, _ = kernels.chunked_ce(h, self.base.lm_head.weight, batch["labels"], batch["weights"])
+        loss, _ = kernels.chunked_ce(h, self.base.lm_head.weight, batch["labels"], batch["weights"],
+                                     self.base.config.final_logit_softcapping)
         n = batch["weights"][batch["labels"] != -100].sum()
         if self.cfg.attn_weight > 0 and len(batch["bind_rows"]) and len(batch["point_rows"]):
             last = self.base.config.num_hidden_layers - 1

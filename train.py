@@ -186,7 +186,8 @@ class Teacher(torch.nn.Module):
     def forward(self, batch, ratios):
         with self.base.adapter("teacher"):
             h = self.base(batch["full"], output="hidden")
-        loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["full_labels"])
+        loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["full_labels"],
+                                     softcap=self.base.config.final_logit_softcapping)
         return loss, n, {}
 
 

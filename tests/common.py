@@ -2,7 +2,7 @@
 
 - ``tiny_base(dir)``: a random tiny Llama in our default layout (HF config.json +
   model.safetensors + the default sentencepiece tokenizer.model), standing in for out/base.
-- ``hf_checkpoint(dir, family)``: a tiny random Llama / Qwen3 saved by ``transformers``,
+- ``hf_checkpoint(dir, family)``: a tiny random Llama / Qwen3 / Gemma 2 saved by ``transformers``,
   with a byte-level BPE ``tokenizer.json`` trained here (no download).
 - ``squad_file(path)``: a small SQuAD v1.1 file.
 - ``run(args)`` / ``torchrun(args)``: train.py / eval.py in a subprocess; raise on failure.
@@ -97,6 +97,10 @@ def hf_checkpoint(dir, family="llama"):
     torch.manual_seed(0)
     if family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
+    elif family == "gemma2":  # soft-capping, a window shorter than the contexts, head_dim != 64 / 4
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            head_dim=24, query_pre_attn_scalar=24, sliding_window=32, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, pad_token_id=ids[specials[2]], **common))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **common))
     model.save_pretrained(str(dir))

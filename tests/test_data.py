@@ -113,6 +113,8 @@ def test_bpe_json_specials(hf_pair):
         assert tok.special(s) == hf.token_to_id(s)
     assert tok.bos_id == hf.token_to_id("<|begin_of_text|>")
     assert tok.eos_ids == [hf.token_to_id("<|end_of_text|>"), hf.token_to_id("<|eot_id|>")]
+    assert data.chat_format(tok) is None  # a tokenizer_config.json without chat_template: a base model
+    tok.chat_template = None  # no config read: the special tokens decide
     assert data.chat_format(tok) == "llama3"
     text = "Hi<|eot_id|>there<tool_call>x"
     allowed = tok.encode(text, allow_special=True)
@@ -159,6 +161,83 @@ def test_unsupported_tokenizers(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no tokenizer"):
         data.load_tokenizer(tmp_path / "empty")
+
+
+# -----------------------------------------------------------------------------
+# GPT-2-style byte-level BPE: ByteLevel(use_regex) alone (GPT-2), Digits + ByteLevel
+# (SmolLM), and vocabularies that lack some single bytes
+
+LACKED = {*range(9), *range(0xC0, 0xD0), 0x9F, 0xA9}  # control bytes, UTF-8 lead bytes of Latin/Greek, ©, é's 2nd
+BYTE_PROBES = ["a\x01b\x02\x03c", "\x00\x07\x1f end", "é𝔘ÀÁ ǅ naïve", "Ωmega\x05\x05z", "a  1 22\t3 4.5",
+               "x²³ ٣٤ Ⅻ 12ab3", "©2024 — Ünïcödé", "tab\there\r\n\x0bvt"]
+
+
+def shakespeare(n):
+    text = need(ASSETS / "corpora" / "tinyshakespeare_input.txt").read_text(encoding="utf-8")
+    return [p for p in text.split("\n\n") if p.strip()][:n]
+
+
+def train_gpt2_style(kind):
+    """kind: gpt2 | digits (Digits(individual) + ByteLevel) | lacking | lacking_unk (a vocab
+    without the LACKED bytes; no unk token: HF drops them; with a fused unk token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    unk = kind == "lacking_unk"
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True) if unk else models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = byte_level if kind == "gpt2" else pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    corpus = varied_texts(300, seed=1) + data.synthetic_corpus(0, 20_000).split("\n")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if kind.startswith("lacking"):
+        alphabet = [data.bytes_to_unicode()[b] for b in range(256) if b not in LACKED]
+        corpus = [t for t in corpus if not LACKED & set(t.encode())]
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet, show_progress=False,
+                                  special_tokens=["<|endoftext|>"] + ["<unk>"] * unk)
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module", params=["gpt2", "digits", "lacking", "lacking_unk"])
+def gpt2_pair(request, tmp_path_factory):
+    hf = train_gpt2_style(request.param)
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save(str(d / "tokenizer.json"))
+    return request.param, hf, data.load_tokenizer(d)
+
+
+def test_gpt2_style_byte_level_matches_hf(gpt2_pair):
+    kind, hf, tok = gpt2_pair
+    spec = json.loads(hf.to_str())
+    n_bytes = sum(data.bytes_to_unicode()[b] in spec["model"]["vocab"] for b in range(256))
+    assert n_bytes == (256 - len(LACKED) if kind.startswith("lacking") else 256)
+    texts = shakespeare(300) + varied_texts(100, seed=9) + BYTE_PROBES
+    for t in texts:
+        ids = tok.encode(t)
+        assert ids == hf.encode(t, add_special_tokens=False).ids, repr(t)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False), repr(t)
+        if not kind.startswith("lacking"):
+            assert tok.decode(ids) == t
+    if kind == "lacking":  # dropped, and the neighbours merge as if adjacent
+        assert tok.encode("a\u00e9b") == tok.encode("ab") and tok.encode("\x01") == []
+    if kind == "lacking_unk":  # é's second byte: one unk; two control bytes in a row: one fused unk
+        unk = hf.token_to_id("<unk>")
+        assert tok.encode("\x05\x05") == [unk] and unk in tok.encode("né")
+
+
+def test_unsupported_tokenizer_json_is_one_line(tmp_path):
+    """Any tokenizer.json we cannot read exactly is a ValueError naming what was found."""
+    cases = {"list": [], "no model": {"decoder": "x"}, "bad sequence": {
+        "model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": "x"}},
+        "byte_fallback": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True},
+                          "pre_tokenizer": {"type": "ByteLevel"}},
+        "prefix space": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+                         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True}}}
+    for name, spec in cases.items():
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+        with pytest.raises(ValueError, match="unsupported") as e:
+            data.load_tokenizer(tmp_path)
+        assert "\n" not in str(e.value), name
 
 
 # -----------------------------------------------------------------------------
@@ -241,6 +320,48 @@ def test_format_qa_plain_and_chat(tmp_path):
     c = data.format_qa(q, "ctx", "q?", "ans", format="auto")
     assert q.decode(c["prefix"] + c["context"] + c["prompt"] + c["answer"]) == (
         "<|im_start|>user\nctx\nQuestion: q?<|im_end|>\n<|im_start|>assistant\nans<|im_end|>")
+
+
+# the chat templates the checkpoints ship (tokenizer_config.json), as jinja
+CHAT_TEMPLATES = {
+    "chatml": "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "llama3": "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+              "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+              "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+              "{% endif %}",
+    "gemma": "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+             "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+             "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+             "{{'<start_of_turn>model\\n'}}{% endif %}",
+}
+
+
+@pytest.mark.parametrize("fmt", list(CHAT_TEMPLATES))
+def test_chat_template_picks_the_format(fmt, tmp_path):
+    """One tokenizer with every family's turn tokens: the chat_template decides, and
+    format_qa(format="auto") writes what the template renders (jinja2 as the oracle)."""
+    import jinja2
+    hf = train_hf_bpe(data.LLAMA3_PATTERN, specials_first=True, nfc=False, vocab_size=400)
+    hf.add_special_tokens(["<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATES[fmt]}
+    if fmt == "chatml":  # a template list, as some checkpoints ship it
+        cfg["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": cfg["chat_template"]}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = data.load_tokenizer(tmp_path)
+    assert data.chat_format(tok) == fmt
+    f = data.format_qa(tok, "Anna lives in Oslo.", "Where does Anna live?", "Oslo", format="auto")
+    text = data.QA_TEMPLATES[0].format(question="Where does Anna live?")
+    want = jinja2.Template(CHAT_TEMPLATES[fmt]).render(
+        messages=[{"role": "user", "content": "Anna lives in Oslo." + text}, {"role": "assistant", "content": "Oslo"}],
+        bos_token="<|begin_of_text|>" if fmt != "chatml" else "", add_generation_prompt=False)
+    bos = tok.decode(f["bos"]) if fmt == "chatml" else ""  # ChatML's template writes no bos; format_qa does
+    assert bos + want.removesuffix("\n") == tok.decode(f["prefix"] + f["context"] + f["prompt"] + f["answer"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=None)))
+    assert data.chat_format(data.load_tokenizer(tmp_path)) is None  # a base model: plain QA prompts
 
 
 # -----------------------------------------------------------------------------

@@ -58,10 +58,33 @@ def test_dense_mask_literal_grids():
                                                                          [1, 1, 1, 1]]
 
 
+def test_sliding_window_literal_grids():
+    # causal, window 3: the query and the 2 keys before it (HF: kv_idx > q_idx - 3)
+    m = kernels.and_masks(kernels.causal, kernels.sliding_window(3))
+    assert kernels.dense_mask(m, 1, 5, 5, "cpu")[0, 0].int().tolist() == [[1, 0, 0, 0, 0],
+                                                                         [1, 1, 0, 0, 0],
+                                                                         [1, 1, 1, 0, 0],
+                                                                         [0, 1, 1, 1, 0],
+                                                                         [0, 0, 1, 1, 1]]
+    # 2 decoding queries behind a 3-key prefix (the first invalid), window 3
+    m = kernels.and_masks(kernels.causal_after_prefix(3, torch.tensor([[False, True, True, True, True]])),
+                          kernels.sliding_window(3, 3))
+    assert kernels.dense_mask(m, 1, 2, 5, "cpu")[0, 0].int().tolist() == [[0, 1, 1, 1, 0],
+                                                                         [0, 0, 1, 1, 1]]
+    # bidirectional, window 2: symmetric
+    m = kernels.and_masks(kernels.bidirectional(torch.ones(1, 4, dtype=torch.bool)), kernels.sliding_window(2))
+    assert kernels.dense_mask(m, 1, 4, 4, "cpu")[0, 0].int().tolist() == [[1, 1, 0, 0],
+                                                                         [1, 1, 1, 0],
+                                                                         [0, 1, 1, 1],
+                                                                         [0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("cap", [None, 1.5])
 @pytest.mark.parametrize("backend", ["dense", "flex"])
-def test_attention_backends_match_reference(monkeypatch, backend):
+def test_attention_backends_match_reference(monkeypatch, backend, cap):
     """GQA attention under a document mask with one fully masked query row, against a
-    hand-rolled softmax(QK^T / sqrt(hd)) V with K/V repeated per head; the empty row gives 0."""
+    hand-rolled softmax(QK^T / sqrt(hd)) V with K/V repeated per head; the empty row gives 0.
+    With cap: the scores soft-capped (cap * tanh(s / cap)) by a score_mod, at scale 0.3."""
     monkeypatch.setattr(kernels, "BACKEND", backend)
     B, H, Hkv, Q, hd = 2, 4, 2, 20, 8
     q, k, v = rand(B, H, Q, hd, seed=0), rand(B, Hkv, Q, hd, seed=1), rand(B, Hkv, Q, hd, seed=2)
@@ -71,10 +94,13 @@ def test_attention_backends_match_reference(monkeypatch, backend):
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx]) & valid[b, kv_idx]
-    out = kernels.attention(q, k, v, kernels.Mask(mask_mod, B, Q, Q, q.device))
+    scale = 0.3 if cap else hd ** -0.5
+    out = kernels.attention(q, k, v, kernels.Mask(mask_mod, B, Q, Q, q.device), scale,
+                            kernels.softcap(cap) if cap else None)
     dense = kernels.dense_mask(mask_mod, B, Q, Q, "cpu")
     kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-    scores = (q @ kr.transpose(-1, -2) / hd ** 0.5).masked_fill(~dense, float("-inf"))
+    scores = q @ kr.transpose(-1, -2) * scale
+    scores = (cap * torch.tanh(scores / cap) if cap else scores).masked_fill(~dense, float("-inf"))
     ref = torch.nan_to_num(scores.softmax(-1)) @ vr
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert out[1, :, 3].abs().max() == 0
@@ -145,6 +171,26 @@ def test_chunked_kd_matches_naive(small_chunks, freeze_head):
     if freeze_head:
         assert gw is None
     else:
+        torch.testing.assert_close(gw, rw, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_losses_softcap(small_chunks):
+    """Final logit soft-capping (Gemma 2): chunked == naive == plain CE / KL of capped logits."""
+    h, w = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1, scale=2.0)  # logits well past the cap
+    th, tw = rand(N_B, N_T, D, seed=3), rand(V, D, seed=4, scale=2.0)
+    labels, cap = labels_with_ignores(), 3.0
+    capped = lambda h, w: cap * torch.tanh(h @ w.T / cap)  # noqa: E731
+    plain = F.cross_entropy(capped(h, w).flatten(0, 1), labels.flatten(), reduction="sum")
+    torch.testing.assert_close(kernels.naive_ce(h, w, labels, softcap=cap), plain, atol=1e-4, rtol=1e-5)
+    assert (plain - kernels.naive_ce(h, w, labels)).abs() > 1.0  # the cap matters here
+    for fn, naive in ((lambda h, w: kernels.chunked_ce(h, w, labels, softcap=cap)[0],
+                       lambda h, w: kernels.naive_ce(h, w, labels, softcap=cap)),
+                      (lambda h, w: kernels.chunked_kd(h, w, th, tw, labels, softcap=cap)[0],
+                       lambda h, w: kernels.naive_kd(h, w, th, tw, labels, softcap=cap))):
+        got, (gh, gw) = grads(fn, (h, True), (w, True))
+        ref, (rh, rw) = grads(naive, (h, True), (w, True))
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(gh, rh, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(gw, rw, atol=1e-5, rtol=1e-5)
 
 

@@ -21,6 +21,7 @@ V, D = 128, 64
 TINY = dict(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
 T_LONG = 80  # > original_max_position_embeddings (32) so rope scaling matters
+WINDOW = 16  # sliding window of the *_window families and gemma2: shorter than the test sequences
 
 
 
@@ -35,7 +36,14 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),  # head_dim != 64 / 4
+    # sliding windows shorter than T_LONG: Mistral on every layer, Qwen2 from layer 1 on
+    "mistral_window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=WINDOW)),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    # Gemma 2: 3 layers (sliding, full, sliding), head_dim != 64 / 4, caps small enough to bite
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20, sliding_window=WINDOW,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=20.0)),
 }
+SHARDED = ("qwen3", "gemma2")
 
 
 def randomize(model, seed=0):
@@ -60,13 +68,13 @@ def make_hf(family):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """family -> (HF model, checkpoint dir); qwen3 is saved sharded."""
+    """family -> (HF model, checkpoint dir); qwen3 and gemma2 are saved sharded."""
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for family in FAMILIES:
         hf = make_hf(family)
         path = str(root / family)
-        hf.save_pretrained(path, max_shard_size="20KB" if family == "qwen3" else "1GB")
+        hf.save_pretrained(path, max_shard_size="20KB" if family in SHARDED else "1GB")
         out[family] = (hf, path)
     return out
 
@@ -74,6 +82,17 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(ckpt):
     return Transformer.from_pretrained(ckpt["llama3"][1]).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma(ckpt):
+    return Transformer.from_pretrained(ckpt["gemma2"][1]).eval()
+
+
+@pytest.fixture(params=["llama3", "gemma2"])
+def decoder(request, llama, gemma):
+    """The Llama and the Gemma 2 (soft-capping, a window shorter than the sequences)."""
+    return llama if request.param == "llama3" else gemma
 
 
 def ids_like(B, T, seed=0):
@@ -91,7 +110,7 @@ def close(a, b, tol=1e-4):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_transformers(ckpt, family):
     hf, path = ckpt[family]
-    if family == "qwen3":
+    if family in SHARDED:
         assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
         assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
     ours = Transformer.from_pretrained(path).eval()
@@ -117,6 +136,23 @@ def test_bf16_load_and_forward(ckpt):
     assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("family, change", [
+    ("mistral_window", dict(sliding_window=0)), ("qwen2_window", dict(sliding_window=0)),
+    ("gemma2", dict(sliding_window=0)), ("gemma2", dict(attn_logit_softcapping=None)),
+    ("gemma2", dict(final_logit_softcapping=None))])
+def test_window_and_caps_matter(ckpt, family, change):
+    """Each of these config values changes the logits (so the HF test above checks it)."""
+    hf, path = ckpt[family]
+    ours = Transformer.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = ours(ids_like(1, T_LONG))
+        for k, v in change.items():
+            setattr(ours.config, k, v)
+        other = Transformer(ours.config).eval()
+        other.load_state_dict(ours.state_dict())
+        assert (other(ids_like(1, T_LONG)) - want).abs().max() > 1e-3
+
+
 def test_rope_scaling_matters(ckpt):
     """The same weights without rope scaling give different logits past the original length."""
     hf, path = ckpt["llama3"]
@@ -126,8 +162,9 @@ def test_rope_scaling_matters(ckpt):
         assert (ours(ids_like(1, T_LONG)) - hf(ids_like(1, T_LONG)).logits).abs().max() > 1e-2
 
 
-def test_save_pretrained_loads_in_transformers(ckpt, tmp_path):
-    hf, path = ckpt["llama3"]
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "qwen2_window"])
+def test_save_pretrained_loads_in_transformers(ckpt, tmp_path, family):
+    hf, path = ckpt[family]
     Transformer.from_pretrained(path).save_pretrained(str(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = ids_like(1, T_LONG)
@@ -139,14 +176,15 @@ def test_save_pretrained_loads_in_transformers(ckpt, tmp_path):
 # 2. prefix KV, embeddings input, memory
 
 
-def test_prefix_kv_equals_one_pass(llama):
-    ids = ids_like(2, 20)
+def test_prefix_kv_equals_one_pass(decoder):
+    llama, c = decoder, decoder.config
+    ids = ids_like(2, 30)
     a, b = ids[:, :12], ids[:, 12:]
     with torch.no_grad():
         full = llama(ids)
         la, kv = llama(a, return_kv=True)
         lb = llama(b, memory=Memory(kv=kv))
-    assert len(kv) == 2 and kv[0][0].shape == (2, 2, 12, 16)
+    assert len(kv) == c.num_hidden_layers and kv[0][0].shape == (2, 2, 12, c.head_dim)
     close(la, full[:, :12])
     close(lb, full[:, 12:])
 
@@ -163,13 +201,14 @@ def test_embeds_input_equals_ids(llama):
         close(llama.lm_head(h), full)
 
 
-def test_memory_embeds_equals_one_pass(llama):
-    ids = ids_like(2, 20)
+def test_memory_embeds_equals_one_pass(decoder):
+    llama = decoder
+    ids = ids_like(2, 30)
     a, b = ids[:, :12], ids[:, 12:]
     with torch.no_grad():
         full = llama(ids)
         got = llama(b, memory=Memory(embeds=llama.model.embed_tokens(a)))
-    assert got.shape == (2, 8, V)  # memory slots are not returned
+    assert got.shape == (2, 18, V)  # memory slots are not returned
     close(got, full[:, 12:])
 
 
@@ -294,6 +333,23 @@ def test_backends_agree_prefix_kv(llama):
     close(dense, full[:, 12:])
 
 
+def test_backends_agree_softcap_and_window(gemma):
+    """Gemma 2: the soft-capping score_mod and the sliding window, causal (with left
+    padding) and bidirectional, on the dense path and on flex."""
+    ids = ids_like(2, 40)
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1, :9] = False
+    with torch.no_grad():
+        for mask, v in ((None, None), (None, valid), (kernels.bidirectional(valid), None)):
+            dense, flex = dense_and_flex(lambda: gemma(ids, mask=mask, valid=v))
+            close(flex, dense)
+        # oracle for the padded causal run: example 1 alone (the window counts the pads, as in
+        # HF, so the first 16 - 9 queries agree with the unpadded run)
+        padded = dense_and_flex(lambda: gemma(ids, valid=valid))[0]
+        alone = gemma(ids[1:, 9:])
+        close(padded[1, 9:16], alone[0, :7])
+
+
 # -----------------------------------------------------------------------------
 # 4. LoRA
 
@@ -328,6 +384,23 @@ def test_lora_matches_peft(ckpt, lora):
         ref = pm(ids).logits
         base = ckpt["llama_linear"][0](ids).logits
     assert (ref - base).abs().max() > 1e-2  # the adapter does something
+    close(got, ref)
+
+
+def test_gemma2_adapter_loads_in_peft(ckpt, gemma, tmp_path):
+    import peft
+    model = copy.deepcopy(gemma)
+    model.add_adapter("a", r=4, alpha=8)
+    randomize_adapter(model, "a", 3)
+    model.save_adapter("a", str(tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt["gemma2"][1], attn_implementation="eager")
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path)).eval()
+    ids = ids_like(2, 40)
+    with torch.no_grad(), model.adapter("a"):
+        got = model(ids)
+    with torch.no_grad():
+        ref = pm(ids).logits
+        assert (ref - ckpt["gemma2"][0](ids).logits).abs().max() > 1e-2
     close(got, ref)
 
 
@@ -401,8 +474,9 @@ def greedy_no_cache(model, prompt, n, memory_embeds=None):
     return out
 
 
-def test_generate_cache_equals_no_cache_and_hf(ckpt, llama):
-    hf = ckpt["llama3"][0]
+@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+def test_generate_cache_equals_no_cache_and_hf(ckpt, llama, gemma, family):
+    hf, llama = ckpt[family][0], (llama if family == "llama3" else gemma)  # gemma2: 39 tokens > window
     prompt = ids_like(1, 9)[0].tolist()
     got = llama.generate([prompt], 30, eos_ids=[])[0]
     assert len(got) == 30
@@ -421,7 +495,8 @@ def test_generate_batched_left_padding(llama):
         assert out == llama.generate([p], 12, eos_ids=[])[0]
 
 
-def test_generate_from_memory(llama):
+def test_generate_from_memory(decoder):
+    llama, hd = decoder, decoder.config.head_dim
     ids = ids_like(2, 16)
     a, b = ids[:, :10], ids[:, 10:]
     ref = llama.generate(ids, 12, eos_ids=[])
@@ -437,8 +512,8 @@ def test_generate_from_memory(llama):
         e1 = torch.cat([torch.zeros(1, 3, D), llama.model.embed_tokens(a[1:, 3:])], 1)
         _, kv1 = llama(a[1:, 3:], return_kv=True)
     e2 = torch.cat([e[:1], e1])
-    kv2 = [(torch.cat([k[:1], torch.cat([torch.zeros(1, 2, 3, 16), k1], 2)]),
-            torch.cat([v[:1], torch.cat([torch.zeros(1, 2, 3, 16), v1], 2)])) for (k, v), (k1, v1) in zip(kv, kv1)]
+    kv2 = [(torch.cat([k[:1], torch.cat([torch.zeros(1, 2, 3, hd), k1], 2)]),
+            torch.cat([v[:1], torch.cat([torch.zeros(1, 2, 3, hd), v1], 2)])) for (k, v), (k1, v1) in zip(kv, kv1)]
     ref2 = [ref[0], llama.generate([ids[1, 3:].tolist()], 12, eos_ids=[])[0]]
     assert llama.generate(b, 12, memory=Memory(embeds=e2, mask=mask), eos_ids=[]) == ref2
     assert llama.generate(b, 12, memory=Memory(kv=kv2, mask=mask), eos_ids=[]) == ref2
@@ -450,7 +525,7 @@ def test_generate_from_memory(llama):
 
 def test_error_unknown_model_type(ckpt, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3, gemma2"):
         Transformer.from_pretrained(str(tmp_path))
 
 

@@ -1,5 +1,6 @@
 """train.py: loss goes down, exact resume, atomic checkpoints, DDP, compile, real checkpoints, CLI errors."""
 import json
+import math
 import os
 
 import pytest
@@ -100,6 +101,24 @@ def test_real_checkpoint_teacher_then_meanpool(tmp_path):
          *common])
     metrics = json.load(open(tmp_path / "mp" / "metrics.json"))
     assert metrics["rows"][0]["ratio_requested"] == 4 and "f1" in metrics["teacher"]
+
+
+def test_every_method_runs_on_gemma2(tmp_path):
+    """2 training steps of each method on a Gemma 2 checkpoint (soft-capping, a sliding
+    window shorter than the contexts), in process, then eval.py on two of them."""
+    import eval as evaluate
+    ckpt = hf_checkpoint(tmp_path / "hf", "gemma2")
+    squad = squad_file(tmp_path / "squad.json")
+    runs = []
+    for method, extra in (("meanpool", ["--ratio", 4]), ("pic", []), ("sac", ["--ratio", 5]),
+                          ("sentence_gist", ["--gists", 2]), ("ata", [])):
+        runs.append(str(tmp_path / method))
+        in_process(["--method", method, "--init_from", ckpt, "--data", squad, "--max_iters", 2, "--batch_size", 2,
+                    "--out_dir", runs[-1], "--eval_examples", 0, "--device", "cpu", "--quiet", "--lora_r", 4, *extra])
+        losses = [json.loads(line)["loss"] for line in open(tmp_path / method / "log.jsonl")]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (method, losses)
+    results = evaluate.main([runs[0], runs[-1], "--n", 2])  # greedy answers from embedding and K/V memory
+    assert len(results) == 2 and all("f1" in r["teacher"] and r["rows"] for r in results)
 
 
 @pytest.mark.parametrize("argv, message", [
