@@ -145,7 +145,7 @@ class ATA(nn.Module):
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         d = base.config.hidden_size
         base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-        std = base.model.embed_tokens.weight.float().std().item()
+        std = base.model.embed_tokens.input_std()
         self.comp = nn.Parameter(torch.randn(cfg.k_max, d) * std)  # (k_max, d) compression tokens
         self.probe = Probe(d, min(4 * d, 1024))
         self.rel_ratios = [int(r) for r in cfg.rel_ratios.split(",")]

@@ -283,6 +283,10 @@ class Embedding(nn.Embedding):
         x = super().forward(ids)
         return x if self.scale is None else x * torch.tensor(self.scale, dtype=x.dtype)
 
+    def input_std(self):
+        """The std of the embeddings as the model reads them: the scale for new learned inputs."""
+        return self.weight.float().std().item() * (self.scale or 1.0)
+
 
 def rope_inv_freq(cfg, device):
     """Inverse frequencies (hd/2,), with llama3 or linear scaling as HF computes them."""

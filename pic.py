@@ -168,7 +168,7 @@ class PIC(nn.Module):
         if need > enc.config.max_position_embeddings:
             raise SystemExit(f"error: --max_context {run.max_context} plus its memory tokens needs {need} positions; "
                              f"the encoder has max_position_embeddings {enc.config.max_position_embeddings}")
-        std = lambda model: model.model.embed_tokens.weight.float().std().item()  # noqa: E731
+        std = lambda model: model.model.embed_tokens.input_std()  # noqa: E731
         self.mem_embed = nn.Parameter(torch.randn(1 if cfg.mem == "single" else cfg.max_mem, d_enc) * std(enc))
         self.dec_adapter = "decoder" if cfg.mem == "single" else None  # meanpool §5.1's baseline trains its decoder
         if self.dec_adapter:

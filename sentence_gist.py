@@ -174,7 +174,8 @@ class SentenceGist(nn.Module):
         """(B, T) ids, gist j = V + j -> (B, T, d) input embeddings; the base is not resized."""
         is_gist = ids >= self.V
         e = self.base.model.embed_tokens(ids.masked_fill(is_gist, 0))  # (B, T, d)
-        g = self.gist.to(e.dtype)[(ids - self.V).clamp(0, self.cfg.gists - 1)]  # (B, T, d); always in the graph (DDP)
+        scale = self.base.model.embed_tokens.scale or 1.0  # rows live in weight space, as the vocabulary's (Gemma)
+        g = (self.gist * scale).to(e.dtype)[(ids - self.V).clamp(0, self.cfg.gists - 1)]  # (B, T, d); always in the graph (DDP)
         return torch.where(is_gist[..., None], g, e)
 
     def hidden(self, L, memory=None, return_kv=False):

@@ -148,3 +148,25 @@ def test_lr_schedules():
     assert train.lr_at(100, cfg) == pytest.approx(0.1)  # cosine ends at lr * min_lr_frac
     assert train.lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean
     assert train.lr_at(55, cfg, "linear") == pytest.approx(0.5) and train.lr_at(100, cfg, "linear") == 0.0
+
+
+def test_new_inputs_start_at_the_scale_the_model_reads(tmp_path):
+    """Gemma 2 reads token embeddings times sqrt(d): pic's memory table and ata's
+    compression tokens start at that scale, sentence_gist's gist rows are read at it."""
+    import ata
+    import pic
+    import sentence_gist
+    import data
+    from model import Transformer
+    ckpt = hf_checkpoint(tmp_path / "hf", "gemma2")
+    tok, base = data.load_tokenizer(ckpt), Transformer.from_pretrained(ckpt)
+    fed = base.model.embed_tokens(torch.arange(base.config.vocab_size)).std().item()
+    assert base.model.embed_tokens.scale and abs(base.model.embed_tokens.input_std() / fed - 1) < 0.05
+    run = train.TrainConfig(objective="qa", ratio="4", max_context=128)
+    m = pic.PIC(base, pic.PICConfig(), tok, run)
+    assert 0.8 < m.mem_embed.std().item() / fed < 1.2
+    a = ata.ATA(Transformer.from_pretrained(ckpt), ata.ATAConfig(lora_r=4), tok, run)
+    assert 0.7 < a.comp.std().item() / fed < 1.3
+    g = sentence_gist.SentenceGist(Transformer.from_pretrained(ckpt), sentence_gist.SentenceGistConfig(gists=2), tok, run)
+    rows = g.embed(torch.tensor([[g.V, g.V + 1]]))[0]
+    assert torch.allclose(rows, g.gist * base.model.embed_tokens.scale)
