@@ -35,6 +35,7 @@ Choices the paper leaves open, made here:
   fully finetuned with `--lora_r 0`. Memory table, converter (and <AE>) always train.
 - ae+lm on a text batch: text (BOS dropped, so the encoder reads what a QA context looks
   like) is split at k = len // 2: x_1..x_k is compressed, the rest is the continuation.
+  Texts are cut at 2 x max_context, so pretraining compresses the lengths finetuning will.
   Eq. 6-7 are means per example, so a batch's loss is the sum over examples of eq. 8 and
   its count is the number of examples: the global mean is exact under DDP and grad
   accumulation. <AE> is a learned vector in the decoder's embedding space.
@@ -131,6 +132,7 @@ class PIC(nn.Module):
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
     TINY = dict(lr=2e-3, max_iters=500, batch_size=16, ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
+    compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
 
     @staticmethod
     def default_objective(mcfg):

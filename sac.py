@@ -32,7 +32,8 @@ Choices the paper leaves open, made here:
 - e_A starts at zero (and LoRA B at zero), so training starts from the base's own cache.
 - `lm` on `collate_lm` batches: the text after the prefix is cut in half (Appendix A: "split
   into two halves"; the AE half is the compressed one); the decoder reads the second half
-  and predicts each next token (its first token is input only). No `ae+lm` (Table 5): skipped.
+  and predicts each next token (its first token is input only); texts are cut at 2 x
+  max_context so the compressed half reaches max_context. No `ae+lm` (Table 5): skipped.
 - Several ratios in `--ratio`: one encoder pass per ratio (anchors differ), losses summed.
 - Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
   batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default,
@@ -105,6 +106,7 @@ def sac_encoder_mask(key_valid, causal):
 class SAC(nn.Module):
     Config = SACConfig
     objectives = ("qa", "lm")
+    compresses_half_text = True  # lm compresses the first half: train.py reads 2 x max_context tokens
     PAPER = dict(ratio="5", lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000,
                  warmup_iters=300, min_lr_frac=1.0)
     TINY = dict(lr=1e-3, max_iters=300, warmup_iters=4, batch_size=16, lora_r=16, lora_alpha=32)

@@ -348,7 +348,8 @@ class Batches:
             return tiny.collate_base(items, self.tok, self.method.cfg.context_weight)
         pad = 64 if cfg.compile else 8  # compiled graphs are reused across lengths; eager pays for padding
         if self.text:
-            return data.collate_lm(items, self.tok, cfg.max_context, pad_multiple=pad)
+            halves = getattr(self.method, "compresses_half_text", False)  # so the compressed half reaches max_context
+            return data.collate_lm(items, self.tok, cfg.max_context * (2 if halves else 1), pad_multiple=pad)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
                                 stats=self.stats, pad_multiple=pad)
         if self.questions > 1:

@@ -345,3 +345,16 @@ def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
         cfg, mcfg = train.TrainConfig(method="pic"), pic.PICConfig(mem=mem)
         train.apply_defaults(cfg, mcfg, set(), pic.PIC)
         assert cfg.objective == objective
+
+
+def test_ae_lm_pretrains_the_lengths_finetuning_compresses(base_dir, tmp_path):
+    """ae+lm compresses the first half of a text: texts are cut at 2 x max_context, so
+    memory rows up to ceil(max_context / r) are pretrained (issue 20.17)."""
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    cfg = train.TrainConfig(method="pic", objective="ae+lm", data=str(text), max_context=32, batch_size=1,
+                            init_from=base_dir)
+    tok = data.load_tokenizer(base_dir)
+    for method, longest in ((pic.PIC, 2 * 32), (object, 32)):  # BOS included; a method that reads whole texts
+        batch = train.Batches(cfg, tok, method.__new__(method))(0)[0]
+        assert int(batch["lengths"][0]) == longest
