@@ -41,17 +41,21 @@ Choices the paper leaves open, made here:
   accumulation. <AE> is a learned vector in the decoder's embedding space.
 - A set of ratios (--ratio 4,16) sums the losses (one encoder pass each); default 16.
 - The kd teacher is the decoder with full context; eval.py's teacher rows use the base,
-  so prefer the decoder as --init_from and a small --encoder (same vocab_size: one tokenizer).
+  so prefer the decoder as --init_from and a small --encoder. The decoder shares the base's
+  tokenizer; an encoder with its own (the paper's Qwen2.5-0.5B -> Llama-3-8B) reads its
+  tokenizer's ids of the same context text (decoded from the base's ids, cut at max_context).
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation; m_t holds c_t).
 Two-stage recipe (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
 `--objective qa --init_from out/pic_pt` (train.py loads the first stage's tensors).
 """
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+import data
 import kernels
 from model import Transformer, behind_prefix
 
@@ -126,6 +130,19 @@ def pad_rows(rows, value, device):  # (B, T >= 1) LongTensor of right-padded lis
     return out.to(device)
 
 
+def encoder_tokenizer(path, tok, vocab_size):
+    """The tokenizer of an --encoder checkpoint when it is not the base's `tok`, else None."""
+    has_own = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model"))
+    if not has_own:
+        if vocab_size != tok.vocab_size:
+            raise SystemExit(f"error: --encoder {path} has vocab_size {vocab_size}, the base {tok.vocab_size}, "
+                             f"and no tokenizer of its own (tokenizer.json or tokenizer.model)")
+        return None
+    enc_tok, probe = data.load_tokenizer(path), "Ada Lovelace, born 1815 in London: a poet's daughter."
+    same = enc_tok.vocab_size == tok.vocab_size and enc_tok.encode(probe) == tok.encode(probe)
+    return None if same else enc_tok
+
+
 class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
@@ -157,10 +174,15 @@ class PIC(nn.Module):
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         dtype = base.lm_head.weight.dtype
         self.enc_model = self.dec_model = None  # separate checkpoints (else the shared base)
+        self.enc_tok = None  # the encoder's own tokenizer, when it is not the base's
         if cfg.encoder:
             self.enc_model = self.load(cfg.encoder, torch.float32 if cfg.lora_r == 0 else dtype, cfg.lora_r == 0)
+            self.enc_tok = encoder_tokenizer(cfg.encoder, tok, self.enc_model.config.vocab_size)
         if cfg.decoder:
             self.dec_model = self.load(cfg.decoder, dtype, False)
+            if self.dec_model.config.vocab_size != base.config.vocab_size:
+                raise SystemExit(f"error: --decoder {cfg.decoder} has vocab_size {self.dec_model.config.vocab_size}, "
+                                 f"the base {base.config.vocab_size}: the decoder must share the base's tokenizer")
         enc, dec = self.enc, self.dec
         self.enc_adapter = "encoder" if cfg.lora_r > 0 else None
         if cfg.lora_r > 0:
@@ -184,9 +206,6 @@ class PIC(nn.Module):
 
     def load(self, path, dtype, trainable):
         model = Transformer.from_pretrained(path, dtype=dtype)
-        if model.config.vocab_size != self.base.config.vocab_size:
-            raise SystemExit(f"error: {path} has vocab_size {model.config.vocab_size}, the base "
-                             f"{self.base.config.vocab_size}: encoder, decoder and base must share one tokenizer")
         for n, p in model.named_parameters():  # full finetuning trains all but an unused untied head
             p.requires_grad_(trainable and (n != "lm_head.weight" or model.config.tie_word_embeddings))
         return model.to(self.base.lm_head.weight.device)
@@ -221,8 +240,17 @@ class PIC(nn.Module):
             h = self.enc(embeds=torch.cat([x, m], 1), pos=pos, mask=mask, output="hidden")  # (B, L + N, d_enc)
         return h[:, L:], valid[:, L:]
 
+    def encoder_context(self, batch):
+        """(ids (B, L), lengths (B,)) of the context in the encoder's vocabulary."""
+        if self.enc_tok is None:
+            return batch["context"], batch["context_len"]
+        texts = [self.tok.decode(c[:n].tolist()) for c, n in zip(batch["context"], batch["context_len"])]
+        rows = [self.enc_tok.encode(t)[:self.run.max_context] or [self.enc_tok.pad_id] for t in texts]
+        dev = batch["context"].device
+        return pad_rows(rows, self.enc_tok.pad_id, dev), torch.tensor([len(r) for r in rows], device=dev)
+
     def compress(self, batch, ratio):
-        h, valid = self.encode(batch["context"], batch["context_len"], ratio)
+        h, valid = self.encode(*self.encoder_context(batch), ratio)
         z = self.converter(h.to(self.converter[0].weight.dtype))  # (B, N, d_dec)
         return behind_prefix(self.dec, batch["prefix"], z, valid)
 

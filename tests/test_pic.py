@@ -14,7 +14,7 @@ import data
 import kernels
 import pic
 import train
-from common import DDP_ATOL, method_smoke, read_params, run, torchrun
+from common import DDP_ATOL, hf_checkpoint, method_smoke, read_params, run, torchrun
 from model import Memory, ModelConfig, Transformer
 
 
@@ -358,3 +358,24 @@ def test_ae_lm_pretrains_the_lengths_finetuning_compresses(base_dir, tmp_path):
     for method, longest in ((pic.PIC, 2 * 32), (object, 32)):  # BOS included; a method that reads whole texts
         batch = train.Batches(cfg, tok, method.__new__(method))(0)[0]
         assert int(batch["lengths"][0]) == longest
+
+
+def test_encoder_with_its_own_tokenizer(base_dir, tmp_path):
+    """PIC's cross-model setup (issue 20.15): an encoder of another vocabulary reads its own
+    tokenizer's ids of the same context text; the converter maps its width to the decoder's."""
+    enc = hf_checkpoint(tmp_path / "enc", "llama")  # byte-level BPE, vocab 400+, width 64
+    m, tok = make(base_dir, objective="qa", encoder=enc, lora_r=4)
+    assert m.enc_tok is not None and m.enc.config.vocab_size != m.base.config.vocab_size
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    ids, lengths = m.encoder_context(batch)
+    for b in range(2):
+        text = tok.decode(batch["context"][b, :batch["context_len"][b]].tolist())
+        assert ids[b, :lengths[b]].tolist() == m.enc_tok.encode(text)[:m.run.max_context]  # cut at max_context
+    mem = m.compress(batch, 4)
+    assert mem.embeds.shape[2] == m.base.config.hidden_size
+    assert mem.slots().tolist() == [1 + -(-int(n) // 4) for n in lengths]  # BOS + ceil(L_enc / r)
+    loss, n, _ = m(batch, [4])
+    loss.backward()
+    assert loss.item() > 0 and m.converter[0].weight.grad.shape == (m.base.config.hidden_size, 64)
+    outs, _ = evaluate.answer(m, batch, 4, 3)
+    assert len(outs) == 2
