@@ -27,6 +27,7 @@ Choices the paper leaves open, made here:
   [BOS] is the tokenizer's BOS (its EOS when it has none, e.g. Qwen).
 - Positions: the encoder input is left-padded, prompt at 0..n-1, c_j at n+j-1; the decoder
   continues at next_pos = n + k, where an encoder that appended only k tokens would stop.
+  The decoder reads [KV, q, a] (and [KV, [BOS], C_rel]): no BOS before the memory, as eq. 8, 11.
 - Probe: q = W h_last, attention over the input tokens' final hidden states (not the
   compression tokens: k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> L_rel in
   units of LEN_UNIT tokens (raw tokens would need thousands of small-lr steps to reach the
@@ -282,18 +283,15 @@ def main():
           "Ben Okafor works for Acme Labs.", "Ada Lovelace studied at Carrow College."]))
     pad, n, kmax, k, dec = 2, 6, 4, 2, 3
     valid = torch.arange(pad + n + kmax)[None] >= pad
-    grid = kernels.dense_mask(encoder_mask(valid), 1, pad + n + kmax, pad + n + kmax, "cpu")[0, 0]
     kinds = "_" * pad + "t" * n + "c" * kmax
     print(f"\nencoder (causal; _ left padding, t prompt tokens, c compression tokens, k_max={kmax}):\n  {kinds}")
-    for kind, row in zip(kinds, grid.tolist()):
-        print(kind + " " + "".join("#" if x else "." for x in row))
+    grid = kernels.draw(encoder_mask(valid), pad + n + kmax).splitlines()
+    print("\n".join(kind + " " + row for kind, row in zip(kinds, grid)))
     key_valid = torch.cat([torch.arange(kmax)[None] < k, torch.ones(1, dec, dtype=torch.bool)], 1)
-    grid = kernels.dense_mask(kernels.causal_after_prefix(kmax, key_valid), 1, dec, kmax + dec, "cpu")[0, 0]
     print(f"\ndecoder (frozen base) over the memory, policy k={k}: m K/V of c_1..c_{kmax}, d decoder tokens")
     print("  " + "m" * kmax + "d" * dec)
-    for row in grid.tolist():
-        print("d " + "".join("#" if x else "." for x in row))
-
+    grid = kernels.draw(kernels.causal_after_prefix(kmax, key_valid), dec, kmax + dec).splitlines()
+    print("\n".join("d " + row for row in grid))
 
 if __name__ == "__main__":
     main()

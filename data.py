@@ -23,6 +23,7 @@ import gzip
 import io
 import json
 import math
+import os
 import random
 import re
 import unicodedata
@@ -918,6 +919,17 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
 
 # -----------------------------------------------------------------------------
 # 5. Batching
+
+def own_tokenizer(path, tok, vocab_size):
+    """The tokenizer of the checkpoint at path (vocab_size) when it is not `tok`, else None."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        if vocab_size != tok.vocab_size:
+            raise ValueError(f"{path} has vocab_size {vocab_size}, the base {tok.vocab_size}, and no "
+                             f"tokenizer of its own (tokenizer.json or tokenizer.model)")
+        return None
+    own, probe = load_tokenizer(path), "Ada Lovelace, born 1815 in London: a poet's daughter."
+    return None if own.vocab_size == tok.vocab_size and own.encode(probe) == tok.encode(probe) else own
+
 
 def _pad(rows, value, multiple):
     """(B, T) LongTensor of right-padded rows, T rounded up to a multiple."""

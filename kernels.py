@@ -130,6 +130,12 @@ def dense_mask(mask_mod, B, Q, S, device):
     return mask_mod(b, h, q_idx, kv_idx).expand(B, Q, S).unsqueeze(1)
 
 
+def draw(mask_mod, Q, S=None):
+    """The mask of example 0 as text: a row per query, '#' where it sees a key (the methods' main())."""
+    rows = dense_mask(mask_mod, 1, Q, S or Q, "cpu")[0, 0].tolist()
+    return "\n".join("".join("#" if x else "." for x in row) for row in rows)
+
+
 class Mask:
     """An attention pattern for queries (B, Q) over keys (B, S), built lazily per backend
     and shared by all layers of one forward."""

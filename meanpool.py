@@ -152,9 +152,7 @@ def main():
     for k in range(z.shape[1]):
         print("".join("#" if w > 0 else "." for w in z[0, k]), f" z_{k + 1} = mean of {int((z[0, k] > 0).sum())} tokens")
     print("\nencoder attention (bidirectional, 2 padding tokens):")
-    real = torch.arange(L + 2)[None] < L
-    grid = kernels.dense_mask(kernels.bidirectional(real), 1, L + 2, L + 2, "cpu")[0, 0]
-    print("\n".join("".join("#" if x else "." for x in row) for row in grid.tolist()))
+    print(kernels.draw(kernels.bidirectional(torch.arange(L + 2)[None] < L), L + 2))
 
 
 if __name__ == "__main__":

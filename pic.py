@@ -18,38 +18,29 @@ Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_caus
                full context (the same loss as meanpool.py, so both compare under one loss)
 
 Choices the paper leaves open, made here:
-- Layout: memory tokens sit at fixed slots after the *padded* context, with the position
-  ids of the unpadded sequence (context i -> i, memory t -> L_b + t); every mask_mod masks
-  padding keys, so an example gets the same memory in any batch (train pads lengths to
-  64, eval to 1). The last chunk is partial (the paper assumes r divides L).
-- Memory tokens: a learned table of `max_mem` rows (PIC), or `--mem single`: one learned token
-  repeated (the compression tokens of meanpool §5.1); initialised at the token embeddings' scale.
-  `--mem single` is that paper's baseline whole, so Table 1 compares like with like: a
-  `decoder` LoRA adapter, a linear W (identity init) instead of the converter, and `kd` as
-  the default objective; PIC (`--mem table`) keeps its frozen decoder and converter.
+- Layout: memory tokens sit after the *padded* context with the unpadded position ids
+  (context i -> i, memory t -> L_b + t); mask_mods mask padding keys, so an example gets
+  the same memory in any batch. The last chunk is partial (the paper assumes r | L).
+- Memory tokens: a learned table of `max_mem` rows (PIC), at the embeddings' scale.
+  `--mem single` is meanpool §5.1's compression-token baseline whole (one learned token
+  repeated, a `decoder` LoRA adapter, a linear W at identity instead of the converter,
+  `kd` by default), so its Table 1 compares like with like.
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec). The decoder reads the
   prefix (BOS / chat header), the memory, then the prompt, as in meanpool.py.
-- Encoder training: the paper finetunes its encoder fully (Qwen2.5-0.5B, frozen Llama-3-8B
-  decoder). Here the encoder is by default the shared base with an `encoder` LoRA adapter,
-  as the frozen decoder shares those weights; a separate `--encoder` checkpoint can be
-  fully finetuned with `--lora_r 0`. Memory table, converter (and <AE>) always train.
-- ae+lm on a text batch: text (BOS dropped, so the encoder reads what a QA context looks
-  like) is split at k = len // 2: x_1..x_k is compressed, the rest is the continuation.
-  Texts are cut at 2 x max_context, so pretraining compresses the lengths finetuning will.
-  Eq. 6-7 are means per example, so a batch's loss is the sum over examples of eq. 8 and
-  its count is the number of examples: the global mean is exact under DDP and grad
-  accumulation. <AE> is a learned vector in the decoder's embedding space.
+- Encoder: the paper finetunes a separate one fully (Qwen2.5-0.5B -> frozen Llama-3-8B):
+  `--encoder DIR --lora_r 0`; it reads its own tokenizer's ids of the context text when its
+  vocabulary differs. By default the encoder is the shared base with an `encoder` adapter.
+- ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2; texts are cut at
+  2 x max_context so pretraining compresses the lengths finetuning will. Eq. 6-7 are means
+  per example: a batch's loss is the sum of eq. 8 over examples, its count the examples
+  (exact under DDP and accumulation). <AE> is a learned vector in the decoder's space.
 - A set of ratios (--ratio 4,16) sums the losses (one encoder pass each); default 16.
-- The kd teacher is the decoder with full context; eval.py's teacher rows use the base,
-  so prefer the decoder as --init_from and a small --encoder. The decoder shares the base's
-  tokenizer; an encoder with its own (the paper's Qwen2.5-0.5B -> Llama-3-8B) reads its
-  tokenizer's ids of the same context text (decoded from the base's ids, cut at max_context).
+- The kd teacher is the decoder with full context (prefer the decoder as --init_from).
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation; m_t holds c_t).
-Two-stage recipe (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
-`--objective qa --init_from out/pic_pt` (train.py loads the first stage's tensors).
+Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
+`--objective qa --init_from out/pic_pt` (the second inherits the first's config).
 """
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -123,26 +114,6 @@ def layout(lengths, L, r):
     return is_mem, chunk, valid, pos, n_mem
 
 
-def pad_rows(rows, value, device):  # (B, T >= 1) LongTensor of right-padded lists
-    out = torch.full((len(rows), max([1] + [len(x) for x in rows])), value, dtype=torch.long)
-    for b, x in enumerate(rows):
-        out[b, :len(x)] = torch.as_tensor(x, dtype=torch.long)
-    return out.to(device)
-
-
-def encoder_tokenizer(path, tok, vocab_size):
-    """The tokenizer of an --encoder checkpoint when it is not the base's `tok`, else None."""
-    has_own = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model"))
-    if not has_own:
-        if vocab_size != tok.vocab_size:
-            raise SystemExit(f"error: --encoder {path} has vocab_size {vocab_size}, the base {tok.vocab_size}, "
-                             f"and no tokenizer of its own (tokenizer.json or tokenizer.model)")
-        return None
-    enc_tok, probe = data.load_tokenizer(path), "Ada Lovelace, born 1815 in London: a poet's daughter."
-    same = enc_tok.vocab_size == tok.vocab_size and enc_tok.encode(probe) == tok.encode(probe)
-    return None if same else enc_tok
-
-
 class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
@@ -173,27 +144,25 @@ class PIC(nn.Module):
         super().__init__()
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         dtype = base.lm_head.weight.dtype
-        self.enc_model = self.dec_model = None  # separate checkpoints (else the shared base)
-        self.enc_tok = None  # the encoder's own tokenizer, when it is not the base's
+        self.enc_model = self.dec_model = self.enc_tok = None  # separate checkpoints; the encoder's own tokenizer
         if cfg.encoder:
             self.enc_model = self.load(cfg.encoder, torch.float32 if cfg.lora_r == 0 else dtype, cfg.lora_r == 0)
-            self.enc_tok = encoder_tokenizer(cfg.encoder, tok, self.enc_model.config.vocab_size)
+            self.enc_tok = data.own_tokenizer(cfg.encoder, tok, self.enc_model.config.vocab_size)
         if cfg.decoder:
             self.dec_model = self.load(cfg.decoder, dtype, False)
-            if self.dec_model.config.vocab_size != base.config.vocab_size:
-                raise SystemExit(f"error: --decoder {cfg.decoder} has vocab_size {self.dec_model.config.vocab_size}, "
-                                 f"the base {base.config.vocab_size}: the decoder must share the base's tokenizer")
+            if data.own_tokenizer(cfg.decoder, tok, self.dec_model.config.vocab_size):
+                raise SystemExit(f"error: --decoder {cfg.decoder} must share the base's tokenizer")
         enc, dec = self.enc, self.dec
         self.enc_adapter = "encoder" if cfg.lora_r > 0 else None
-        if cfg.lora_r > 0:
+        if self.enc_adapter:
             enc.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha)
         d_enc, d_dec = enc.config.hidden_size, dec.config.hidden_size
         need = run.max_context + math.ceil(run.max_context / min(int(r) for r in str(run.ratio).split(",")))
         if need > enc.config.max_position_embeddings:
             raise SystemExit(f"error: --max_context {run.max_context} plus its memory tokens needs {need} positions; "
                              f"the encoder has max_position_embeddings {enc.config.max_position_embeddings}")
-        std = lambda model: model.model.embed_tokens.input_std()  # noqa: E731
-        self.mem_embed = nn.Parameter(torch.randn(1 if cfg.mem == "single" else cfg.max_mem, d_enc) * std(enc))
+        std_enc, std_dec = enc.model.embed_tokens.input_std(), dec.model.embed_tokens.input_std()
+        self.mem_embed = nn.Parameter(torch.randn(1 if cfg.mem == "single" else cfg.max_mem, d_enc) * std_enc)
         self.dec_adapter = "decoder" if cfg.mem == "single" else None  # meanpool §5.1's baseline trains its decoder
         if self.dec_adapter:
             dec.add_adapter("decoder", cfg.lora_r or 16, cfg.lora_alpha)
@@ -202,7 +171,7 @@ class PIC(nn.Module):
                 nn.init.eye_(self.converter[0].weight)
         else:
             self.converter = nn.Sequential(nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
-        self.ae = nn.Parameter(torch.randn(d_dec) * std(dec), requires_grad=run.objective == "ae+lm")  # <AE>
+        self.ae = nn.Parameter(torch.randn(d_dec) * std_dec, requires_grad=run.objective == "ae+lm")  # <AE>
 
     def load(self, path, dtype, trainable):
         model = Transformer.from_pretrained(path, dtype=dtype)
@@ -210,25 +179,16 @@ class PIC(nn.Module):
             p.requires_grad_(trainable and (n != "lm_head.weight" or model.config.tie_word_embeddings))
         return model.to(self.base.lm_head.weight.device)
 
-    @property
-    def enc(self):
-        return self.enc_model if self.enc_model is not None else self.base
-
-    @property
-    def dec(self):
-        return self.dec_model if self.dec_model is not None else self.base
+    enc = property(lambda self: self.base if self.enc_model is None else self.enc_model)
+    dec = property(lambda self: self.base if self.dec_model is None else self.dec_model)
 
     # --- compression ------------------------------------------------------------
 
     def encode(self, context, lengths, r):
-        """One encoder pass over Z = [context, memory tokens] -> final hidden states of the
-        memory slots (B, N, d_enc) and their validity (B, N)."""
+        """Encoder over Z = [context, memory tokens] -> memory slots' final states (B, N, d_enc), validity (B, N)."""
         B, L = context.shape
         is_mem, chunk, valid, pos, n_mem = layout(lengths, L, r)
         N = is_mem.shape[1] - L
-        if self.cfg.mem == "table" and N > self.mem_embed.shape[0]:
-            raise ValueError(f"a context of {int(lengths.max())} tokens at ratio {r} needs {N} memory tokens; "
-                             f"--max_mem is {self.mem_embed.shape[0]}")
         if int(pos.max()) >= self.enc.config.max_position_embeddings:
             raise ValueError(f"context of {int(lengths.max())} tokens plus {N} memory tokens exceeds the encoder's "
                              f"max_position_embeddings {self.enc.config.max_position_embeddings}")
@@ -247,15 +207,14 @@ class PIC(nn.Module):
         texts = [self.tok.decode(c[:n].tolist()) for c, n in zip(batch["context"], batch["context_len"])]
         rows = [self.enc_tok.encode(t)[:self.run.max_context] or [self.enc_tok.pad_id] for t in texts]
         dev = batch["context"].device
-        return pad_rows(rows, self.enc_tok.pad_id, dev), torch.tensor([len(r) for r in rows], device=dev)
+        return data._pad(rows, self.enc_tok.pad_id, 1).to(dev), torch.tensor([len(r) for r in rows], device=dev)
 
     def compress(self, batch, ratio):
         h, valid = self.encode(*self.encoder_context(batch), ratio)
         z = self.converter(h.to(self.converter[0].weight.dtype))  # (B, N, d_dec)
         return behind_prefix(self.dec, batch["prefix"], z, valid)
 
-    def decode_hidden(self, memory, ids, embeds=None):
-        """Decoder (frozen; meanpool's baseline: its adapter) over [memory, embeds, ids] -> (B, T, d_dec)."""
+    def decode_hidden(self, memory, ids, embeds=None):  # [memory, embeds, ids] -> (B, T, d_dec)
         with self.dec.adapter(self.dec_adapter):
             return self.dec(ids, embeds=embeds, memory=memory, output="hidden")
 
@@ -295,7 +254,7 @@ class PIC(nn.Module):
         dev = ids.device
 
         def rows(cut, value=self.tok.pad_id):  # (B, T): one slice of every text, right-padded
-            return pad_rows([cut(x, k) for x, k in zip(texts, ks)], value, dev)
+            return data._pad([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)
 
         def per_example(labels, counts):  # eq. 6-7 are means per example: weight 1 / count
             return (1.0 / torch.tensor(counts, device=dev).clamp(min=1))[:, None].expand(labels.shape)
@@ -324,18 +283,13 @@ class PIC(nn.Module):
             return self.dec.generate(prompts, max_new_tokens, memory=memory)
 
 
-def grid(mask_mod, T):
-    rows = kernels.dense_mask(mask_mod, 1, T, T, "cpu")[0, 0].tolist()
-    return "\n".join("".join("#" if x else "." for x in row) for row in rows)
-
-
 def main():
     """Print the three masks for 2 chunks of 3 tokens: rows are queries, columns keys."""
     L, r = 6, 3
     is_mem, chunk, valid, _, _ = layout(torch.tensor([L]), L, r)
     print("Z = [c_1 (3 tokens), c_2 (3 tokens), m_1, m_2]; row = query, column = key\n")
     for name, mask_mod in MASKS.items():
-        print(f"--mask {name}:\n{grid(mask_mod(is_mem, chunk, valid), L + 2)}\n")
+        print(f"--mask {name}:\n{kernels.draw(mask_mod(is_mem, chunk, valid), L + 2)}\n")
 
 
 if __name__ == "__main__":

@@ -238,9 +238,8 @@ def main():
     print(f"\nencoder attention over one sub-context: 1 BOS + {L - sub} tokens + {2 * sub - L} padding")
     valid = torch.arange(P + sub)[None] < P + L - sub
     for causal in (False, True):
-        grid = kernels.dense_mask(sac_encoder_mask(valid, causal), 1, P + sub, P + sub, "cpu")[0, 0]
         print("causal (--causal):" if causal else "bidirectional (default):")
-        print("\n".join("".join("#" if x else "." for x in line) for line in grid.tolist()))
+        print(kernels.draw(sac_encoder_mask(valid, causal), P + sub))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ BIDIR = CAUSAL[:6] + ["########", "########"]
 @pytest.mark.parametrize("name,expected", [("blockwise", BLOCKWISE), ("causal", CAUSAL), ("bidir", BIDIR)])
 def test_masks_are_the_literal_grids(name, expected):
     is_mem, chunk, valid, pos, n_mem = pic.layout(torch.tensor([6]), 6, 3)
-    assert pic.grid(getattr(pic, name)(is_mem, chunk, valid), 8).split("\n") == expected
+    assert kernels.draw(getattr(pic, name)(is_mem, chunk, valid), 8).split("\n") == expected
     assert pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]] and n_mem.tolist() == [2]
 
 
@@ -236,7 +236,7 @@ def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
         outs, _ = evaluate.answer(m, batch, 4, 3)
         assert len(outs) == 2
     wrong = tiny_model(tmp_path / "wrong", vocab + 1, 32)
-    with pytest.raises(SystemExit, match="vocab_size"):
+    with pytest.raises(ValueError, match="vocab_size"):
         make(base_dir, encoder=wrong)
 
 
