@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 
@@ -325,6 +326,24 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
+def checkpointed(layer, *args):
+    """layer(*args) with activation checkpointing. The recompute runs in the backward,
+    outside any ``with model.adapter(...)``: it re-activates the adapters active now."""
+    lora = [m for m in layer.modules() if isinstance(m, LoRALinear)]
+    active = [m.active for m in lora]
+
+    def run(*args):
+        before = [m.active for m in lora]
+        for m, a in zip(lora, active):
+            m.active = a
+        try:
+            return layer(*args)
+        finally:
+            for m, a in zip(lora, before):
+                m.active = a
+    return checkpoint(run, *args, use_reentrant=False)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -346,6 +365,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.adapter_configs = {}
         self._inv_freq = None
+        self.grad_ckpt = False  # recompute each layer in the backward (train.py --grad_ckpt): memory for compute
 
     # --- loading ----------------------------------------------------------------
 
@@ -450,7 +470,10 @@ class Transformer(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         kvs = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, attn_mask, prefix[i] if prefix else None)
+            if self.grad_ckpt and torch.is_grad_enabled():
+                x, kv = checkpointed(layer, x, cos, sin, attn_mask, prefix[i] if prefix else None)
+            else:
+                x, kv = layer(x, cos, sin, attn_mask, prefix[i] if prefix else None)
             if return_kv:
                 kvs.append(kv)
         h = self.model.norm(x[:, n_mem:])
