@@ -60,3 +60,26 @@ def test_grad_ckpt_prefix_kv_model(base_dir):
     torch.testing.assert_close(outs[1][0], outs[0][0])
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_hf_peft_twins_give_our_losses():
+    """bench.py's transformers + peft steps (meanpool kd, pic ae+lm) compute our loss on
+    the same weights and batch, and the same gradients on the shared trainable tensors."""
+    import bench
+    tok = data.load_tokenizer(str(bench.os.path.join(bench.os.path.dirname(bench.__file__), "tiny_base")))
+    for method, objective, ratio, hf_fn in (("meanpool", "kd", "4,8", bench.hf_meanpool_kd),
+                                            ("pic", "ae+lm", "16", bench.hf_pic_ae)):
+        base = bench.random_model("tiny", tok, torch.device("cpu"), torch.float32)
+        m, batch, n_tokens = bench.build_row(base, tok, method, objective, ratio, 2, 96)
+        assert n_tokens > 2 * 48
+        ratios = train.ratios_of(ratio)
+        ours, _, _ = m(batch, ratios)
+        ours.backward()
+        g_ours = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad()
+        theirs = hf_fn(bench.hf_peft(base), m, batch, ratios, tok)
+        theirs.backward()
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5, msg=method)
+        for n in ("proj.weight", "converter.0.weight", "mem_embed"):  # ours' own tensors, shared by both
+            if n in g_ours:
+                torch.testing.assert_close(dict(m.named_parameters())[n].grad, g_ours[n], rtol=1e-3, atol=1e-6, msg=n)
