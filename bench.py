@@ -58,8 +58,8 @@ parser.add_argument("--methods", default="", help="train: comma list of rows to 
 parser.add_argument("--no_hf", action="store_true", help="train: skip the transformers + peft rows")
 args = parser.parse_args(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests: defaults
 device = torch.device(args.device)
-if args.threads:
-    torch.set_num_threads(args.threads)
+if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors on a busy CPU: spin-waiting threads cost 10x
+    torch.set_num_threads(args.threads or 1)
 
 
 def sync():
