@@ -592,6 +592,23 @@ class Transformer(nn.Module):
         self.adapter_configs.pop(name)
 
 
+def compile_forward(model, backend="inductor"):
+    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). Graphs
+    are specialised to shapes: K/V memory is padded (invalid slots, never seen) to a
+    multiple of kernels.BLOCK slots before the graph, so memories of 1..128 slots share one
+    graph instead of compiling one per length (dynamo stops at 8 and runs eager). Not when
+    the caller asks for the K/V back (return_kv): its length would change."""
+    compiled = torch.compile(model.forward, dynamic=False, backend=backend)
+
+    def forward(*args, memory=None, return_kv=False, **kw):
+        if memory is not None and memory.kv is not None and not return_kv:
+            pad = kernels.bucket(memory.n_slots) - memory.n_slots
+            kv = [(F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))) for k, v in memory.kv]  # (B, Hkv, C', hd)
+            memory = Memory(kv=kv, mask=F.pad(memory.mask, (0, pad), value=False), next_pos=memory.next_pos)
+        return compiled(*args, memory=memory, return_kv=return_kv, **kw)
+    return forward
+
+
 def read_safetensors(path, device="cpu"):
     """All tensors of an HF checkpoint dir: model.safetensors or the sharded index."""
     single = os.path.join(path, "model.safetensors")

@@ -37,7 +37,7 @@ import pic
 import sac
 import sentence_gist
 import tiny
-from model import Transformer
+from model import Transformer, compile_forward
 
 
 @dataclass
@@ -545,7 +545,7 @@ def main(argv):
             print(f"resuming {cfg.out_dir} from step {step}")
     model = method
     if cfg.compile:
-        base.forward = torch.compile(base.forward, dynamic=False)
+        base.forward = compile_forward(base)  # K/V memory bucketed: one graph per length bucket
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(method, device_ids=[device] if device.type == "cuda" else None)
     batches = Batches(cfg, tok, method, rank, world)
