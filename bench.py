@@ -56,6 +56,7 @@ parser.add_argument("--context", type=int, default=1024, help="train: context to
 parser.add_argument("--train_batch", type=int, default=8, help="train: examples per step")
 parser.add_argument("--methods", default="", help="train: comma list of rows to run (default all)")
 parser.add_argument("--no_hf", action="store_true", help="train: skip the transformers + peft rows")
+parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
 args = parser.parse_args(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests: defaults
 device = torch.device(args.device)
 if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors on a busy CPU: spin-waiting threads cost 10x
@@ -350,7 +351,8 @@ def bench_train():
     rows = [r for r in ROWS if only is None or r[0] in only or r[1] in only]
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device}"
           f" ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
-          f"{'bf16 weights + autocast' if device.type == 'cuda' else 'fp32'}; median of {args.iters} after 1 untimed;"
+          f"{'bf16 weights + autocast' if device.type == 'cuda' else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''};"
+          f" median of {args.iters} after 1 untimed;"
           f" peak = max_memory_allocated{' (n/a on CPU)' if device.type != 'cuda' else ''}")
     for shape in shapes():
         print(f"{shape}:")
@@ -360,24 +362,29 @@ def bench_train():
             m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
             ratios = train.ratios_of(ratio)
             params = [p for p in m.parameters() if p.requires_grad]
-            step = optimizer_step(params, lambda: (lambda l, n, _: l / max(float(n), 1.0))(*m(batch, ratios)))
+
+            def ours():
+                loss, n, _ = m(batch, ratios)
+                return loss / max(float(n), 1.0)
+            step = optimizer_step(params, ours)
             counter = FlopCounter([base])
-            step()
+            step()  # counted without --grad_ckpt: recomputation is not model FLOPs
             flops, counter.flops = counter.flops, 0
             counter.close()
+            base.grad_ckpt = args.grad_ckpt
             reset_memory()
             secs = time_step(step)
             report(name, secs, n_tokens, flops)
             hf_fn = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}.get(name)
             if hf_fn is not None and not args.no_hf:
-                model = hf_peft(base)
+                model = hf_peft(base)  # no checkpointing: HF's recomputes under whichever adapter is active then
                 n = int((batch["qa_labels"] != -100).sum()) if method == "meanpool" else B  # ours' counts
                 step_hf = optimizer_step(params, lambda: hf_fn(model, m, batch, ratios, tok) / n)
                 reset_memory()
                 secs_hf = time_step(step_hf)
                 report(f"{name} (HF + peft)", secs_hf, n_tokens, flops)
                 print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
-                del model
+                del model, step_hf
             del m, base, batch, params, step
 
 
