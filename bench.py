@@ -395,8 +395,11 @@ def bench_train():
 
 def hf_peft(ours):
     """A transformers model sharing `ours`' base weights, with ours' adapters as peft adapters."""
+    import warnings
+
     import peft
     import transformers
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # peft calls a deprecated HF name
     cfg = ours.config.to_json()
     hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     dev, dtype = ours.lm_head.weight.device, ours.lm_head.weight.dtype
