@@ -511,54 +511,48 @@ def hf_pic_ae(model, m, batch, ratios, tok):
 
 
 def attention_masks(T, dev):
-    """{name: mask_mod} over T tokens: PIC's block-wise mask (context + T/16 memory tokens, r = 16)
-    and sentence_gist's sentence mask (4 gists after every 20-token sentence)."""
+    """[(name, mask_mod, tokens)] of about T tokens: PIC's block-wise mask (context + 1/16 as
+    many memory tokens, r = 16) and sentence_gist's sentence mask (4 gists after every
+    20-token sentence)."""
     import pic
     import sentence_gist
     L = T * 16 // 17
     is_mem, chunk, valid, _, _ = pic.layout(torch.tensor([L], device=dev), L, 16)
-    V = 64
-    is_end = torch.zeros(V, dtype=torch.bool)
-    is_end[5] = True
-    n_body = T * 20 // 24 - 1
-    body = [(5 if i % 20 == 19 else 10 + i % 50) for i in range(n_body)]
+    is_end = torch.zeros(64, dtype=torch.bool)
+    is_end[5] = True  # token 5 ends a sentence
+    body = [5 if i % 20 == 19 else 10 + i % 50 for i in range(T * 20 // 24 - 1)]
     lay = sentence_gist.layout([([1], body, [])], is_end, 4, 64, device=dev, multiple=1)
-    return {"pic blockwise": pic.blockwise(is_mem, chunk, valid)}, {"sentence_gist": sentence_gist.sentence_mask(lay["sentence"], lay["kind"])}, (L + is_mem.shape[1] - L, lay["ids"].shape[1])
+    return [("pic blockwise", pic.blockwise(is_mem, chunk, valid), is_mem.shape[1]),
+            ("sentence_gist", sentence_gist.sentence_mask(lay["sentence"], lay["kind"]), lay["ids"].shape[1])]
 
 
 def bench_attention():
     H, Hkv, hd = 16, 8, 128  # Qwen3-1.7B's attention
     for T in (4096, 8192):
-        masks_pic, masks_sg, (T_pic, T_sg) = attention_masks(T, device)
-        for (name, mm), Tm in ((next(iter(masks_pic.items())), T_pic), (next(iter(masks_sg.items())), T_sg)):
-            t0 = time.perf_counter()
-            mask = kernels.Mask(mm, 1, Tm, Tm, device)
-            mask.block()
-            sync()
-            first = time.perf_counter() - t0
+        for name, mask_mod, Tm in attention_masks(T, device):
             times = []
-            for _ in range(3):
+            for _ in range(4):  # the first includes compiling create_block_mask (CUDA)
                 sync()
                 t0 = time.perf_counter()
-                kernels.Mask(mm, 1, Tm, Tm, device).block()
+                mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
+                block = mask.block()
                 sync()
                 times.append(time.perf_counter() - t0)
-            dense_t0 = time.perf_counter()
-            dense = mask.dense()
+            t0 = time.perf_counter()
+            mask.dense()
             sync()
-            dense_ms = (time.perf_counter() - dense_t0) * 1000
-            block = mask.block()
-            sparsity = 1 - float(block.kv_num_blocks.sum() + (block.full_kv_num_blocks.sum() if block.full_kv_num_blocks is not None else 0)) / (block.kv_num_blocks.shape[-1] * block.kv_indices.shape[-1])
-            print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {sorted(times)[1] * 1000:8.1f} ms/batch "
-                  f"(first call {first * 1000:.0f} ms), dense mask {dense_ms:.1f} ms, "
-                  f"{sparsity:.0%} of 128x128 blocks empty")
+            dense_ms = (time.perf_counter() - t0) * 1000
+            n_blocks = block.kv_indices.shape[-2] * block.kv_indices.shape[-1]
+            used = block.kv_num_blocks.sum() + (block.full_kv_num_blocks.sum() if block.full_kv_num_blocks is not None else 0)
+            print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {sorted(times[1:])[1] * 1000:8.1f} ms/batch "
+                  f"(first call {times[0] * 1000:.0f} ms), dense mask {dense_ms:.1f} ms, "
+                  f"{1 - float(used) / n_blocks:.0%} of 128x128 blocks empty")
             if device.type != "cuda":
                 print(f"{'':14s} flex vs SDPA fwd+bwd: skipped (CUDA only: torch {torch.__version__} has no flex backward on CPU)")
                 continue
             g = torch.Generator(device=device).manual_seed(0)
-            q = torch.randn(1, H, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-            k = torch.randn(1, Hkv, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-            v = torch.randn(1, Hkv, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+            q, k, v = (torch.randn(1, h, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                       for h in (H, Hkv, Hkv))
             ms = {}
             for backend in ("flex", "dense"):
                 kernels.BACKEND = backend
@@ -571,7 +565,6 @@ def bench_attention():
                 print(f"{'':14s} {backend:5s} fwd+bwd {ms[backend]:8.2f} ms   peak {peak_memory_mb():8.0f} MB")
             kernels.BACKEND = None
             print(f"{'':14s} flex / SDPA speed: {ms['dense'] / ms['flex']:.2f}x")
-            del dense
 
 
 # -----------------------------------------------------------------------------

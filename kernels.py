@@ -68,7 +68,7 @@ def causal_after_prefix(prefix_len, key_valid):
     """Queries are the last Q of S keys: the first prefix_len keys are a prefix (memory
     or cache) seen by every query where ``key_valid`` (B, S) is True; the rest is causal."""
     name = f"causal_after_prefix_{prefix_len}"
-    prefix_len = torch.as_tensor(prefix_len, device=key_valid.device)  # not an int: see BLOCK
+    prefix_len = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK (a fill, no H2D copy)
     key_valid = pad_keys(key_valid)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -89,7 +89,7 @@ def with_prefix(mask_mod, prefix_len, prefix_valid):
     """Shift a mask_mod written for the new tokens behind a prefix of prefix_len keys that
     every query sees where ``prefix_valid`` (B, P) is True (incremental decoding)."""
     name = f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}"
-    last = torch.as_tensor(prefix_len - 1, device=prefix_valid.device)  # not an int: see BLOCK
+    last = torch.full((), prefix_len - 1, device=prefix_valid.device)  # not an int: see BLOCK
     prefix_valid = pad_keys(prefix_valid)
 
     def shifted(b, h, q_idx, kv_idx):
@@ -110,7 +110,7 @@ def pad_keys(key_valid):
 def padded(mask_mod, Q, S, device):
     """mask_mod over Q and S padded to buckets: padding keys are never seen; padding
     queries (their rows are dropped) and keys read clamped, in-range indices."""
-    q_last, s_last = torch.tensor(Q - 1, device=device), torch.tensor(S - 1, device=device)
+    q_last, s_last = torch.full((), Q - 1, device=device), torch.full((), S - 1, device=device)
 
     def mask_mod_padded(b, h, q_idx, kv_idx):
         real_key = kv_idx <= s_last

@@ -18,7 +18,7 @@ import data
 import kernels
 import train
 from common import torchrun
-from model import Memory
+from model import Memory, compile_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::FutureWarning")]
 CUDA = torch.device("cuda")
@@ -65,7 +65,7 @@ def test_compile_loss_equals_eager(tok, row):
         base = bench.random_model("tiny", tok, CUDA, torch.float32)
         m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
         if compiled:
-            base.forward = torch.compile(base.forward, dynamic=False)  # as train.py --compile
+            base.forward = compile_forward(base)  # as train.py --compile
         loss, n, _ = m(batch, train.ratios_of(ratio))
         losses.append(loss.item() / n)
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
