@@ -25,6 +25,14 @@ CUDA = torch.device("cuda")
 TOL = {torch.float32: dict(rtol=1e-3, atol=1e-4), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own graphs, as one run does (no recompile limit across tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def tok():
     return data.load_tokenizer(str(bench.os.path.join(bench.os.path.dirname(bench.__file__), "tiny_base")))
