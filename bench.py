@@ -2,12 +2,21 @@
 
     python bench.py model        # fwd+bwd ms/iter: our Transformer vs transformers' Llama
     python bench.py loss         # time and peak memory: chunked_kd vs naive_kd at vocab 152k
-    python bench.py attention    # fwd+bwd ms/iter: Gemma 2's soft-capping attention vs plain SDPA
+    python bench.py softcap      # fwd+bwd ms/iter: Gemma 2's soft-capping attention vs plain SDPA
+    python bench.py train        # one optimizer step of every method at real shapes, vs HF + peft
+    python bench.py attention    # flex + BlockMask vs SDPA + dense mask, fwd+bwd, 4K and 8K (CUDA)
+    python bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
+    (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
 
 On CPU the loss benchmark runs each variant in a fresh subprocess and reports the growth
 of its peak RSS (ru_maxrss) over the inputs; on CUDA, torch.cuda.max_memory_allocated.
+Real shapes are random-init models with the checkpoints' config.json values (SHAPES):
+speed and memory depend on shapes only. BENCHMARKS.md has the numbers and the hardware.
 """
 import argparse
+import math
+import os
+import random
 import resource
 import subprocess
 import sys
@@ -17,11 +26,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+import data
 import kernels
-from model import Transformer
+import train
+from model import Memory, ModelConfig, Transformer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("what", choices=["model", "loss", "attention"])
+parser.add_argument("what", choices=["model", "loss", "train", "attention", "ttft", "softcap"])
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
 parser.add_argument("--burn_in", type=int, default=2, help="untimed iterations first")
@@ -34,17 +45,25 @@ parser.add_argument("--kv_heads", type=int, default=2)
 parser.add_argument("--vocab", type=int, default=8192, help="model benchmark vocab (loss uses --loss_vocab)")
 parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--seq", type=int, default=512)
-parser.add_argument("--window", type=int, default=128, help="attention benchmark: sliding window")
-parser.add_argument("--softcap", type=float, default=50.0, help="attention benchmark: Gemma 2's attn_logit_softcapping")
+parser.add_argument("--window", type=int, default=128, help="softcap benchmark: sliding window")
+parser.add_argument("--softcap", type=float, default=50.0, help="softcap benchmark: Gemma 2's attn_logit_softcapping")
 # loss
 parser.add_argument("--loss_vocab", type=int, default=152064, help="Qwen2.5's vocab")
 parser.add_argument("--tokens", type=int, default=2048)
 parser.add_argument("--dim", type=int, default=256)
 parser.add_argument("--only", default="", help="internal: run one loss variant (chunked | naive) and print")
-args = parser.parse_args()
+# train / attention / ttft
+parser.add_argument("--tiny", action="store_true", help="train, ttft: the tiny shape and short contexts (CPU, seconds)")
+parser.add_argument("--shapes", default="llama-3.2-1b,qwen3-1.7b,llama-3.1-8b", help="train, ttft: keys of SHAPES")
+parser.add_argument("--context", type=int, default=1024, help="train: context tokens per example")
+parser.add_argument("--train_batch", type=int, default=8, help="train: examples per step")
+parser.add_argument("--methods", default="", help="train: comma list of rows to run (default all)")
+parser.add_argument("--no_hf", action="store_true", help="train: skip the transformers + peft rows")
+parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
+args = parser.parse_args(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests: defaults
 device = torch.device(args.device)
-if args.threads:
-    torch.set_num_threads(args.threads)
+if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors on a busy CPU: spin-waiting threads cost 10x
+    torch.set_num_threads(args.threads or 1)
 
 
 def sync():
@@ -144,10 +163,10 @@ def bench_loss():
 
 
 # -----------------------------------------------------------------------------
-# (c) attention: the soft-capping path (score_mod; on CPU dense scores, on CUDA flex) vs SDPA
+# softcap: the soft-capping path (score_mod; on CPU dense scores, on CUDA flex) vs SDPA
 
 
-def bench_attention():
+def bench_softcap():
     g = torch.Generator(device=device).manual_seed(0)
     B, H, Hkv, T, hd = args.batch, args.heads, args.kv_heads, args.seq, args.width // args.heads
     q = torch.randn(B, H, T, hd, generator=g, device=device).requires_grad_()
@@ -171,12 +190,468 @@ def bench_attention():
     print(f"softcap / sdpa is_causal: {ms['softcap'] / ms['sdpa is_causal']:.2f}x")
 
 
+# -----------------------------------------------------------------------------
+# real shapes: the checkpoints' config.json values, random init (speed depends on shapes)
+
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+SHAPES = {
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=32.0),
+                         max_position_embeddings=131072, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=8.0),
+                         max_position_embeddings=131072, tie_word_embeddings=False),
+    "tiny": dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True),
+}
+# dense bf16 tensor-core peak, FLOP/s (vendor datasheets); MFU is n/a elsewhere (CPU)
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def shapes():
+    return ["tiny"] if args.tiny else args.shapes.split(",")
+
+
+def weights_dtype(dev=None):
+    return torch.bfloat16 if (dev or device).type == "cuda" else torch.float32  # as train.py on real checkpoints
+
+
+def random_model(shape, tok, dev=None, dtype=None, seed=0):
+    """A frozen random-init Transformer of SHAPES[shape], weights N(0, 0.02), built on the device."""
+    dev, dtype = dev or device, dtype or weights_dtype(dev)
+    cfg = ModelConfig(**SHAPES[shape], bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # no fp32 copy of an 8B model first
+    try:
+        with torch.device(dev):
+            model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.requires_grad_(False)
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def peak_memory_mb():
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return None
+
+
+def reset_memory():
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# -----------------------------------------------------------------------------
+# (c) train: one optimizer step of each method's main objective, vs transformers + peft
+
+ROWS = [  # (row, method, objective, ratios): the methods' main objectives at their papers' ratios
+    ("meanpool kd", "meanpool", "kd", "4,8,16"),
+    ("pic ae+lm", "pic", "ae+lm", "16"),
+    ("pic qa", "pic", "qa", "16"),
+    ("sac qa", "sac", "qa", "5"),
+    ("ata qa", "ata", "qa", "10"),
+    ("sentence_gist lm", "sentence_gist", "lm", "1"),
+]
+
+
+def build_row(base, tok, method, objective, ratio, batch_size, context, seed=0):
+    """(method module, one collated batch on the device, context tokens in it), built as
+    train.py builds them (train.Batches.collate, the method's prepare), from synthetic
+    biographies long enough to fill `context` tokens."""
+    cls = train.method_registry()[method]
+    run = train.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
+                            batch_size=batch_size, no_aids=True, seed=seed)
+    mcfg = train.method_config(cls)()
+    if getattr(cls, "check_config", None):
+        cls.check_config(run, mcfg)
+    torch.manual_seed(seed)
+    m = cls(base, mcfg, tok, run).to(base.lm_head.weight.device)
+    for n, p in m.named_parameters():  # non-zero adapters, as after some training
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    batches = train.Batches(run, tok, m)
+    rng = random.Random(seed)
+    people = context // 25 + 4  # ~40 tokens per biography with the tiny tokenizer; collate cuts at `context`
+    if batches.text:
+        items = [batches.synth.lm_text(rng, people) for _ in range(batch_size)]
+    else:
+        items = [batches.synth.example(rng, people, 6) for _ in range(batch_size)]
+    batch = dict(train.to_device(batches.collate(items), base.lm_head.weight.device), step=0)
+    n_tokens = int((batch["lengths"] if batches.text else batch["context_len"]).sum())
+    return m, batch, n_tokens
+
+
+class FlopCounter:
+    """Model FLOPs of a step, counted analytically from the shapes each layer saw.
+
+    A decoder layer called on Q queries over S keys (prefix K/V included):
+        linear     2 * Q * P_layer        P_layer: q, k, v, o, gate, up, down weights (LoRA ignored)
+        attention  4 * Q * S * H * hd     QK^T and PV over every key (masked or not)
+    A pass that is backpropagated costs more: linears x2 (the gradient of the input; the
+    frozen base's weight gradients are never computed), attention x3 (dQ, dK, dV, dP).
+    No-grad passes (the teacher) count their forward. A chunked loss over N rows of width
+    d and vocab V: 2 * N * d * V per matmul: the logits, the gradient of h, the teacher's
+    logits (kd), the gradient of the head (when it trains). Recomputation (--grad_ckpt) is
+    not counted. MFU = FLOPs / (seconds per step x the GPU's dense bf16 peak).
+    """
+
+    def __init__(self, models):
+        self.flops, self.hooks = 0, []
+        for model in models:
+            cfg = model.config
+            for layer in model.model.layers:
+                p_layer = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+                attn = 4 * cfg.num_attention_heads * cfg.head_dim
+                self.hooks.append(layer.register_forward_hook(
+                    lambda mod, inp, out, p=p_layer, a=attn: self.layer(inp, out, p, a)))
+        self.real_run = kernels._ChunkedLoss._run
+        counter = self
+
+        def counted(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
+            matmuls = 2 + (kind == "kd") + bool(ctx.needs_input_grad[1])
+            counter.flops += 2 * h.shape[0] * h.shape[1] * w.shape[0] * matmuls
+            return counter.real_run(ctx, h, w, weights, kind, target, teacher_h, teacher_w)
+        kernels._ChunkedLoss._run = staticmethod(counted)
+
+    def layer(self, inp, out, p_layer, attn):
+        x, prefix = inp[0], inp[4]
+        B, Q = x.shape[:2]
+        S = Q + (prefix[0].shape[2] if prefix is not None else 0)
+        grad = out[0].requires_grad
+        self.flops += B * Q * (2 * p_layer * (2 if grad else 1) + attn * S * (3 if grad else 1))
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+        kernels._ChunkedLoss._run = staticmethod(self.real_run)
+
+
+def time_step(step):
+    """Median seconds of step() after one untimed step."""
+    step()
+    times = []
+    for _ in range(max(1, args.iters)):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def optimizer_step(params, compute_loss):
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def step():
+        with autocast:
+            loss = compute_loss()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def report(name, secs, n_tokens, flops):
+    peak = PEAK_BF16.get(next((k for k in PEAK_BF16 if device.type == "cuda" and k in torch.cuda.get_device_name()), ""))
+    mfu = f"{flops / secs / peak:6.1%}" if peak else "   n/a"
+    mem = peak_memory_mb()
+    mem = f"{mem:8.0f} MB" if mem is not None else "     n/a"
+    print(f"  {name:22s} {secs * 1000:9.1f} ms/step {n_tokens / secs:10.0f} ctx tok/s  "
+          f"{flops / 1e9:9.1f} GFLOP  MFU {mfu}  peak {mem}")
+
+
+def bench_train():
+    tok = data.load_tokenizer(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base"))
+    context = 256 if args.tiny else args.context
+    B = 2 if args.tiny else args.train_batch
+    only = set(args.methods.split(",")) if args.methods else None
+    rows = [r for r in ROWS if only is None or r[0] in only or r[1] in only]
+    print(f"train: one AdamW step, B={B} x {context}-token contexts, {device}"
+          f" ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+          f"{'bf16 weights + autocast' if device.type == 'cuda' else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''};"
+          f" median of {args.iters} after 1 untimed;"
+          f" peak = max_memory_allocated{' (n/a on CPU)' if device.type != 'cuda' else ''}")
+    for shape in shapes():
+        print(f"{shape}:")
+        for row in rows:
+            try:
+                train_row(shape, tok, row, B, context)
+            except torch.cuda.OutOfMemoryError:
+                print(f"  {row[0]:22s} out of GPU memory at B={B}: try --grad_ckpt or a smaller --train_batch")
+            reset_memory()
+
+
+def train_row(shape, tok, row, B, context):
+    """Our step and, for meanpool kd and pic ae+lm, the transformers + peft twin's."""
+    name, method, objective, ratio = row
+    base = random_model(shape, tok)
+    m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
+    ratios = train.ratios_of(ratio)
+    params = [p for p in m.parameters() if p.requires_grad]
+
+    def ours():
+        loss, n, _ = m(batch, ratios)
+        return loss / max(float(n), 1.0)
+    step = optimizer_step(params, ours)
+    counter = FlopCounter([base])
+    try:
+        step()  # counted without --grad_ckpt: recomputation is not model FLOPs
+    finally:
+        counter.close()
+    flops = counter.flops
+    base.grad_ckpt = args.grad_ckpt
+    reset_memory()
+    secs = time_step(step)
+    report(name, secs, n_tokens, flops)
+    hf_fn = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}.get(name)
+    if hf_fn is not None and not args.no_hf:
+        model = hf_peft(base)  # no checkpointing: HF's recomputes under whichever adapter is active then
+        n = int((batch["qa_labels"] != -100).sum()) if method == "meanpool" else B  # ours' counts
+        params_hf = [p for k, p in model.named_parameters() if "lora_" in k] + \
+            [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
+        step_hf = optimizer_step(params_hf, lambda: hf_fn(model, m, batch, ratios, tok) / n)
+        reset_memory()
+        secs_hf = time_step(step_hf)
+        report(f"{name} (HF + peft)", secs_hf, n_tokens, flops)
+        print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
+
+
+# The transformers + peft twins, written the way the papers' official code is: peft adapters
+# switched per pass, a 4-D mask tensor, pooling by reshape, the decoder over inputs_embeds,
+# full-vocabulary logits. They share our weights (assign=True) and must give our loss
+# (tests/test_perf.py): the speed ratio compares the same computation.
+
+def hf_peft(ours):
+    """A transformers model sharing `ours`' base weights, with ours' adapters as peft adapters."""
+    import warnings
+
+    import peft
+    import transformers
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # peft calls a deprecated HF name
+    cfg = ours.config.to_json()
+    hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    dev, dtype = ours.lm_head.weight.device, ours.lm_head.weight.dtype
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+    state = {k: v for k, v in ours.state_dict(keep_vars=True).items() if "lora_" not in k}
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    if ours.config.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(dev)  # a buffer: not in the state dict
+    model = None
+    for name, c in ours.adapter_configs.items():
+        lc = peft.LoraConfig(r=c["r"], lora_alpha=c["alpha"], lora_dropout=c["dropout"], target_modules=c["targets"])
+        if model is None:
+            model = peft.get_peft_model(hf, lc, adapter_name=name)
+        else:
+            model.add_adapter(name, lc)
+    with torch.no_grad():
+        for name in ours.adapter_configs:
+            for path, (A, B) in ours.adapter_state(name).items():
+                mod = model.base_model.model.get_submodule(path)
+                mod.lora_A[name].weight.copy_(A)
+                mod.lora_B[name].weight.copy_(B)
+    return model
+
+
+def use(model, name):
+    """peft's set_adapter freezes the other adapters; both train here, as in ours."""
+    model.set_adapter(name)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
+
+
+def hf_meanpool_kd(model, m, batch, ratios, tok=None):
+    """Summed KL(teacher || student) over answer tokens and ratios, as meanpool.MeanPool."""
+    lm = model.base_model.model  # ForCausalLM with LoRA layers
+    ctx, lengths, qa = batch["context"], batch["context_len"], batch["qa"]
+    (B, L), T = ctx.shape, qa.shape[1]
+    real = torch.arange(L, device=ctx.device)[None] < lengths[:, None]  # (B, L)
+    use(model, "encoder")
+    h = lm.model(input_ids=ctx, attention_mask=real[:, None, None, :].expand(B, 1, L, L)).last_hidden_state
+    with torch.no_grad(), model.disable_adapter():
+        teacher = lm(input_ids=batch["full"]).logits[batch["full_labels"] != -100]  # (N, V)
+    logq = teacher.float().log_softmax(-1)
+    use(model, "decoder")
+    emb = lm.model.embed_tokens(qa)
+    total = 0.0
+    for r in ratios:
+        C = -(-int(lengths.max()) // r)
+        hp = F.pad(h * real[..., None], (0, 0, 0, C * r - L))[:, :C * r].reshape(B, C, r, -1).sum(2)
+        cnt = F.pad(real.float(), (0, C * r - L))[:, :C * r].reshape(B, C, r).sum(2)  # (B, C)
+        z = hp / cnt.clamp(min=1)[..., None]
+        if m.proj is not None:
+            z = m.proj(z.to(m.proj.weight.dtype))
+        pre = lm.model.embed_tokens(torch.tensor(batch["prefix"], device=qa.device))[None].expand(B, -1, -1)
+        z, P = torch.cat([pre.to(z.dtype), z], 1), pre.shape[1]  # [BOS, z]: as model.behind_prefix
+        slots = torch.cat([torch.ones(B, P, dtype=torch.bool, device=qa.device), cnt > 0], 1)
+        pos = torch.cat([(slots.long().cumsum(1) - 1).clamp(min=0),
+                         slots.sum(1, keepdim=True) + torch.arange(T, device=qa.device)], 1)
+        mask = torch.cat([slots, torch.ones_like(qa, dtype=torch.bool)], 1).long()
+        logits = lm(inputs_embeds=torch.cat([z.to(emb.dtype), emb], 1), attention_mask=mask, position_ids=pos).logits
+        logp = logits[:, P + C:][batch["qa_labels"] != -100].float().log_softmax(-1)
+        total = total + (logq.exp() * (logq - logp)).sum()
+    return total
+
+
+def hf_pic_ae(model, m, batch, ratios, tok):
+    """Eq. 6-8 as pic.PIC.ae_lm: sum over examples of 0.5 TC + 0.5 TR."""
+    import pic
+    lm = model.base_model.model
+    ids, lengths = batch["ids"], batch["lengths"].tolist()
+    dev, off = ids.device, int(tok.bos_id is not None)
+    texts = [ids[b, off:n].tolist() for b, n in enumerate(lengths)]
+    ks = [max(1, len(x) // 2) for x in texts]
+    rows = lambda cut, value=tok.pad_id: data._pad([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)  # noqa: E731
+    context, clen = rows(lambda x, k: x[:k]), torch.tensor(ks, device=dev)
+    tr_in, tr_lab = rows(lambda x, k: x[:k - 1]), rows(lambda x, k: x[:k], -100)
+    tc_in, tc_lab = rows(lambda x, k: x[k - 1:-1]), rows(lambda x, k: x[k:], -100)
+    B, L = context.shape
+    total = 0.0
+    for r in ratios:
+        is_mem, chunk, valid, pos, _ = pic.layout(clen, L, r)
+        N = is_mem.shape[1] - L
+        emb = lm.model.embed_tokens(context)
+        x = torch.cat([emb, m.mem_embed[:N].to(emb.dtype)[None].expand(B, N, -1)], 1)
+        mask = kernels.dense_mask(pic.blockwise(is_mem, chunk, valid), B, L + N, L + N, dev)  # (B, 1, L+N, L+N)
+        use(model, "encoder")
+        h = lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state[:, L:]
+        z, mem = m.converter(h.to(m.converter[0].weight.dtype)), valid[:, L:]
+        pre = lm.model.embed_tokens(ids[:1, :off]).expand(B, -1, -1)  # [BOS, z]: as model.behind_prefix
+        z, mem = torch.cat([pre.to(z.dtype), z], 1), torch.cat([torch.ones(B, off, dtype=torch.bool, device=dev), mem], 1)
+        N = z.shape[1]
+        with model.disable_adapter():
+            def ce(ids_, labels, extra=None):  # frozen decoder over [z, extra, ids_]: CE mean per example, summed
+                e = lm.model.embed_tokens(ids_)
+                x = torch.cat([z.to(e.dtype)] + ([extra.to(e.dtype)] if extra is not None else []) + [e], 1)
+                T = x.shape[1] - N
+                p = torch.cat([(mem.long().cumsum(1) - 1).clamp(min=0),
+                               mem.sum(1, keepdim=True) + torch.arange(T, device=dev)], 1)
+                mask2 = torch.cat([mem, torch.ones(B, T, dtype=torch.bool, device=dev)], 1).long()
+                logits = lm(inputs_embeds=x, attention_mask=mask2, position_ids=p).logits[:, N:N + labels.shape[1]]
+                loss = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
+                return (loss.sum(1) / (labels != -100).sum(1).clamp(min=1)).sum()
+            tr = ce(tr_in, tr_lab, m.ae[None, None].expand(B, 1, -1))
+            tc = ce(tc_in, tc_lab)
+        total = total + pic.LAMBDA * tc + (1 - pic.LAMBDA) * tr
+    return total
+
+
+# -----------------------------------------------------------------------------
+# (d) attention: flex + BlockMask vs SDPA + dense mask, fwd + bwd; create_block_mask cost
+
+
+def attention_masks(T, dev):
+    """[(name, mask_mod, tokens)] of about T tokens: PIC's block-wise mask (context + 1/16 as
+    many memory tokens, r = 16) and sentence_gist's sentence mask (4 gists after every
+    20-token sentence)."""
+    import pic
+    import sentence_gist
+    L = T * 16 // 17
+    is_mem, chunk, valid, _, _ = pic.layout(torch.tensor([L], device=dev), L, 16)
+    is_end = torch.zeros(64, dtype=torch.bool)
+    is_end[5] = True  # token 5 ends a sentence
+    body = [5 if i % 20 == 19 else 10 + i % 50 for i in range(T * 20 // 24 - 1)]
+    lay = sentence_gist.layout([([1], body, [])], is_end, 4, 64, device=dev, multiple=1)
+    return [("pic blockwise", pic.blockwise(is_mem, chunk, valid), is_mem.shape[1]),
+            ("sentence_gist", sentence_gist.sentence_mask(lay["sentence"], lay["kind"]), lay["ids"].shape[1])]
+
+
+def bench_attention():
+    H, Hkv, hd = 16, 8, 128  # Qwen3-1.7B's attention
+    for T in (4096, 8192):
+        for name, mask_mod, Tm in attention_masks(T, device):
+            times = []
+            for _ in range(4):  # the first includes compiling create_block_mask (CUDA)
+                sync()
+                t0 = time.perf_counter()
+                mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
+                block = mask.block()
+                sync()
+                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            mask.dense()
+            sync()
+            dense_ms = (time.perf_counter() - t0) * 1000
+            n_blocks = block.kv_indices.shape[-2] * block.kv_indices.shape[-1]
+            used = block.kv_num_blocks.sum() + (block.full_kv_num_blocks.sum() if block.full_kv_num_blocks is not None else 0)
+            print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {sorted(times[1:])[1] * 1000:8.1f} ms/batch "
+                  f"(first call {times[0] * 1000:.0f} ms), dense mask {dense_ms:.1f} ms, "
+                  f"{1 - float(used) / n_blocks:.0%} of 128x128 blocks empty")
+            if device.type != "cuda":
+                print(f"{'':14s} flex vs SDPA fwd+bwd: skipped (CUDA only: torch {torch.__version__} has no flex backward on CPU)")
+                continue
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(1, h, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                       for h in (H, Hkv, Hkv))
+            ms = {}
+            for backend in ("flex", "dense"):
+                kernels.BACKEND = backend
+
+                def step():
+                    kernels.attention(q, k, v, mask).sum().backward()
+                    q.grad = k.grad = v.grad = None
+                reset_memory()
+                ms[backend] = timeit(step, args.burn_in, args.iters)
+                print(f"{'':14s} {backend:5s} fwd+bwd {ms[backend]:8.2f} ms   peak {peak_memory_mb():8.0f} MB")
+            kernels.BACKEND = None
+            print(f"{'':14s} flex / SDPA speed: {ms['dense'] / ms['flex']:.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# (e) ttft: answering from a saved Memory vs reading the whole context
+
+
+def bench_ttft():
+    tok = data.load_tokenizer(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base"))
+    L, P, r = (1024 if args.tiny else 8192), 32, 16
+    ideal = (L + P) / (L / r + P)
+    print(f"ttft: prefill + first token, context L={L}, prompt P={P}, Memory at {r}x (C={L // r} slots) loaded "
+          f"from a safetensors file, {device}; ideal speed-up (L+P)/(L/r+P) = {ideal:.2f}")
+    for shape in shapes():
+        base = random_model(shape, tok)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(10, tok.vocab_size, (1, L + P), generator=g).to(device)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "memory.safetensors")
+            Memory(embeds=torch.randn(1, L // r, base.config.hidden_size, generator=g) * 0.02).save(path)
+            dtype = base.lm_head.weight.dtype
+            memory_ms = timeit(lambda: base.generate(ids[:, L:], 1, memory=Memory.load(path, device).to(dtype)),
+                               args.burn_in, args.iters)
+        full_ms = timeit(lambda: base.generate(ids, 1), args.burn_in, args.iters)
+        print(f"  {shape:14s} full context {full_ms:9.1f} ms   from Memory {memory_ms:8.1f} ms   "
+              f"speed-up {full_ms / memory_ms:5.2f}x (ideal {ideal:.2f}x)")
+        del base
+
+
 if __name__ == "__main__":
     if args.only:
         bench_one_loss(args.only)
     elif args.what == "model":
         bench_model()
+    elif args.what == "train":
+        bench_train()
     elif args.what == "attention":
         bench_attention()
+    elif args.what == "ttft":
+        bench_ttft()
+    elif args.what == "softcap":
+        bench_softcap()
     else:
         bench_loss()

@@ -36,16 +36,30 @@ except ImportError:  # very old torch: dense SDPA everywhere
 
 # The one override: None = pick by device; "dense" or "flex" forces a backend (tests).
 BACKEND = None
-_compiled_flex = None
+# Flex pads queries and keys to a multiple of BLOCK (its block size): the compiled kernel
+# (dynamic=False) is specialised to shapes, so one graph serves a whole bucket of lengths.
+# Nothing a mask_mod closes over may be a Python int: dynamo guards on its value and
+# recompiles for every new one (8 recompiles, then eager flex that materialises B*H*Q*S
+# scores). Ints go in as 0-d tensors, whose guards are shape-only.
+BLOCK = 128
+_compiled_flex = _compiled_block_mask = None  # built once, on the first CUDA call
 
 
-def _flex(q, k, v, block_mask, scale, score_mod):
+def bucket(n):
+    return -(-n // BLOCK) * BLOCK
+
+
+def _flex(q, k, v, block_mask, scale=None, score_mod=None):
+    """q (B, H, Q, hd), k/v (B, Hkv, S, hd) padded to the block mask's bucketed sizes."""
     global _compiled_flex
-    fn = flex_attention  # eager flex forward on CPU: tests only
-    if q.device.type == "cuda":
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
+    if _compiled_flex is None and q.device.type == "cuda":
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    fn = _compiled_flex or flex_attention  # CPU: eager flex forward (tests), unless a test installs a compiled one
+    Q, S = q.shape[2], k.shape[2]
+    Qp, Sp = block_mask.seq_lengths
+    q = F.pad(q, (0, 0, 0, Qp - Q))
+    k, v = F.pad(k, (0, 0, 0, Sp - S)), F.pad(v, (0, 0, 0, Sp - S))
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)[:, :, :Q]
 
 
 # -----------------------------------------------------------------------------
@@ -59,9 +73,13 @@ def causal(b, h, q_idx, kv_idx):
 def causal_after_prefix(prefix_len, key_valid):
     """Queries are the last Q of S keys: the first prefix_len keys are a prefix (memory
     or cache) seen by every query where ``key_valid`` (B, S) is True; the rest is causal."""
+    name = f"causal_after_prefix_{prefix_len}"
+    prefix_len = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK (a fill, no H2D copy)
+    key_valid = pad_keys(key_valid)
+
     def mask_mod(b, h, q_idx, kv_idx):
         return key_valid[b, kv_idx] & (kv_idx <= q_idx + prefix_len)
-    mask_mod.__name__ = f"causal_after_prefix_{prefix_len}"
+    mask_mod.__name__ = name
     return mask_mod
 
 
@@ -76,12 +94,16 @@ def bidirectional(key_valid):
 def with_prefix(mask_mod, prefix_len, prefix_valid):
     """Shift a mask_mod written for the new tokens behind a prefix of prefix_len keys that
     every query sees where ``prefix_valid`` (B, P) is True (incremental decoding)."""
+    name = f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}"
+    last = torch.full((), prefix_len - 1, device=prefix_valid.device)  # not an int: see BLOCK
+    prefix_valid = pad_keys(prefix_valid)
+
     def shifted(b, h, q_idx, kv_idx):
-        in_prefix = kv_idx < prefix_len
-        kv_new = (kv_idx - prefix_len).clamp(min=0)
-        return torch.where(in_prefix, prefix_valid[b, kv_idx.clamp(max=prefix_len - 1)],
+        in_prefix = kv_idx <= last
+        kv_new = (kv_idx - last - 1).clamp(min=0)
+        return torch.where(in_prefix, prefix_valid[b, torch.minimum(kv_idx, last)],
                            mask_mod(b, h, q_idx, kv_new))
-    shifted.__name__ = f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}"
+    shifted.__name__ = name
     return shifted
 
 
@@ -91,7 +113,7 @@ def sliding_window(window, prefix_len=0):
     (masking_utils.sliding_window_overlay); ANDed with a bidirectional mask it is symmetric.
     The window counts key slots, as HF counts cache slots (padding and memory included)."""
     def mask_mod(b, h, q_idx, kv_idx):
-        dist = q_idx + prefix_len - kv_idx
+        dist = q_idx + prefix_len - kv_idx  # prefix_len: an int, or a 0-d tensor under compile (see BLOCK)
         return (dist < window) & (dist > -window)
     mask_mod.__name__ = f"sliding_window_{window}"
     return mask_mod
@@ -115,6 +137,24 @@ def softcap(cap):
         return cap * torch.tanh(score / cap)
     score_mod.__name__ = f"softcap_{cap}"
     return score_mod
+
+
+def pad_keys(key_valid):
+    """(B, S) -> (B, bucket(S)) with False after S: metadata the kernels own is bucketed
+    like q/k/v, so a compiled kernel's guards on its shape hold for a whole bucket."""
+    return F.pad(key_valid, (0, bucket(key_valid.shape[1]) - key_valid.shape[1]), value=False)
+
+
+def padded(mask_mod, Q, S, device):
+    """mask_mod over Q and S padded to buckets: padding keys are never seen; padding
+    queries (their rows are dropped) and keys read clamped, in-range indices."""
+    q_last, s_last = torch.full((), Q - 1, device=device), torch.full((), S - 1, device=device)
+
+    def mask_mod_padded(b, h, q_idx, kv_idx):
+        real_key = kv_idx <= s_last
+        return real_key & mask_mod(b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, s_last))
+    mask_mod_padded.__name__ = getattr(mask_mod, "__name__", "mask")
+    return mask_mod_padded
 
 
 # -----------------------------------------------------------------------------
@@ -156,9 +196,15 @@ class Mask:
         return self._dense
 
     def block(self):
+        """BlockMask over (bucket(Q), bucket(S)). On CUDA one compiled create_block_mask
+        (never materialises B*Q*S); eager on CPU."""
+        global _compiled_block_mask
         if self._block is None:
-            self._block = create_block_mask(self.mask_mod, self.B, None, self.Q, self.S,
-                                            device=self.device, _compile=self.device.type == "cuda")
+            if _compiled_block_mask is None and self.device.type == "cuda":
+                _compiled_block_mask = torch.compile(create_block_mask, dynamic=False)
+            build = _compiled_block_mask if self.device.type == "cuda" else create_block_mask
+            self._block = build(padded(self.mask_mod, self.Q, self.S, self.device), self.B, None,
+                                bucket(self.Q), bucket(self.S), device=self.device)
         return self._block
 
 

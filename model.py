@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 
@@ -421,6 +422,24 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
 
 
+def checkpointed(layer, *args):
+    """layer(*args) with activation checkpointing. The recompute runs in the backward,
+    outside any ``with model.adapter(...)``: it re-activates the adapters active now."""
+    lora = [m for m in layer.modules() if isinstance(m, LoRALinear)]
+    active = [m.active for m in lora]
+
+    def run(*args):
+        before = [m.active for m in lora]
+        for m, a in zip(lora, active):
+            m.active = a
+        try:
+            return layer(*args)
+        finally:
+            for m, a in zip(lora, before):
+                m.active = a
+    return checkpoint(run, *args, use_reentrant=False)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -443,6 +462,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.adapter_configs = {}
         self._inv_freq = None
+        self.grad_ckpt = False  # recompute each layer in the backward (train.py --grad_ckpt): memory for compute
 
     # --- loading ----------------------------------------------------------------
 
@@ -545,14 +565,17 @@ class Transformer(nn.Module):
             attn_mask = kernels.Mask(kernels.causal_after_prefix(S - Q, valid), B, Q, S, x.device)
         masks = (attn_mask, attn_mask)  # (full-attention layers, sliding-window layers)
         if self.config.sliding_window:
-            window = kernels.sliding_window(self.config.sliding_window, S - Q)
+            window = kernels.sliding_window(self.config.sliding_window, torch.full((), S - Q, device=x.device))
             within = kernels.and_masks(attn_mask.mask_mod if attn_mask else kernels.causal, window)
             masks = (attn_mask, kernels.Mask(within, B, Q, S, x.device))
         cos, sin = self.rope(pos)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         kvs = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, masks, prefix[i] if prefix else None)
+            if self.grad_ckpt and torch.is_grad_enabled():
+                x, kv = checkpointed(layer, x, cos, sin, masks, prefix[i] if prefix else None)
+            else:
+                x, kv = layer(x, cos, sin, masks, prefix[i] if prefix else None)
             if return_kv:
                 kvs.append(kv)
         h = self.model.norm(x[:, n_mem:])
@@ -674,6 +697,23 @@ class Transformer(nn.Module):
             if name in m.lora_A:
                 m.merge(name)
         self.adapter_configs.pop(name)
+
+
+def compile_forward(model, backend="inductor"):
+    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). Graphs
+    are specialised to shapes: K/V memory is padded (invalid slots, never seen) to a
+    multiple of kernels.BLOCK slots before the graph, so memories of 1..128 slots share one
+    graph instead of compiling one per length (dynamo stops at 8 and runs eager). Not when
+    the caller asks for the K/V back (return_kv): its length would change."""
+    compiled = torch.compile(model.forward, dynamic=False, backend=backend)
+
+    def forward(*args, memory=None, return_kv=False, **kw):
+        if memory is not None and memory.kv is not None and not return_kv:
+            pad = kernels.bucket(memory.n_slots) - memory.n_slots
+            kv = [(F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))) for k, v in memory.kv]  # (B, Hkv, C', hd)
+            memory = Memory(kv=kv, mask=F.pad(memory.mask, (0, pad), value=False), next_pos=memory.next_pos)
+        return compiled(*args, memory=memory, return_kv=return_kv, **kw)
+    return forward
 
 
 def read_safetensors(path, device="cpu"):

@@ -37,7 +37,7 @@ import pic
 import sac
 import sentence_gist
 import tiny
-from model import Transformer
+from model import Transformer, compile_forward
 
 
 @dataclass
@@ -73,6 +73,7 @@ class TrainConfig:
     device: str = ""           # "" = cuda if available else cpu
     dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
     compile: bool = False      # torch.compile the model and the losses
+    grad_ckpt: bool = False    # activation checkpointing per decoder layer: large models fit, ~1/3 more compute
     seed: int = 1337
     resume: bool = False
     quiet: bool = False        # no progress bar
@@ -227,6 +228,9 @@ def build(cfg, mcfg, device, dtype):
     for p in base.parameters():
         p.requires_grad_(cfg.method == "base")
     method = cls(base, mcfg, tok, cfg).to(device)
+    for m in method.modules():  # the base and any separate encoder / decoder (pic)
+        if isinstance(m, Transformer):
+            m.grad_ckpt = cfg.grad_ckpt
     if cfg.method != "base" and first_stage(cfg.init_from, cfg.method):
         load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata, sentence_gist)
     return tok, base, method
@@ -561,7 +565,7 @@ def main(argv):
             print(f"resuming {cfg.out_dir} from step {step}")
     model = method
     if cfg.compile:
-        base.forward = torch.compile(base.forward, dynamic=False)
+        base.forward = compile_forward(base)  # K/V memory bucketed: one graph per length bucket
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(method, device_ids=[device] if device.type == "cuda" else None)
     batches = Batches(cfg, tok, method, rank, world)

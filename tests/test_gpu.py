@@ -1,0 +1,99 @@
+"""CUDA checks (issue 23d), skipped without a GPU: run them with
+
+    python -m pytest -q -m gpu tests
+
+- every method's loss and gradients through flex (BlockMask) equal the dense SDPA path:
+  fp32 tight, bf16 loose;
+- --compile (train.py's torch.compile of the model forward) gives the eager loss;
+- generation from a Memory equals generation with the memory spelled out, on the flex path;
+- a 1-process torchrun training run over NCCL.
+Shapes are tiny (bench.py's "tiny" shape, bench.build_row's batches, >= 128 queries so
+the flex path is the one a real run takes).
+"""
+import pytest
+import torch
+
+import bench
+import data
+import kernels
+import train
+from common import torchrun
+from model import Memory, compile_forward
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::FutureWarning")]
+CUDA = torch.device("cuda")
+TOL = {torch.float32: dict(rtol=1e-3, atol=1e-4), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own graphs, as one run does (no recompile limit across tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return data.load_tokenizer(str(bench.os.path.join(bench.os.path.dirname(bench.__file__), "tiny_base")))
+
+
+def loss_and_grads(tok, row, dtype, backend):
+    _, method, objective, ratio = row
+    kernels.BACKEND = backend
+    try:
+        base = bench.random_model("tiny", tok, CUDA, dtype)
+        m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
+        torch.manual_seed(0)  # ata's LoRA dropout: the same masks on both paths
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss, n, _ = m(batch, train.ratios_of(ratio))
+        (loss / max(float(n), 1.0)).backward()
+        return loss.float() / max(float(n), 1.0), {k: p.grad.float() for k, p in m.named_parameters() if p.grad is not None}
+    finally:
+        kernels.BACKEND = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("row", bench.ROWS, ids=[r[0].replace(" ", "-") for r in bench.ROWS])
+def test_flex_equals_dense_loss_and_grads(tok, row, dtype):
+    loss_d, grads_d = loss_and_grads(tok, row, dtype, "dense")
+    loss_f, grads_f = loss_and_grads(tok, row, dtype, "flex")
+    torch.testing.assert_close(loss_f, loss_d, **TOL[dtype])
+    assert grads_f.keys() == grads_d.keys() and grads_d
+    for k in grads_d:
+        scale = grads_d[k].abs().max().clamp(min=1e-6)  # relative to the tensor's largest entry
+        torch.testing.assert_close(grads_f[k] / scale, grads_d[k] / scale, **TOL[dtype], msg=k)
+
+
+@pytest.mark.parametrize("row", [bench.ROWS[0], bench.ROWS[2]], ids=["meanpool-kd", "pic-qa"])
+def test_compile_loss_equals_eager(tok, row):
+    _, method, objective, ratio = row
+    losses = []
+    for compiled in (False, True):
+        base = bench.random_model("tiny", tok, CUDA, torch.float32)
+        m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
+        if compiled:
+            base.forward = compile_forward(base)  # as train.py --compile
+        loss, n, _ = m(batch, train.ratios_of(ratio))
+        losses.append(loss.item() / n)
+    assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
+
+
+def test_generate_from_memory_equals_spelled_out(tok):
+    """K/V and embedding memories of a 200-token context, 140-token prompts (flex prefill)."""
+    model = bench.random_model("tiny", tok, CUDA, torch.float32)
+    ids = torch.randint(10, tok.vocab_size, (2, 340), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    a, b = ids[:, :200], ids[:, 200:]
+    ref = model.generate(ids, 8, eos_ids=[])
+    with torch.no_grad():
+        _, kv = model(a, return_kv=True)
+        e = model.model.embed_tokens(a)
+    assert model.generate(b, 8, memory=Memory(kv=kv), eos_ids=[]) == ref
+    assert model.generate(b, 8, memory=Memory(embeds=e), eos_ids=[]) == ref
+
+
+def test_torchrun_one_process_nccl(base_dir, tmp_path):
+    out = tmp_path / "run"
+    p = torchrun(["--method", "meanpool", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2,
+                  "--eval_examples", 0, "--out_dir", out, "--quiet"], nproc=1)
+    assert (out / "run.json").exists(), p.stdout[-2000:]

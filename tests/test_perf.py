@@ -1,0 +1,85 @@
+"""Issue 23 on CPU: --grad_ckpt changes memory, not numbers; bench.py's HF + peft
+reference steps compute the same losses as ours (so its speed ratio is a fair one)."""
+import torch
+
+import data
+import train
+from model import Transformer
+
+
+def build(base_dir, method, objective, grad_ckpt, seed=0):
+    cfg = train.TrainConfig(method=method, objective=objective, init_from=base_dir, grad_ckpt=grad_ckpt)
+    mcls = train.method_config(train.method_registry()[method])
+    torch.manual_seed(seed)
+    tok, base, m = train.build(cfg, mcls(), "cpu", torch.float32)
+    for n, p in m.named_parameters():  # non-zero adapters: the encoder is not the base
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(hash(n) % 1000))
+    return tok, base, m
+
+
+def test_grad_ckpt_same_loss_and_grads(base_dir):
+    """meanpool kd (encoder with a custom mask, decoder with embedding memory, teacher
+    under no_grad): the loss and every trainable gradient match plain backward."""
+    grads, losses = [], []
+    for ckpt in (False, True):
+        tok, base, m = build(base_dir, "meanpool", "kd", ckpt)
+        assert base.grad_ckpt is ckpt
+        batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+        loss, n, _ = m(batch, [4, 8])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters() if p.requires_grad})
+    assert losses[0] == losses[1] or abs(losses[0] - losses[1]) < 1e-6 * abs(losses[0])
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_grad_ckpt_prefix_kv_model(base_dir):
+    """A decoder over K/V memory (sac, ata, sentence_gist) with return_kv: same outputs and grads."""
+    model = Transformer.from_pretrained(base_dir)
+    model.add_adapter("decoder", 4, 8)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, kv = model(ids[:, :4], return_kv=True)
+    from model import Memory
+    memory = Memory(kv=kv, mask=torch.tensor([[True] * 4, [False, True, True, True]]))
+    outs = []
+    for ckpt in (False, True):
+        model.grad_ckpt = ckpt
+        model.zero_grad()
+        with model.adapter("decoder"):
+            h, kvs = model(ids[:, 4:], memory=memory, return_kv=True, output="hidden")
+        (h.square().sum() + kvs[-1][0].sum()).backward()
+        outs.append((h.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_hf_peft_twins_give_our_losses():
+    """bench.py's transformers + peft steps (meanpool kd, pic ae+lm) compute our loss on
+    the same weights and batch, and the same gradients on the shared trainable tensors."""
+    import bench
+    tok = data.load_tokenizer(str(bench.os.path.join(bench.os.path.dirname(bench.__file__), "tiny_base")))
+    for method, objective, ratio, hf_fn in (("meanpool", "kd", "4,8", bench.hf_meanpool_kd),
+                                            ("pic", "ae+lm", "16", bench.hf_pic_ae)):
+        base = bench.random_model("tiny", tok, torch.device("cpu"), torch.float32)
+        m, batch, n_tokens = bench.build_row(base, tok, method, objective, ratio, 2, 96)
+        assert n_tokens > 2 * 48
+        ratios = train.ratios_of(ratio)
+        ours, _, _ = m(batch, ratios)
+        ours.backward()
+        g_ours = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad()
+        theirs = hf_fn(bench.hf_peft(base), m, batch, ratios, tok)
+        theirs.backward()
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5, msg=method)
+        for n in ("proj.weight", "converter.0.weight", "mem_embed"):  # ours' own tensors, shared by both
+            if n in g_ours:
+                torch.testing.assert_close(dict(m.named_parameters())[n].grad, g_ours[n], rtol=1e-3, atol=1e-6, msg=n)
