@@ -319,10 +319,10 @@ class FlopCounter:
         self.real_run = kernels._ChunkedLoss._run
         counter = self
 
-        def counted(ctx, h, w, weights, kind, target, teacher_h, teacher_w):
+        def counted(ctx, h, w, weights, kind, *rest):  # rest: target, teacher_h, teacher_w, softcap
             matmuls = 2 + (kind == "kd") + bool(ctx.needs_input_grad[1])
             counter.flops += 2 * h.shape[0] * h.shape[1] * w.shape[0] * matmuls
-            return counter.real_run(ctx, h, w, weights, kind, target, teacher_h, teacher_w)
+            return counter.real_run(ctx, h, w, weights, kind, *rest)
         kernels._ChunkedLoss._run = staticmethod(counted)
 
     def layer(self, inp, out, p_layer, attn):
