@@ -127,7 +127,7 @@ def eval_records(cfg, ecfg):
 def batches_of(records, tok, cfg, size, prepare=None):
     for i in range(0, len(records), size):
         b = data.collate_qa(records[i:i + size], tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
-                            pad_multiple=1)
+                            pad_multiple=1, format=cfg.prompt)
         yield prepare(b) if prepare else b
 
 

@@ -52,6 +52,7 @@ class TrainConfig:
     eval_data: str = ""        # held-out file for the final evaluation; "" = synthetic test split
     skip_bad: bool = False     # skip (and count) malformed records instead of stopping
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
+    prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
     out_dir: str = ""          # "" = out/<method>
     no_aids: bool = False      # tiny base only: no curriculum, no attention distillation (tiny.py)
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
@@ -355,7 +356,7 @@ class Batches:
             halves = getattr(self.method, "compresses_half_text", False)  # so the compressed half reaches max_context
             return data.collate_lm(items, self.tok, cfg.max_context * (2 if halves else 1), pad_multiple=pad)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
-                                stats=self.stats, pad_multiple=pad)
+                                stats=self.stats, pad_multiple=pad, format=cfg.prompt)
         if self.questions > 1:
             batch = tiny.add_questions(batch, items, self.tok)
         prepare = getattr(self.method, "prepare", None)
@@ -508,6 +509,8 @@ def main(argv):
     apply_defaults(cfg, mcfg, explicit, cls)
     inherit_first_stage(cfg, mcfg, explicit, cls)
     ratios = ratios_of(cfg.ratio)
+    if cfg.prompt not in ("auto", "plain", *data.CHAT_FORMATS):
+        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
     check = getattr(cls, "check_config", None)
     if check:
         check(cfg, mcfg)

@@ -72,8 +72,9 @@ def squad_file(path):
     return str(path)
 
 
-def hf_checkpoint(dir, family="llama"):
-    """A tiny random HF checkpoint saved by transformers, plus a tokenizer.json trained here."""
+def hf_checkpoint(dir, family="llama", chat=False):
+    """A tiny random HF checkpoint saved by transformers, plus a tokenizer.json trained here
+    (chat: an instruct checkpoint, ChatML specials and chat_template)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     dir = Path(dir)
@@ -81,7 +82,7 @@ def hf_checkpoint(dir, family="llama"):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"] + ["<|im_start|>", "<|im_end|>"] * chat
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [t for ctx, q, a, _ in SQUAD_TEXTS for t in (ctx, q, a)] * 20 + \
@@ -89,8 +90,9 @@ def hf_checkpoint(dir, family="llama"):
     tk.train_from_iterator(corpus, trainer)
     tk.save(str(dir / "tokenizer.json"))
     ids = {s: tk.token_to_id(s) for s in specials}
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     (dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": specials[0], "eos_token": specials[1],
-                                                            "pad_token": specials[2]}))
+                                                            "pad_token": specials[2]} | ({"chat_template": template} if chat else {})))
     common = dict(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=ids[specials[0]],
                   eos_token_id=ids[specials[1]], max_position_embeddings=2048)

@@ -170,3 +170,22 @@ def test_new_inputs_start_at_the_scale_the_model_reads(tmp_path):
     g = sentence_gist.SentenceGist(Transformer.from_pretrained(ckpt), sentence_gist.SentenceGistConfig(gists=2), tok, run)
     rows = g.embed(torch.tensor([[g.V, g.V + 1]]))[0]
     assert torch.allclose(rows, g.gist * base.model.embed_tokens.scale)
+
+
+def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
+    """--prompt auto (default): an instruct checkpoint's chat_template picks its format
+    (ChatML here); --prompt plain overrides; a bad value is one line (issue 21.4)."""
+    import data
+    ckpt = hf_checkpoint(tmp_path / "hf", "llama", chat=True)
+    squad = squad_file(tmp_path / "squad.json")
+    tok = data.load_tokenizer(ckpt)
+    start, user = tok.special("<|im_start|>"), tok.encode("user\n", start=False)
+    for prompt, prefix in (("auto", [tok.bos_id, start] + user), ("plain", [tok.bos_id])):
+        cfg = train.TrainConfig(method="teacher", init_from=ckpt, data=squad, prompt=prompt, batch_size=2)
+        batch = train.Batches(cfg, tok, object())(0)[0]
+        assert batch["prefix"] == prefix and batch["full"][0, :len(prefix)].tolist() == prefix
+    in_process(["--method", "teacher", "--init_from", ckpt, "--data", squad, "--max_iters", 1, "--batch_size", 2,
+                "--out_dir", tmp_path / "t", "--device", "cpu", "--quiet"])
+    assert json.load(open(tmp_path / "t" / "run.json"))["train"]["prompt"] == "auto"
+    p = run(["--method", "teacher", "--init_from", ckpt, "--prompt", "vicuna"], check=False)
+    assert p.returncode != 0 and "--prompt 'vicuna'" in p.stderr and "Traceback" not in p.stderr
