@@ -2,6 +2,7 @@
 bootstrap intervals and --compare."""
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -202,12 +203,14 @@ def _load_script(name):
 
 def _suite_results(runs):
     """An eval.py --out list: {run dir name: {requested ratio: {id: f1}}} plus scalars."""
-    def row(s, **kw):
-        return {"method": "m", "em": 0.0, "f1": sum(s.values()) / len(s), "examples_per_s": 1.0,
+    def row(name, s, **kw):
+        return {"method": name, "em": 0.0, "f1": sum(s.values()) / len(s), "examples_per_s": 1.0,
+                "em_ci": [0.0, 0.0], "f1_ci": evaluate.bootstrap_ci(list(s.values())),
                 "scores": {"em": {q: 0.0 for q in s}, "f1": s}, **kw}
-    teacher = row({"q0": 100.0}, ratio=1.0)
+    teacher = row("teacher", {"q0": 100.0}, ratio=1.0)
     return [{"run": f"out/suite/{name}", "teacher": teacher, "no_context": teacher,
-             "rows": [row(s, ratio_requested=r, **{"ratio": float(r), **extra}) for r, (s, extra) in by_ratio.items()]}
+             "rows": [row(name, s, ratio_requested=r, **{"ratio": float(r), **extra})
+                      for r, (s, extra) in by_ratio.items()]}
             for name, by_ratio in runs.items()]
 
 
@@ -259,3 +262,37 @@ def test_claims_name_rows_of_the_suite():
             if not re.fullmatch(r"[\d.]+", side):
                 assert side.split("@")[0] in runs, (c.text, side)
         assert c.kind in (">", "<", "~") and (c.metric != "f1" or c.kind != "<"), c.text
+
+
+def test_results_md_is_generated_whole(tmp_path, base_dir):
+    """The report: header (command, commit, machine, base tokens/s, wall time, seeds,
+    steps, questions), the table with intervals, the claims; rerunning rewrites it."""
+    results_md = _load_script("results_md")
+    ids = [f"q{i}" for i in range(20)]
+    runs = {"meanpool": {4: ({q: 100.0 * (i % 2) for i, q in enumerate(ids)}, {"n": 20})},
+            "ctok-bidir": {4: ({q: 0.0 for q in ids}, {"n": 20})}}
+    results = _suite_results(runs)
+    for res in results:
+        res["run"] = str(tmp_path / os.path.basename(res["run"]))
+        os.makedirs(res["run"])
+        (tmp_path / res["run"] / "run.json").write_text(json.dumps({"train": {"max_iters": 150, "seed": 1337}}))
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    out = tmp_path / "report" / "RESULTS.md"
+    out.parent.mkdir()
+    out.write_text("hand-written history\n")
+    args = [str(tmp_path / "results.json"), "--out", str(out), "--base", str(base_dir), "--command", "bash x.sh",
+            "--wall_s", "125"]
+    results_md.main(args)
+    text = out.read_text()
+    assert "hand-written" not in text and text.startswith("# Results: the reproduction suite")
+    for want in ("- command: `bash x.sh`", "- wall time: 125 s (2.1 min) for 2 evaluated runs",
+                 "- seeds: 1337; training steps per run: 150; held-out questions per row: 20",
+                 "tokens/s (fwd + bwd", "| meanpool | 4.0x | 0.0 [0.0, 0.0] | 50.0 [",
+                 "| mean pooling > bidirectional compression tokens, 4x | meanpool@4 > ctok-bidir@4 | 70.55 / 69.57 |"
+                 " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question"):
+        assert want in text, want
+    assert ("RESULTS.png" in text) == (tmp_path / "report" / "RESULTS.png").exists()
+    results_md.main(args)
+    assert out.read_text().split("- machine")[1].split("- base")[0] == text.split("- machine")[1].split("- base")[0]
+    with pytest.raises(SystemExit, match="--base .*: no config.json"):
+        results_md.main(args[:3] + ["--base", str(tmp_path)])
