@@ -73,8 +73,11 @@ def test_load_tokenizer_matches_hf(smol_dir, hf):
         if "byte-level" not in str(e):
             raise
         pytest.skip(f"data.load_tokenizer cannot read SmolLM2's tokenizer.json yet (branch i21): {e}")
-    for text in (PROMPT, "In 2024, it's 3.14 apples:\n  x = [1, 2]", "<|im_start|>user\nhi<|im_end|>"):
+    for text in (PROMPT, "In 2024, it's 3.14 apples:\n  x = [1, 2]"):  # digits one by one, then GPT-2's regex
         assert ours.encode(text) == tok(text).input_ids, text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert ours.encode(chat, allow_special=True) == tok(chat).input_ids
+    assert ours.decode(tok(PROMPT + " Paris.\n\n").input_ids) == PROMPT + " Paris.\n\n"
 
 
 @pytest.mark.skipif(not SQUAD.exists(), reason="assets absent")
