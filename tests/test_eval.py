@@ -207,8 +207,9 @@ def _suite_results(runs):
         return {"method": name, "em": 0.0, "f1": sum(s.values()) / len(s), "examples_per_s": 1.0,
                 "em_ci": [0.0, 0.0], "f1_ci": evaluate.bootstrap_ci(list(s.values())),
                 "scores": {"em": {q: 0.0 for q in s}, "f1": s}, **kw}
-    teacher = row("teacher", {"q0": 100.0}, ratio=1.0)
-    return [{"run": f"out/suite/{name}", "teacher": teacher, "no_context": teacher,
+    ids = {q for by_ratio in runs.values() for s, _ in by_ratio.values() for q in s}
+    teacher, noctx = row("teacher", {q: 100.0 for q in ids}, ratio=1.0), row("no-context", {q: 0.0 for q in ids})
+    return [{"run": f"out/suite/{name}", "teacher": teacher, "no_context": noctx,
              "rows": [row(name, s, ratio_requested=r, **{"ratio": float(r), **extra})
                       for r, (s, extra) in by_ratio.items()]}
             for name, by_ratio in runs.items()]
@@ -220,9 +221,10 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
     high = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}           # F1 90
     low = {q: 20.0 * (i % 3) for i, q in enumerate(ids)}                  # F1 ~20
     coin = {q: 100.0 * (i % 2) for i, q in enumerate(ids)}                # F1 50, each side wins half
+    zero = {q: 0.0 for q in ids}
     near = {q: v + (1.0 if i % 2 else -1.0) for i, (q, v) in enumerate(high.items())}  # within +-1 of high
     results = _suite_results({"a": {4: (high, {}), 16: (low, {})}, "b": {4: (low, {}), 16: (high, {})},
-                              "c": {4: (coin, {}), 16: (near, {})}, "d": {4: ({q: 100 - v for q, v in coin.items()}, {})},
+                              "c": {4: (coin, {}), 16: (near, {})}, "z": {4: (zero, {}), 16: (zero, {})}, "d": {4: ({q: 100 - v for q, v in coin.items()}, {})},
                               "g1": {8: (coin, {"ratio": 8.1, "ppl_compressed": 9.0})},
                               "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0})}})
     C = claims.Claim
@@ -232,6 +234,7 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
              (C("t", "c ~ b", "c@16", "b@16", 70, 71, "~"), "agrees"),         # |diff| ~1 < 5
              (C("t", "a ~ b", "a@4", "b@4", 70, 71, "~"), "disagrees"),        # diff +70: outside the band
              (C("t", "c ~ d", "c@4", "d", 70, 71, "~"), "cannot tell"),        # diff 0 but CI ~[-14, 14]
+             (C("t", "zero ~ zero", "z@4", "z@16", 70, 71, "~"), "cannot tell"),  # both at no context
              (C("t", "a beats zz", "a@4", "zz@4", 60, 50), "no data"),
              (C("t", "halves", "g1", "g2", 16.55, 8.28, "~", "ratio", 0.5), "agrees (no CI)"),
              (C("t", "lower ppl", "g1", "g2", 7.2, 12.8, "<", "ppl_compressed"), "agrees (no CI)"),
