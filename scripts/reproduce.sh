@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
 # Every paper's headline comparison at small scale, on the embedded default, with one
-# shared base/teacher and fixed seeds; then one table (RESULTS.md is made from it).
-#   bash scripts/reproduce.sh            # the full suite (2-core CPU: see RESULTS.md for the time)
-#   bash scripts/reproduce.sh --smoke    # every entry for 2 steps (CI)
-#   ITERS=150 EXAMPLES=100 bash scripts/reproduce.sh   # shorter: every entry 150 steps, 100 eval questions
+# shared base/teacher and fixed seeds; then one table, each paper's claims with a verdict
+# from paired-bootstrap intervals, and RESULTS.md generated whole from this run.
+#   bash scripts/reproduce.sh            # the suite at the budget below; rewrites RESULTS.md
+#   bash scripts/reproduce.sh --smoke    # every entry for 2 steps, 4 questions (CI); report in $OUT-smoke
+#   ITERS= EXAMPLES=1000 bash scripts/reproduce.sh   # each method's default steps (300-500), 1000 questions
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Budget: <= 60 min on 2 CPU cores. From a 60-step, 100-question run (1084 s for the 29 runs):
+# ~0.5 s per training step, ~60 questions/s per evaluated ratio; 29 x 150 steps ~ 38 min, and
+# 25 runs x (teacher, no context, 1-3 ratios) x 400 questions ~ 12 min.
+ITERS=${ITERS-150}               # training steps per run and per pretraining stage ("" = each method's default)
+EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
+SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
-COMMON=(--seed 1337 --quiet)
-[ -n "${ITERS:-}" ] && COMMON+=(--max_iters "$ITERS")
-[ -n "${EXAMPLES:-}" ] && COMMON+=(--eval_examples "$EXAMPLES")
+RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
+start=$(date +%s)
+COMMON=(--seed "$SEED" --quiet)
+BASE=tiny_base
+CMD="ITERS=$ITERS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=$OUT-smoke
-  COMMON+=(--max_iters 2 --batch_size 2 --eval_examples 4)
-  python train.py --method base --out_dir "$OUT/base" --max_iters 2 --batch_size 2 --quiet
-  COMMON+=(--init_from "$OUT/base")
+  OUT=$OUT-smoke ITERS=2 EXAMPLES=4
+  RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
+  COMMON+=(--batch_size 2 --init_from "$BASE")
+  python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet
 elif [ -n "${INIT_FROM:-}" ]; then
+  BASE=$INIT_FROM
   COMMON+=(--init_from "$INIT_FROM" --data "$DATA" --eval_data "$EVAL_DATA")
 fi
-start=$(date +%s)
+[ -n "$ITERS" ] && COMMON+=(--max_iters "$ITERS")
+COMMON+=(--eval_examples "$EXAMPLES")
 evaluated=()
 train_one() { local name=$1; shift; echo "== $name: $*"; python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > /dev/null; }
 run() { train_one "$@"; evaluated+=("$OUT/$1"); }        # trained, evaluated, one table row each
@@ -58,4 +69,7 @@ for v in "" no_aac no_selective; do
 done
 
 python eval.py "${evaluated[@]}" --out "$OUT/results.json" | tee "$OUT/results.md"
-echo "suite: $(( $(date +%s) - start )) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
+python scripts/claims.py "$OUT/results.json" | tee -a "$OUT/results.md"
+wall=$(( $(date +%s) - start ))
+echo "suite: $wall s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
+python scripts/results_md.py "$OUT/results.json" --out "$RESULTS" --base "$BASE" --command "$CMD" --wall_s "$wall"

@@ -1,6 +1,8 @@
 """eval.py: SQuAD metrics (hand cases and the official script's numbers), the table builder,
 bootstrap intervals and --compare."""
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -190,3 +192,110 @@ def test_compare_bad_input_is_one_line(tmp_path):
         evaluate.main(["--compare", a, str(tmp_path / "bad.json")])
     with pytest.raises(SystemExit, match="takes two JSON files"):
         evaluate.main(["--compare", a])
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _suite_results(runs):
+    """An eval.py --out list: {run dir name: {requested ratio: {id: f1}}} plus scalars."""
+    def row(name, s, **kw):
+        return {"method": name, "em": 0.0, "f1": sum(s.values()) / len(s), "examples_per_s": 1.0,
+                "em_ci": [0.0, 0.0], "f1_ci": evaluate.bootstrap_ci(list(s.values())),
+                "scores": {"em": {q: 0.0 for q in s}, "f1": s}, **kw}
+    ids = {q for by_ratio in runs.values() for s, _ in by_ratio.values() for q in s}
+    teacher, noctx = row("teacher", {q: 100.0 for q in ids}, ratio=1.0), row("no-context", {q: 0.0 for q in ids})
+    return [{"run": f"out/suite/{name}", "teacher": teacher, "no_context": noctx,
+             "rows": [row(name, s, ratio_requested=r, **{"ratio": float(r), **extra})
+                      for r, (s, extra) in by_ratio.items()]}
+            for name, by_ratio in runs.items()]
+
+
+def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
+    claims = _load_script("claims")
+    ids = [f"q{i}" for i in range(200)]
+    high = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}           # F1 90
+    low = {q: 20.0 * (i % 3) for i, q in enumerate(ids)}                  # F1 ~20
+    coin = {q: 100.0 * (i % 2) for i, q in enumerate(ids)}                # F1 50, each side wins half
+    zero = {q: 0.0 for q in ids}
+    near = {q: v + (1.0 if i % 2 else -1.0) for i, (q, v) in enumerate(high.items())}  # within +-1 of high
+    results = _suite_results({"a": {4: (high, {}), 16: (low, {})}, "b": {4: (low, {}), 16: (high, {})},
+                              "c": {4: (coin, {}), 16: (near, {})}, "z": {4: (zero, {}), 16: (zero, {})}, "d": {4: ({q: 100 - v for q, v in coin.items()}, {})},
+                              "g1": {8: (coin, {"ratio": 8.1, "ppl_compressed": 9.0})},
+                              "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0})}})
+    C = claims.Claim
+    cases = [(C("t", "a beats b", "a@4", "b@4", 60, 50), "agrees"),
+             (C("t", "a beats b", "a@16", "b@16", 60, 50), "disagrees"),
+             (C("t", "c beats d", "c@4", "d", 60, 50), "cannot tell"),        # "d": the run's one row
+             (C("t", "c ~ b", "c@16", "b@16", 70, 71, "~"), "agrees"),         # |diff| ~1 < 5
+             (C("t", "a ~ b", "a@4", "b@4", 70, 71, "~"), "disagrees"),        # diff +70: outside the band
+             (C("t", "c ~ d", "c@4", "d", 70, 71, "~"), "cannot tell"),        # diff 0 but CI ~[-14, 14]
+             (C("t", "zero ~ zero", "z@4", "z@16", 70, 71, "~"), "cannot tell"),  # both at no context
+             (C("t", "a beats zz", "a@4", "zz@4", 60, 50), "no data"),
+             (C("t", "halves", "g1", "g2", 16.55, 8.28, "~", "ratio", 0.5), "agrees (no CI)"),
+             (C("t", "lower ppl", "g1", "g2", 7.2, 12.8, "<", "ppl_compressed"), "agrees (no CI)"),
+             (C("t", "ppl under 8", "g1", "8", 7.2, 8, "<", "ppl_compressed"), "disagrees (no CI)")]
+    got = [claims.judge(c, results)["verdict"] for c, _ in cases]
+    assert got == [v for _, v in cases]
+    j = claims.judge(cases[0][0], results)
+    assert j["diff"] == pytest.approx(sum(high.values()) / 200 - sum(low.values()) / 200) and j["ci"][0] > 0
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    claims.main([str(path)])
+    out = capsys.readouterr().out
+    assert "| meanpool_multi_ratio T1 | mean pooling > bidirectional compression tokens, 4x |" in out
+    assert f"{len(claims.CLAIMS)} claims: {len(claims.CLAIMS)} no data" in out  # no suite run names here
+    with pytest.raises(SystemExit, match="one run's metrics.json"):
+        claims.main([_scores_file(tmp_path / "one.json", {4: high})])
+
+
+def test_claims_name_rows_of_the_suite():
+    """Every row a claim names is a run of scripts/reproduce.sh (and trains that ratio)."""
+    claims = _load_script("claims")
+    script = (ROOT / "scripts" / "reproduce.sh").read_text()
+    runs = set(re.findall(r"^\s*run (\S+)", script, re.M))
+    runs |= {f"gist-{g}" for g in (1, 2, 4, 8)} | {f"sac{v}-r{r}" for v in ("", "-causal", "-no_emb", "-random")
+                                                   for r in (5, 15)} | {"ata", "ata-no_aac", "ata-no_selective"}
+    for c in claims.CLAIMS:
+        for side in (c.a, c.b):
+            if not re.fullmatch(r"[\d.]+", side):
+                assert side.split("@")[0] in runs, (c.text, side)
+        assert c.kind in (">", "<", "~") and (c.metric != "f1" or c.kind != "<"), c.text
+
+
+def test_results_md_is_generated_whole(tmp_path, base_dir):
+    """The report: header (command, commit, machine, base tokens/s, wall time, seeds,
+    steps, questions), the table with intervals, the claims; rerunning rewrites it."""
+    results_md = _load_script("results_md")
+    ids = [f"q{i}" for i in range(20)]
+    runs = {"meanpool": {4: ({q: 100.0 * (i % 2) for i, q in enumerate(ids)}, {"n": 20})},
+            "ctok-bidir": {4: ({q: 0.0 for q in ids}, {"n": 20})}}
+    results = _suite_results(runs)
+    for res in results:
+        res["run"] = str(tmp_path / os.path.basename(res["run"]))
+        os.makedirs(res["run"])
+        (tmp_path / res["run"] / "run.json").write_text(json.dumps({"train": {"max_iters": 150, "seed": 1337}}))
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    out = tmp_path / "report" / "RESULTS.md"
+    out.parent.mkdir()
+    out.write_text("hand-written history\n")
+    args = [str(tmp_path / "results.json"), "--out", str(out), "--base", str(base_dir), "--command", "bash x.sh",
+            "--wall_s", "125"]
+    results_md.main(args)
+    text = out.read_text()
+    assert "hand-written" not in text and text.startswith("# Results: the reproduction suite")
+    for want in ("- command: `bash x.sh`", "- wall time: 125 s (2.1 min) for 2 evaluated runs",
+                 "- seeds: 1337; training steps per run: 150; held-out questions per row: 20",
+                 "tokens/s (fwd + bwd", "| meanpool | 4.0x | 0.0 [0.0, 0.0] | 50.0 [",
+                 "| mean pooling > bidirectional compression tokens, 4x | meanpool@4 > ctok-bidir@4 | 70.55 / 69.57 |"
+                 " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question"):
+        assert want in text, want
+    assert ("RESULTS.png" in text) == (tmp_path / "report" / "RESULTS.png").exists()
+    results_md.main(args)
+    assert out.read_text().split("- machine")[1].split("- base")[0] == text.split("- machine")[1].split("- base")[0]
+    with pytest.raises(SystemExit, match="--base .*: no config.json"):
+        results_md.main(args[:3] + ["--base", str(tmp_path)])

@@ -1,6 +1,8 @@
-"""scripts/reproduce.sh --smoke: every entry of the reproduction suite runs, one table results."""
+"""scripts/reproduce.sh --smoke: every entry of the reproduction suite runs; one table, the
+claims with verdicts and a generated RESULTS.md result (all under tmp_path)."""
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -23,3 +25,13 @@ def test_suite_smoke_runs_every_entry(tmp_path):
     table = (tmp_path / "suite-smoke" / "results.md").read_text()
     assert "| teacher |" in table and "suite:" in table
     assert "pic (ratio=16, after ae+lm)" in table and "ata (no_aac=True, after rel)" in table
+    report = (tmp_path / "suite-smoke" / "RESULTS.md").read_text()
+    assert report.startswith("# Results: the reproduction suite")
+    assert "- command: `bash scripts/reproduce.sh --smoke`" in report and "tokens/s (fwd + bwd" in report
+    assert "training steps per run: 2; held-out questions per row: 4" in report
+    assert "| teacher | 1.0x |" in report and "| pic (ratio=16, after ae+lm) |" in report
+    verdicts = re.findall(r"\*\*(.+?)\*\* \|$", report, re.M)  # one per claim; every row a claim names exists
+    count = re.search(r"^(\d+) claims: ", report, re.M)
+    assert count and int(count[1]) == len(verdicts) >= 25, report
+    assert "no data" not in verdicts, [l for l in report.splitlines() if "no data" in l]
+    assert "| meanpool_multi_ratio T1 | mean pooling > causal compression tokens, 16x |" in table  # printed too

