@@ -19,7 +19,8 @@ Choices the paper leaves open, made here:
   its real tokens (C = ceil(L / r)).
 - The decoder reads [prefix, z_1 .. z_C, prompt, answer] (prefix = BOS / chat header, as
   the teacher's [prefix, context, prompt, answer]; model.behind_prefix), positions 0.. in
-  order; the prefix slots count in the memory size. The loss is normalised by the number of answer tokens (sum over ratios kept).
+  order; the prefix slots count in the memory size. The loss is normalised by the number
+  of answer tokens (sum over ratios kept).
 - Table 3's ablations: `--fixed_decoder` (no decoder adapter: only the encoder and W
   train), `--fixed_encoder` (no encoder adapter: the frozen base, still bidirectional,
   encodes), `--no_encoder` (no encoder pass: the decoder's token embeddings are pooled),

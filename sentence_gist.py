@@ -28,11 +28,11 @@ Choices the paper leaves open (or that differ from it), made here:
       python train.py --method sentence_gist --init_from $HF --stage 1 --out_dir out/g1
       python train.py --method sentence_gist --init_from out/g1 --stage 2 --out_dir out/g2
       python train.py --method sentence_gist --init_from out/g2 --stage 3 --out_dir out/g3
-  with --max_context 4096 and 64 / 128 / 512 sequences a step (batch x grad_accum x GPUs).
-- Objectives: `lm` (the paper's; default on real checkpoints) and `qa` (the tiny base's,
-  whose eval is QA F1; tiny.py's aids apply). --ratio does not apply (it is achieved).
+  with --max_context 4096 and 64 / 128 / 512 sequences a step (batch x grad_accum x GPUs);
+  a later stage inherits the earlier one's config but --stage (STAGE_FLAGS). Objectives:
+  `lm` (the paper's; default on real checkpoints), `qa` (the tiny base's, scored by QA F1;
+  tiny.py's aids apply). --ratio does not apply (it is achieved).
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
-`python sentence_gist.py` prints the mask of a toy input.
 """
 from dataclasses import dataclass
 
@@ -96,11 +96,10 @@ def sentence_mask(sentence, kind):
 
 def layout(rows, is_end, n_gists, max_sentence_len, labels=None, device="cpu", multiple=64, runs=None):
     """rows: per example (prefix, body, tail) id lists. prefix = sink (sentence 0); body gets
-    gists (sentences 1..), its end ending a sentence; tail (prompt + answer) gets gists, may
-    end unfinished, and its first sentence has runs[b] tokens before it (in a cache). labels:
-    per example targets of prefix + body + tail, moved as insert_gists says. Returns (B, T)
-    ids, sentence, kind (PAD on padding), labels; (B,) length and open (the last sentence
-    while unfinished, else the next)."""
+    gists (sentences 1..), its end ending a sentence; tail (prompt + answer) gets gists, may end
+    unfinished, its first sentence has runs[b] tokens before it (in a cache). labels: targets of
+    prefix + body + tail, moved as insert_gists says. -> (B, T) ids, sentence, kind (PAD on
+    padding), labels; (B,) length, open (the last sentence while unfinished, else the next)."""
     full = lambda n, v: torch.full((n,), v, dtype=torch.long)  # noqa: E731
     cols, opens = {k: [] for k in ("ids", "sentence", "kind", "labels")}, []
     for b, (prefix, body, tail) in enumerate(rows):
@@ -135,7 +134,7 @@ class SentenceGist(nn.Module):
     STAGES = {1: dict(max_iters=1000, lr=1e-4, min_lr_frac=0.5, warmup_frac=100 / 1000, grad_clip=1.0),
               2: dict(max_iters=9000, lr=1e-4, min_lr_frac=0.5, warmup_frac=1000 / 9000, grad_clip=2.0),
               3: dict(max_iters=2000, lr=5e-5, min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0)}
-    STAGE_FLAGS = ("stage",)  # what a later stage may change (train.inherit_first_stage)
+    STAGE_FLAGS = ("stage",)  # what a later stage may change
     PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
     TINY = dict(objective="qa", lr=2e-3, max_iters=300, batch_size=16, grad_clip=1.0, warmup_frac=0.1)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
@@ -290,11 +289,9 @@ def main():
     """Print the sentence mask for a toy input (N_g = 2, a sink, one unfinished sentence)."""
     words = ["<s>", "The", "sun", "shone", ".", "Birds", "sang", "!", "It", "was", "g1", "g2"]  # gist j: id 10 + j
     L = layout([([0], list(range(1, 8)), [8, 9])], torch.tensor([w in ".!" for w in words[:10]]), 2, 64, multiple=1)
-    T = int(L["length"][0])
-    grid = kernels.dense_mask(sentence_mask(L["sentence"], L["kind"]), 1, T, T, "cpu")[0, 0]
+    grid = kernels.draw(sentence_mask(L["sentence"], L["kind"]), int(L["length"][0])).splitlines()
     print("sentence mask, N_g = 2: row = query, column = key; in the cache while answering: *")
-    for i, row in zip(L["ids"][0].tolist(), grid.tolist()):
-        print(f"{words[i]:>6} " + "".join("#" if x else "." for x in row))
+    print("\n".join(f"{words[i]:>6} {row}" for i, row in zip(L["ids"][0].tolist(), grid)))
     print("       " + "".join("*" if k else " " for k in ((L["kind"] > 0) | (L["sentence"] == L["open"][:, None]))[0]))
 
 
