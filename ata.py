@@ -233,7 +233,7 @@ class ATA(nn.Module):
     def decode_ce(self, memory, ids, labels):
         with self.base.adapter(None):
             h = self.base(ids, memory=memory, output="hidden")  # (B, T, d)
-        return kernels.chunked_ce(h, self.base.lm_head.weight, labels, softcap=self.base.config.final_logit_softcapping)
+        return self.base.ce(h, labels)
 
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""

@@ -134,7 +134,7 @@ def softcap(cap):
     """score_mod: cap * tanh(score / cap), Gemma 2's attention logit soft-capping
     (HF gemma2 eager_attention_forward: after the 1/sqrt scaling, before the mask)."""
     def score_mod(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
+        return soft_cap(score, cap)
     score_mod.__name__ = f"softcap_{cap}"
     return score_mod
 

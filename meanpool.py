@@ -108,7 +108,6 @@ class MeanPool(nn.Module):
         """Training loss: (sum over answer tokens and ratios, n answer tokens, metrics)."""
         h = self.encode(batch)  # one encoder pass serves every ratio (eq. 6)
         labels = batch["qa_labels"]
-        w_head, cap = self.base.lm_head.weight, self.base.config.final_logit_softcapping
         teacher = teacher_attn = None
         if self.aid is not None:  # one teacher pass for both
             teacher, teacher_attn = self.aid.teacher(batch)
@@ -126,9 +125,9 @@ class MeanPool(nn.Module):
             with self.base.adapter(self.dec_adapter):
                 hs = self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
                 if self.run.objective == "kd":
-                    loss, n = kernels.chunked_kd(hs[labels != -100], w_head, teacher, w_head, softcap=cap)
+                    loss, n = self.base.kd(hs[labels != -100], teacher)
                 else:
-                    loss, n = kernels.chunked_ce(hs, w_head, labels, softcap=cap)
+                    loss, n = self.base.ce(hs, labels)
                 if not torch.is_tensor(r):
                     metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
                 if teacher_attn is not None:

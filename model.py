@@ -587,6 +587,16 @@ class Transformer(nn.Module):
         HF Gemma2ForCausalLM caps after lm_head). The chunked losses take the same cap."""
         return kernels.soft_cap(self.lm_head(h), self.config.final_logit_softcapping)
 
+    def ce(self, h, labels, weights=None):
+        """kernels.chunked_ce through this model's head and final logit cap: (sum, n tokens)."""
+        return kernels.chunked_ce(h, self.lm_head.weight, labels, weights, self.config.final_logit_softcapping)
+
+    def kd(self, h, teacher_h):
+        """kernels.chunked_kd of selected rows h (N, d) against teacher_h (N, d), this model's
+        head for both (the teacher is the same base, its adapter off): (sum, n tokens)."""
+        w = self.lm_head.weight
+        return kernels.chunked_kd(h, w, teacher_h, w, softcap=self.config.final_logit_softcapping)
+
     # --- generation -------------------------------------------------------------
 
     @torch.no_grad()

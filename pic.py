@@ -224,7 +224,7 @@ class PIC(nn.Module):
         """Training loss: (sum, count, metrics); see the docstring for what is counted."""
         if self.run.objective == "ae+lm":
             return self.ae_lm(batch, ratios)
-        labels, w, cap = batch["qa_labels"], self.dec.lm_head.weight, self.dec.config.final_logit_softcapping
+        labels = batch["qa_labels"]
         teacher = teacher_attn = None
         if self.aid is not None:  # one teacher pass for both
             teacher, teacher_attn = self.aid.teacher(batch)
@@ -236,9 +236,9 @@ class PIC(nn.Module):
             memory = self.compress(batch, r)
             hs = self.decode_hidden(memory, batch["qa"])  # (B, T, d_dec)
             if self.run.objective == "kd":
-                loss, n = kernels.chunked_kd(hs[labels != -100], w, teacher, w, softcap=cap)
+                loss, n = self.dec.kd(hs[labels != -100], teacher)
             else:
-                loss, n = kernels.chunked_ce(hs, w, labels, softcap=cap)
+                loss, n = self.dec.ce(hs, labels)
             if teacher_attn is not None:
                 loss = loss + n * self.aid.memory_loss(teacher_attn, memory, batch, r)
             total = total + loss
@@ -263,14 +263,13 @@ class PIC(nn.Module):
         tr_in, tr_lab = rows(lambda x, k: x[:k - 1]), rows(lambda x, k: x[:k], -100)  # [<AE>, x_<k] -> x_1..x_k
         tc_in, tc_lab = rows(lambda x, k: x[k - 1:-1]), rows(lambda x, k: x[k:], -100)  # x_k..x_{L-1} -> x_{k+1}..x_L
         tr_w, tc_w = per_example(tr_lab, ks), per_example(tc_lab, [len(x) - k for x, k in zip(texts, ks)])
-        w, cap = self.dec.lm_head.weight, self.dec.config.final_logit_softcapping
-        ae = self.ae.to(w.dtype)[None, None].expand(len(texts), 1, -1)  # (B, 1, d_dec)
+        ae = self.ae.to(self.dec.lm_head.weight.dtype)[None, None].expand(len(texts), 1, -1)  # (B, 1, d_dec)
         total, metrics = 0.0, {}
         for r in ratios:
             memory = self.compress(ctx, r)
             h_tr = self.decode_hidden(memory, tr_in, embeds=ae)[:, :tr_lab.shape[1]]  # (B, 1 + T_tr, d_dec)
-            tr, _ = kernels.chunked_ce(h_tr, w, tr_lab, tr_w, cap)  # sum over examples of eq. 6
-            tc, _ = kernels.chunked_ce(self.decode_hidden(memory, tc_in), w, tc_lab, tc_w, cap)  # eq. 7
+            tr, _ = self.dec.ce(h_tr, tr_lab, tr_w)  # sum over examples of eq. 6
+            tc, _ = self.dec.ce(self.decode_hidden(memory, tc_in), tc_lab, tc_w)  # eq. 7
             total = total + LAMBDA * tc + (1 - LAMBDA) * tr  # eq. 8
             metrics.update({f"tr_r{r}": tr.item() / len(texts), f"tc_r{r}": tc.item() / len(texts)})
         return total, len(texts), metrics

@@ -213,8 +213,7 @@ class SAC(nn.Module):
         for r in ratios:
             memory = self.compress(batch, r)
             h = self.decode_hidden(memory, batch)
-            loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["qa_labels"],
-                                         softcap=self.base.config.final_logit_softcapping)
+            loss, n = self.base.ce(h, batch["qa_labels"])
             if teacher_attn is not None:
                 loss = loss + n * self.aid.memory_loss(teacher_attn, memory, batch, r)
             total = total + loss

@@ -200,8 +200,7 @@ class SentenceGist(nn.Module):
                       for c, lab, n in zip(ctx, batch["qa_labels"], batch["qa_len"])]
         teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         L = self.layout(rows, labels)
-        loss, n = kernels.chunked_ce(self.hidden(L), self.base.lm_head.weight, L["labels"],
-                                     softcap=self.base.config.final_logit_softcapping)
+        loss, n = self.base.ce(self.hidden(L), L["labels"])
         if teacher_attn is not None:
             loss = loss + n * self.aid.layout_loss(teacher_attn, L, batch)
         return loss, n, {"gists_per_token": (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())}

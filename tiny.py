@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 import data
-import kernels
 from model import ModelConfig, Transformer, head_log_attention, keep_attention_inputs
 from sentence_gist import GIST, TOKEN
 
@@ -118,8 +117,7 @@ class Base(torch.nn.Module):
 
     def forward(self, batch, ratios):
         h = self.base(batch["ids"], output="hidden")
-        loss, _ = kernels.chunked_ce(h, self.base.lm_head.weight, batch["labels"], batch["weights"],
-                                     self.base.config.final_logit_softcapping)
+        loss, _ = self.base.ce(h, batch["labels"], batch["weights"])
         n = batch["weights"][batch["labels"] != -100].sum()
         if self.cfg.attn_weight > 0 and len(batch["bind_rows"]) and len(batch["point_rows"]):
             last = self.base.config.num_hidden_layers - 1

@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 import ata
 import data
-import kernels
 import meanpool
 import pic
 import sac
@@ -188,8 +187,7 @@ class Teacher(torch.nn.Module):
     def forward(self, batch, ratios):
         with self.base.adapter("teacher"):
             h = self.base(batch["full"], output="hidden")
-        loss, n = kernels.chunked_ce(h, self.base.lm_head.weight, batch["full_labels"],
-                                     softcap=self.base.config.final_logit_softcapping)
+        loss, n = self.base.ce(h, batch["full_labels"])
         return loss, n, {}
 
 
@@ -254,8 +252,7 @@ def inherit_first_stage(cfg, mcfg, explicit, cls):
     value is a one-line error, except the stage's own (cls.STAGE_FLAGS: gist's --stage)."""
     if not first_stage(cfg.init_from, cfg.method):
         return
-    first = json.load(open(os.path.join(cfg.init_from, "run.json")))["method"]
-    for key, val in first.items():
+    for key, val in json.load(open(os.path.join(cfg.init_from, "run.json")))["method"].items():
         if key in getattr(cls, "STAGE_FLAGS", ()) or not hasattr(mcfg, key):
             continue
         if key in explicit and getattr(mcfg, key) != val:
