@@ -70,7 +70,7 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    TINY = dict(lr=2e-3, max_iters=600, batch_size=16, ratio="4,8,16")
+    TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):

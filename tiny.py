@@ -216,11 +216,11 @@ def collate_base(examples, tok, context_weight):
 def compressor_curriculum(frac):
     """The compression methods' synthetic data at fraction frac of the run, as
     Base.curriculum: (min, max) people, (min, max) attributes, examples per slot, ramp.
-    Short contexts first (1-2 people, 1-3 attributes, 4 per slot, to 30 %): reading a value
+    Short contexts first (1-2 people, 1-3 attributes, 2 per slot, to 30 %): reading a value
     back out of compressed memory is learned there; then a ramp to the eval set's mix
     (2-8 people, 3-6 attributes, half of them with distractor attributes) at 70 %."""
     if frac < 0.3:
-        return (1, 2), (1, 3), 4, 0.0
+        return (1, 2), (1, 3), 2, 0.0
     ramp = min(1.0, (frac - 0.3) / 0.4)
     if ramp == 1.0:
         return data.EVAL_PEOPLE, data.EVAL_ATTRS, 1, 1.0

@@ -109,7 +109,7 @@ def test_paper_defaults_on_a_real_checkpoint(base_dir):
     assert cfg.ratio == "16"
     tiny_cfg = train.TrainConfig(method="meanpool")
     train.apply_defaults(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
-    assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 600
+    assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 700
 
 
 def test_table3_fixed_decoder_fixed_encoder_no_encoder(tmp_path):

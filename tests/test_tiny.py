@@ -83,7 +83,7 @@ def test_base_curriculum_batches(tmp_path):
 
 
 def test_compressor_curriculum_batches(tmp_path):
-    """Compressors on synthetic data: 1-2 people x 1-3 attributes, 4 to a slot, for the first
+    """Compressors on synthetic data: 1-2 people x 1-3 attributes, 2 to a slot, for the first
     30 % of steps; the eval set's mix (2-8 people, 3-6 attributes) from 70 % on."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
@@ -91,10 +91,10 @@ def test_compressor_curriculum_batches(tmp_path):
     batches = train.Batches(cfg, tok, None)
     early, late = batches.raw(10, 16), batches.raw(80, 16)
     sentences = lambda ex: len(ex["chunks"][0].split(". "))
-    assert len(early) == 64 and {len(ex["chunks"]) for ex in early} == {1, 2}
+    assert len(early) == 32 and {len(ex["chunks"]) for ex in early} == {1, 2}
     assert max(sentences(ex) for ex in early) <= 3 and all(len(ex["qas"]) == 1 for ex in early)
     assert len(late) == 16 and min(len(ex["chunks"]) for ex in late) >= 2 and max(sentences(ex) for ex in late) >= 3
-    assert len(batches(10)[0]["context"]) == 16  # 4 per slot: 4 x batch_size rows
+    assert len(batches(10)[0]["context"]) == 8  # 2 per slot: 2 x batch_size rows
 
 
 def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
