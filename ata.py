@@ -13,9 +13,10 @@ Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A, Tables 2, 4-
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
 
-The target LLM (decoder) is the frozen base, adapter None. The encoder is causal, so it
-runs all k_max compression tokens and the memory keeps the first k through its validity
-mask, identical to appending k (tests/test_ata.py checks K/V and decoder logits).
+The target LLM (decoder) is the frozen base (a LoRA on the tiny base: tiny.py aid 4). The
+encoder is causal, so it runs all k_max compression tokens and the memory keeps the first
+k through its validity mask, identical to appending k (tests/test_ata.py checks K/V and
+decoder logits).
 
 Choices the paper leaves open, made here:
 - Chunks are the records' "chunks" (HotpotQA paragraphs, MS MARCO passages, SQuAD
@@ -43,7 +44,8 @@ Choices the paper leaves open, made here:
 - Objectives: `qa` (default; finetuning eq. 11 plus lam * Huber, so one command on the
   tiny default trains encoder and probe and yields a QA F1), `rel` (pretraining, eq. 8),
   `qa+rel` (both from one encoder pass: a one-stage stand-in for the paper's rel -> qa).
-- On the tiny base, tiny.py's aids apply (curriculum; `qa` attention distillation, tiny.SLOTS).
+- On the tiny base, tiny.py's aids apply (curriculum; `qa` attention distillation, tiny.SLOTS;
+  a LoRA decoder).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
@@ -140,6 +142,7 @@ class ATA(nn.Module):
                  hotpot_distractors=True)
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, lora_r=16, lora_alpha=32, lora_dropout=0.0)  # + PAPER's
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
+    dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -231,7 +234,7 @@ class ATA(nn.Module):
         return policy(L, r, self.cfg.k_max)
 
     def decode_ce(self, memory, ids, labels):
-        with self.base.adapter(None):
+        with self.base.adapter(self.dec_adapter):
             h = self.base(ids, memory=memory, output="hidden")  # (B, T, d)
         return self.base.ce(h, labels)
 
@@ -273,7 +276,7 @@ class ATA(nn.Module):
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter(None):
+        with self.base.adapter(self.dec_adapter):
             return self.base.generate(prompts, max_new_tokens, memory=memory)
 
 

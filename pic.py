@@ -36,7 +36,8 @@ Choices the paper leaves open, made here:
   (exact under DDP and accumulation). <AE> is a learned vector in the decoder's space.
 - A set of ratios (--ratio 4,16) sums the losses (one encoder pass each); default 16.
 - The kd teacher is the decoder with full context (prefer the decoder as --init_from).
-On the tiny base, tiny.py's aids apply (curriculum, attention distillation; m_t holds c_t).
+On the tiny base, tiny.py's aids apply (curriculum, attention distillation with m_t holding
+c_t, several QA pairs per context, a LoRA decoder).
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
 `--objective qa --init_from out/pic_pt` (the second inherits the first's config).
 """

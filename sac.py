@@ -39,8 +39,8 @@ Choices the paper leaves open, made here:
   batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default,
   objective qa); for pretraining pass `--objective lm --lr 1e-4`. One model per ratio
   (§4.1: r in {5, 15, 51}): PAPER trains r = 5; pass `--ratio 15` or `--ratio 51` for the others.
-On the tiny base, tiny.py's aids apply (curriculum, attention distillation; a token is
-held by its nearest anchor; `qa` only).
+On the tiny base, tiny.py's aids apply (curriculum, attention distillation with a token
+held by its nearest anchor, `qa` only; several QA pairs per context; a LoRA decoder).
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
 `--anchors random` (Table 4 "Random").
 """
@@ -111,6 +111,7 @@ class SAC(nn.Module):
                  warmup_iters=300, min_lr_frac=1.0)
     TINY = dict(lr=1e-3, max_iters=300, warmup_iters=4, batch_size=16, lora_r=16, lora_alpha=32)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
+    dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
     @staticmethod
     def check_config(cfg, mcfg):
@@ -201,7 +202,7 @@ class SAC(nn.Module):
                 "qa_labels": labels.gather(1, dec_idx).masked_fill(~dec_valid, -100)}
 
     def decode_hidden(self, memory, batch):
-        with self.base.adapter(None):  # the decoder is the frozen base
+        with self.base.adapter(self.dec_adapter):
             return self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
 
     def forward(self, batch, ratios):
@@ -222,7 +223,7 @@ class SAC(nn.Module):
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter(None):
+        with self.base.adapter(self.dec_adapter):
             return self.base.generate(prompts, max_new_tokens, memory=memory)
 
 

@@ -8,11 +8,13 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   If it is deleted, the first run that needs it trains it again.
 - `Base` (`--method base`): that model's objective and curriculum (SPEC §2.6).
 - Aids, the same for every compression method, on the tiny base only; `--no_aids`
-  switches both off (the papers' recipes alone):
+  switches them all off (the papers' recipes alone):
   1. `compressor_curriculum`: short contexts first (synthetic data).
   2. `AttentionDistillation`: the decoder learns where the teacher looks.
   SLOTS says, per method, which memory slot holds each context token under its paper's
   layout (window, chunk, anchor, a sentence's gists, ATA's relevant chunk).
+  3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
+  4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it.
 """
 import json
 import math
@@ -41,6 +43,11 @@ def is_tiny(init_from):
     """True when the base is one of ours (a `--method base` run dir): small-model defaults."""
     path = base_path(init_from)
     return path == BASE_DIR or os.path.exists(os.path.join(path, "run.json"))
+
+
+def aided(cfg):
+    """True when a run gets the aids: its base is tiny and --no_aids is not set."""
+    return is_tiny(cfg.init_from) and not cfg.no_aids
 
 
 def needs_training(init_from):
@@ -263,6 +270,24 @@ def add_questions(batch, items, tok):
         batch[key], batch[key + "_labels"] = data._pad(rows, tok.pad_id, 8), data._pad(labels, -100, 8)
         batch[key + "_len"] = torch.tensor([len(r) for r in rows])
     return batch
+
+
+# -----------------------------------------------------------------------------
+# aid 4: a trainable decoder for the methods whose paper freezes it
+
+
+FROZEN_DECODER = ("PIC", "SAC", "ATA")
+
+
+def add_decoder_adapter(method):
+    """Aid 4: a LoRA adapter `decoder` (the method's own rank and alpha) on the decoder
+    that reads the memory, where the paper keeps it frozen. A real LLM reads soft memory
+    frozen; the tiny base, trained from scratch on synthetic text, never learns to: pic at
+    4x with a frozen decoder stayed at QA CE + attention loss ~20 nats/token over 500 steps."""
+    if type(method).__name__ in FROZEN_DECODER and method.dec_adapter is None:
+        decoder = getattr(method, "dec", method.base)  # pic may hold a separate decoder
+        decoder.add_adapter("decoder", method.cfg.lora_r or 16, method.cfg.lora_alpha)
+        method.dec_adapter = "decoder"
 
 
 # -----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class TrainConfig:
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
     prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
     out_dir: str = ""          # "" = out/<method>
-    no_aids: bool = False      # tiny base only: no curriculum, no attention distillation (tiny.py)
+    no_aids: bool = False      # tiny base only: none of tiny.py's aids (curriculum, attention KD, decoder LoRA)
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
     max_iters: int = 0
     batch_size: int = 0
@@ -226,7 +226,10 @@ def build(cfg, mcfg, device, dtype):
     tok, base = load_base(cfg, device, dtype)
     for p in base.parameters():
         p.requires_grad_(cfg.method == "base")
-    method = cls(base, mcfg, tok, cfg).to(device)
+    method = cls(base, mcfg, tok, cfg)
+    if tiny.aided(cfg):
+        tiny.add_decoder_adapter(method)
+    method = method.to(device)
     for m in method.modules():  # the base and any separate encoder / decoder (pic)
         if isinstance(m, Transformer):
             m.grad_ckpt = cfg.grad_ckpt
@@ -307,8 +310,7 @@ class Batches:
             if not self.records:
                 raise SystemExit(f"error: --data {cfg.data!r} holds no usable records ({stats})")
         self.synth = data.Synthetic(seed=cfg.seed, split="train")
-        aided = tiny.is_tiny(cfg.init_from) and not cfg.no_aids
-        self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if aided else 1
+        self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if tiny.aided(cfg) else 1
         self.stats = {}
 
     def raw(self, step, n):
@@ -547,7 +549,7 @@ def main(argv):
     random.seed(cfg.seed)
     weights_dtype = torch.bfloat16 if (device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base") else torch.float32
     tok, base, method = build(cfg, mcfg, device, weights_dtype)
-    if type(method).__name__ in tiny.SLOTS and tiny.is_tiny(cfg.init_from) and not cfg.no_aids:
+    if type(method).__name__ in tiny.SLOTS and tiny.aided(cfg):
         method.aid = tiny.AttentionDistillation(method, tiny.ATTN_KD)
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable

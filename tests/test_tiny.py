@@ -261,3 +261,23 @@ def test_shipped_base_reads_its_context():
     rows = evaluate.teacher_rows(base, tok, records, train.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
     assert rows["teacher"]["f1"] >= 85 and rows["no-context"]["f1"] < 20, rows
     assert tiny.is_tiny("") and not tiny.needs_training("")
+
+
+@pytest.mark.parametrize("name,r", [("pic", 4), ("sac", 5), ("ata", 10)])
+def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
+    """Aid 4: on the shipped tiny base, the methods whose paper freezes the decoder read
+    their memory through a trainable LoRA `decoder` (saved with the run); --no_aids keeps
+    the paper's frozen decoder."""
+    import data
+    cls = train.method_registry()[name]
+    for no_aids in (False, True):
+        cfg = train.TrainConfig(method=name, objective="qa", no_aids=no_aids)
+        tok, base, m = train.build(cfg, cls.Config(), "cpu", torch.float32)
+        assert m.dec_adapter == (None if no_aids else "decoder")
+        assert ("decoder" in base.adapter_configs) != no_aids
+        assert any("lora_A.decoder" in n for n, p in m.named_parameters() if p.requires_grad) != no_aids
+        used, adapter = [], base.adapter
+        base.adapter = lambda a: used.append(a) or adapter(a)
+        batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+        m(m.prepare(batch) if name == "ata" else batch, [r])
+        assert ("decoder" in used) != no_aids
