@@ -138,6 +138,7 @@ class SentenceGist(nn.Module):
     PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
     TINY = dict(objective="qa", lr=2e-3, max_iters=300, batch_size=16, grad_clip=1.0, warmup_frac=0.1)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
+    dec_adapter = "gist"  # the one adapter: the model reads (and writes) gists with it
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -179,7 +180,7 @@ class SentenceGist(nn.Module):
 
     def hidden(self, L, memory=None, return_kv=False):
         """Final hidden states of a layout under the sentence mask (after a memory if given)."""
-        with self.base.adapter("gist"):
+        with self.base.adapter(self.dec_adapter):
             return self.base(embeds=self.embed(L["ids"]), mask=sentence_mask(L["sentence"], L["kind"]),
                              memory=memory, return_kv=return_kv, output="hidden")
 

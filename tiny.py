@@ -349,6 +349,7 @@ class AttentionDistillation:
 
     def __init__(self, method, weight):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
+        self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists = getattr(method.cfg, "gists", 0)
         self.last = self.base.config.num_hidden_layers - 1
         self.inputs = keep_attention_inputs(self.base, [self.last])
@@ -376,8 +377,9 @@ class AttentionDistillation:
         mass = (teacher_attn / k.shape[-1])[..., None].expand_as(k)
         target = mass.new_zeros(len(rows), S + 1).scatter_add_(1, k.where(k >= 0, S).flatten(1), mass.flatten(1))
         target = target[:, :S] / target[:, :S].sum(-1, keepdim=True).clamp(min=1e-9)
-        logp = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last],
-                                  rows, pos, keys_valid, n_memory)
+        with self.base.adapter(self.adapter):
+            logp = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last],
+                                      rows, pos, keys_valid, n_memory)
         return self.weight * -(target * logp).sum(-1).mean()
 
     def memory_loss(self, teacher_attn, memory, batch, r):

@@ -281,3 +281,20 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
         batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
         m(m.prepare(batch) if name == "ata" else batch, [r])
         assert ("decoder" in used) != no_aids
+
+
+@pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sentence_gist", {"gists": 2}, 1)])
+def test_attention_distillation_trains_the_heads_the_decoder_reads_with(base_dir, name, kw, r):
+    """The aid's head 0 is the student's own: computed under the adapter the decoder ran
+    with, so the term's gradient reaches that adapter's last-layer query projection."""
+    m, batch = _with_aid(base_dir, name, **kw)
+    tiny.add_decoder_adapter(m)
+    m.aid = tiny.AttentionDistillation(m, 1.0)
+    last = m.base.config.num_hidden_layers - 1
+    q_B = m.base.model.layers[last].self_attn.q_proj.lora_B[m.dec_adapter]
+
+    def grad(aid):
+        m.aid, q_B.grad = aid, None
+        m(batch, [r])[0].backward()
+        return q_B.grad.clone()
+    assert not torch.allclose(grad(m.aid), grad(None))
