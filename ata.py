@@ -13,10 +13,9 @@ Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A, Tables 2, 4-
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
 
-The target LLM (decoder) is the frozen base (a LoRA on the tiny base: tiny.py aid 4). The
-encoder is causal, so it runs all k_max compression tokens and the memory keeps the first
-k through its validity mask, identical to appending k (tests/test_ata.py checks K/V and
-decoder logits).
+The target LLM (decoder) is the frozen base, `dec_adapter` None. The encoder is causal, so
+it runs all k_max compression tokens and the memory keeps the first k through its validity
+mask, identical to appending k (tests/test_ata.py checks K/V and decoder logits).
 
 Choices the paper leaves open, made here:
 - Chunks are the records' "chunks" (HotpotQA paragraphs, MS MARCO passages, SQuAD
