@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import data
 import kernels
+import runs
 import train
 from model import Memory, ModelConfig, Transformer
 
@@ -270,10 +271,10 @@ def build_row(base, tok, method, objective, ratio, batch_size, context, seed=0):
     """(method module, one collated batch on the device, context tokens in it), built as
     train.py builds them (train.Batches.collate, the method's prepare), from synthetic
     biographies long enough to fill `context` tokens."""
-    cls = train.method_registry()[method]
-    run = train.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
+    cls = runs.method_registry()[method]
+    run = runs.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
                             batch_size=batch_size, no_aids=True, seed=seed)
-    mcfg = train.method_config(cls)()
+    mcfg = runs.method_config(cls)()
     if getattr(cls, "check_config", None):
         cls.check_config(run, mcfg)
     torch.manual_seed(seed)
@@ -288,7 +289,7 @@ def build_row(base, tok, method, objective, ratio, batch_size, context, seed=0):
         items = [batches.synth.lm_text(rng, people) for _ in range(batch_size)]
     else:
         items = [batches.synth.example(rng, people, 6) for _ in range(batch_size)]
-    batch = dict(train.to_device(batches.collate(items), base.lm_head.weight.device), step=0)
+    batch = dict(runs.to_device(batches.collate(items), base.lm_head.weight.device), step=0)
     n_tokens = int((batch["lengths"] if batches.text else batch["context_len"]).sum())
     return m, batch, n_tokens
 
@@ -400,7 +401,7 @@ def train_row(shape, tok, row, B, context):
     name, method, objective, ratio = row
     base = random_model(shape, tok)
     m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
-    ratios = train.ratios_of(ratio)
+    ratios = runs.ratios_of(ratio)
     params = [p for p in m.parameters() if p.requires_grad]
 
     def ours():

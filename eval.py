@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import data
-import train
+import runs
 from model import Memory
 
 
@@ -120,7 +120,7 @@ def eval_records(cfg, ecfg):
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data
     if path:
-        return list(train.read_records(path, cfg))[:n]
+        return list(runs.read_records(path, cfg))[:n]
     return data.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 
@@ -182,7 +182,7 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
         preds, golds, ids, achieved, nbytes, secs = [], [], [], [], [], 0.0
         extra = collections.defaultdict(list)
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
-            b = train.to_device(b, device)
+            b = runs.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds += decode(tok, outs)
             golds += b["answers"]
@@ -216,7 +216,7 @@ def run_label(run_dir, mcfg):
     state = json.load(open(os.path.join(run_dir, "run.json")))
     train_ratio = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
     flags = train_ratio + [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
-    first = train.first_stage(state["train"]["init_from"], state["train"]["method"])
+    first = runs.first_stage(state["train"]["init_from"], state["train"]["method"])
     if first:
         flags.append(f"after {first['objective']}")
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
@@ -230,10 +230,10 @@ def evaluate_run(run_dir, ecfg):
         except json.JSONDecodeError as e:
             raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
+    cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
     if not hasattr(method, "answer_from_memory"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
-    ratios = train.ratios_of(ecfg.ratio or cfg.ratio)
+    ratios = runs.ratios_of(ecfg.ratio or cfg.ratio)
     records = eval_records(cfg, ecfg)
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
@@ -363,12 +363,12 @@ def compare(path_a, path_b, row_a="", row_b=""):
 def one_shot(ecfg):
     run = ecfg.runs.split()[0]
     device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg, mcfg, tok, base, method = train.load_run(run, device)
-    ratio = train.ratios_of(ecfg.ratio or cfg.ratio)[0]
+    cfg, mcfg, tok, base, method = runs.load_run(run, device)
+    ratio = runs.ratios_of(ecfg.ratio or cfg.ratio)[0]
     question = ecfg.question or "What is this text about?"
     context = open(ecfg.context).read() if ecfg.context else ""
     record = {"id": "one-shot", "context": context, "question": question, "answers": [""]}
-    batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
+    batch = runs.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
     t0 = time.time()
     if ecfg.memory:
         memory = Memory.load(ecfg.memory, device)
@@ -390,7 +390,7 @@ def one_shot(ecfg):
 
 
 def main(argv):
-    (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs",
+    (ecfg,), _ = runs.parse_args(argv, EvalConfig, positional="runs",
                                   usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]\n"
                                         "       python eval.py --compare A.json B.json [--row_a S --row_b S]")
     if ecfg.compare:
@@ -398,13 +398,13 @@ def main(argv):
         if len(paths) != 2:
             raise SystemExit(f"error: --compare takes two JSON files (A.json B.json), got {len(paths)}")
         return compare(*paths, ecfg.row_a, ecfg.row_b)
-    runs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
-    if not runs:
+    run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
+    if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
-    ecfg.runs = " ".join(runs)
+    ecfg.runs = " ".join(run_dirs)
     if ecfg.context or ecfg.memory or ecfg.question:
         return one_shot(ecfg)
-    results = [evaluate_run(r, ecfg) for r in runs]
+    results = [evaluate_run(r, ecfg) for r in run_dirs]
     print(table(results))
     if ecfg.out:
         with open(ecfg.out, "w") as f:

@@ -129,12 +129,12 @@ def zero_shot(model_dir, heldout, n, batch_size=8):
     import torch
     import data
     import eval as evaluate
-    import train
+    import runs
     from model import Transformer
     torch.manual_seed(0)
     tok = data.load_tokenizer(model_dir)
     base = Transformer.from_pretrained(model_dir)
-    cfg = train.TrainConfig(init_from=model_dir, eval_data=heldout, eval_examples=n)
+    cfg = runs.TrainConfig(init_from=model_dir, eval_data=heldout, eval_examples=n)
     ecfg = evaluate.EvalConfig(batch_size=batch_size)
     rows = evaluate.teacher_rows(base, tok, evaluate.eval_records(cfg, ecfg), cfg, ecfg, "cpu")
     res = {"run": model_dir, "teacher": rows["teacher"], "no_context": rows["no-context"], "rows": []}

@@ -15,7 +15,7 @@ import torch
 
 import data
 import eval as evaluate
-import train
+import runs
 from conftest import ASSETS, ROOT
 
 
@@ -132,8 +132,8 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
                                    answer_from_memory=lambda mem, prompts, k: say(len(prompts)))
-    cfg = train.TrainConfig(ratio="4", eval_examples=6)
-    monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+    cfg = runs.TrainConfig(ratio="4", eval_examples=6)
+    monkeypatch.setattr(runs, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}}))

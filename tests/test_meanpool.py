@@ -4,7 +4,7 @@ import torch
 import data
 import kernels
 import meanpool
-import train
+import runs
 from common import tiny_base
 from model import Transformer
 
@@ -36,7 +36,7 @@ def _method(tmp_path, **kw):
     base = Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    run = train.TrainConfig(objective="kd")
+    run = runs.TrainConfig(objective="kd")
     m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(**kw), tok, run)
     # non-zero adapters so the encoder is not the base
     for n, p in m.named_parameters():
@@ -81,7 +81,7 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
     base_dir = tiny_base(tmp_path / "base")
     tok = data.load_tokenizer(base_dir)
     base = Transformer.from_pretrained(base_dir)
-    m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(), tok, train.TrainConfig())
+    m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(), tok, runs.TrainConfig())
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
     real = torch.arange(batch["context"].shape[1])[None] < batch["context_len"][:, None]
     with torch.no_grad():
@@ -92,23 +92,22 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
         assert P == 1 and torch.equal(memory.embeds[:, 0], base.model.embed_tokens.weight[[tok.bos_id] * 2])
         assert torch.allclose(memory.embeds[:, P:], expected, atol=1e-6)
     no_w = meanpool.MeanPool(Transformer.from_pretrained(base_dir), meanpool.MeanPoolConfig(no_linear=True), tok,
-                             train.TrainConfig())
+                             runs.TrainConfig())
     assert no_w.proj is None
 
 
 def test_paper_defaults_on_a_real_checkpoint(base_dir):
     """Table 6 and §5.1 on a real checkpoint: R = {4..128}, 48k steps, answers up to 256
     tokens; the tiny default keeps 4,8,16; explicit flags win."""
-    import train
-    cfg, mcfg = train.TrainConfig(method="meanpool", init_from=base_dir), meanpool.MeanPoolConfig()
-    train.apply_defaults(cfg, mcfg, set(), meanpool.MeanPool)
-    assert train.ratios_of(cfg.ratio) == [4, 8, 16, 32, 64, 128] and cfg.max_iters == 48000 and cfg.max_answer == 256
+    cfg, mcfg = runs.TrainConfig(method="meanpool", init_from=base_dir), meanpool.MeanPoolConfig()
+    runs.apply_defaults(cfg, mcfg, set(), meanpool.MeanPool)
+    assert runs.ratios_of(cfg.ratio) == [4, 8, 16, 32, 64, 128] and cfg.max_iters == 48000 and cfg.max_answer == 256
     assert cfg.lr == 2e-4 and cfg.batch_size == 32
-    cfg = train.TrainConfig(method="meanpool", init_from=base_dir, ratio="16")
-    train.apply_defaults(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
+    cfg = runs.TrainConfig(method="meanpool", init_from=base_dir, ratio="16")
+    runs.apply_defaults(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
     assert cfg.ratio == "16"
-    tiny_cfg = train.TrainConfig(method="meanpool")
-    train.apply_defaults(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
+    tiny_cfg = runs.TrainConfig(method="meanpool")
+    runs.apply_defaults(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
     assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 700
 
 

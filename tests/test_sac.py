@@ -8,6 +8,7 @@ import eval as evaluate
 import data
 import kernels
 import sac
+import runs
 import train
 from common import DDP_ATOL, method_smoke, read_params, run, torchrun
 from model import Memory, Transformer
@@ -22,7 +23,7 @@ def make(base_dir, objective="qa", lora_b=0.0, **kw):
     base = Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    m = sac.SAC(base, sac.SACConfig(lora_r=4, lora_alpha=8, **kw), tok, train.TrainConfig(objective=objective))
+    m = sac.SAC(base, sac.SACConfig(lora_r=4, lora_alpha=8, **kw), tok, runs.TrainConfig(objective=objective))
     torch.manual_seed(0)
     for n, p in m.named_parameters():
         if "lora_B" in n and lora_b:
@@ -142,16 +143,16 @@ def test_prefix_slots_are_the_frozen_base_constant(base_dir):
 def test_paper_defaults_one_ratio_per_model_and_300_warmup_steps(base_dir):
     """Issue 20 items 5 and 9: on a real checkpoint one model per ratio, r = 5 (§4.1), and
     300 warmup steps (Table 6) whatever --max_iters is; an explicit --ratio wins."""
-    cfg, mcfg = train.TrainConfig(method="sac", init_from=base_dir), sac.SACConfig()
-    train.apply_defaults(cfg, mcfg, set(), sac.SAC)
-    assert train.ratios_of(cfg.ratio) == [5] and cfg.warmup_iters == 300 and cfg.max_iters == 20000
-    cfg = train.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000)
-    train.apply_defaults(cfg, mcfg, {"ratio", "max_iters"}, sac.SAC)
+    cfg, mcfg = runs.TrainConfig(method="sac", init_from=base_dir), sac.SACConfig()
+    runs.apply_defaults(cfg, mcfg, set(), sac.SAC)
+    assert runs.ratios_of(cfg.ratio) == [5] and cfg.warmup_iters == 300 and cfg.max_iters == 20000
+    cfg = runs.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000)
+    runs.apply_defaults(cfg, mcfg, {"ratio", "max_iters"}, sac.SAC)
     assert cfg.ratio == "15" and cfg.max_iters == 1000
     assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
     assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
-    tiny_cfg = train.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
-    train.apply_defaults(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
+    tiny_cfg = runs.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
+    runs.apply_defaults(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
 
 
@@ -210,7 +211,7 @@ def test_r_above_sub_len_gives_one_anchor_per_sub_context(base_dir):
     assert mem.slots().tolist() == [1 + 3, 1 + 1] and mem.stats["anchor_ratio"] == [50.0, 40.0]
     with torch.no_grad():  # an empty context keeps the bos slot (from its empty sub-context 0)
         assert m.compress(ctx_batch(tok, [20, 0]), 4).slots().tolist() == [1 + 5, 1]
-    sac.SAC.check_config(train.TrainConfig(ratio="1000"), sac.SACConfig())  # no error
+    sac.SAC.check_config(runs.TrainConfig(ratio="1000"), sac.SACConfig())  # no error
 
 
 # -----------------------------------------------------------------------------
@@ -294,7 +295,7 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
     out = tmp_path / "run"
     run(["--method", "sac", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--ratio", 4,
          "--sub_len", 64, "--out_dir", out, "--eval_examples", 2, "--device", "cpu", "--quiet", "--lora_r", 4])
-    cfg, mcfg, tok, base, method = train.load_run(str(out))
+    cfg, mcfg, tok, base, method = runs.load_run(str(out))
     assert mcfg.sub_len == 64
     batch = data.collate_qa(data.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
     outs, mem = evaluate.answer(method, batch, 4, 8)
@@ -317,7 +318,7 @@ def test_ablation_flags_run(tmp_path, base_dir):
     run(["--method", "sac", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--ratio", 8,
          "--anchors", "random", "--causal", "--no_anchor_embedding", "--out_dir", out, "--eval_examples", 2,
          "--device", "cpu", "--quiet", "--lora_r", 4])
-    cfg, mcfg, *_ = train.load_run(str(out))
+    cfg, mcfg, *_ = runs.load_run(str(out))
     assert cfg.objective == "qa" and mcfg.anchors == "random" and mcfg.causal and mcfg.no_anchor_embedding
     assert "anchor_emb" not in read_params(out)
 

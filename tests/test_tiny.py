@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tiny
+import runs
 import train
 from test_meanpool import _method
 
@@ -68,7 +69,7 @@ def test_base_curriculum_batches(tmp_path):
     examples come 4 to a batch slot, split evenly over ranks and accumulation steps."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
-    cfg = train.TrainConfig(method="base", max_iters=100, batch_size=2, grad_accum=2)
+    cfg = runs.TrainConfig(method="base", max_iters=100, batch_size=2, grad_accum=2)
     method = tiny.Base.__new__(tiny.Base)
     method.cfg = tiny.BaseConfig()
     people = {}
@@ -87,7 +88,7 @@ def test_compressor_curriculum_batches(tmp_path):
     30 % of steps; the eval set's mix (2-8 people, 3-6 attributes) from 70 % on."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
-    cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
+    cfg = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
     batches = train.Batches(cfg, tok, None)
     early, late = batches.raw(10, 16), batches.raw(80, 16)
     sentences = lambda ex: len(ex["chunks"][0].split(". "))
@@ -103,7 +104,7 @@ def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
     from common import default_tokenizer
     import data
     tok = default_tokenizer(tmp_path)
-    cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
+    cfg = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
     method = type("MeanPool", (), {})()
     batches = train.Batches(cfg, tok, method)
     items = batches.raw(90, 4)
@@ -192,7 +193,7 @@ def _with_aid(base_dir, name, **kw):
     for p in base.parameters():
         p.requires_grad_(False)
     cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
-    m = cls(base, cls.Config(**kw), tok, train.TrainConfig(method=name, objective="qa"))
+    m = cls(base, cls.Config(**kw), tok, runs.TrainConfig(method=name, objective="qa"))
     m.aid = tiny.AttentionDistillation(m, 1.0)
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
     return m, (m.prepare(batch) if name == "ata" else batch)
@@ -257,8 +258,8 @@ def test_shipped_base_reads_its_context():
     import eval as evaluate
     from model import Transformer
     base, tok = Transformer.from_pretrained(tiny.BASE_DIR).eval(), data.load_tokenizer(tiny.BASE_DIR)
-    records = data.Synthetic(seed=train.TrainConfig.seed, split="test").qa_examples(64)
-    rows = evaluate.teacher_rows(base, tok, records, train.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
+    records = data.Synthetic(seed=runs.TrainConfig.seed, split="test").qa_examples(64)
+    rows = evaluate.teacher_rows(base, tok, records, runs.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
     assert rows["teacher"]["f1"] >= 85 and rows["no-context"]["f1"] < 20, rows
     assert tiny.is_tiny("") and not tiny.needs_training("")
 
@@ -269,10 +270,10 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
     their memory through a trainable LoRA `decoder` (saved with the run); --no_aids keeps
     the paper's frozen decoder."""
     import data
-    cls = train.method_registry()[name]
+    cls = runs.method_registry()[name]
     for no_aids in (False, True):
-        cfg = train.TrainConfig(method=name, objective="qa", no_aids=no_aids)
-        tok, base, m = train.build(cfg, cls.Config(), "cpu", torch.float32)
+        cfg = runs.TrainConfig(method=name, objective="qa", no_aids=no_aids)
+        tok, base, m = runs.build(cfg, cls.Config(), "cpu", torch.float32)
         assert m.dec_adapter == (None if no_aids else "decoder")
         assert ("decoder" in base.adapter_configs) != no_aids
         assert any("lora_A.decoder" in n for n, p in m.named_parameters() if p.requires_grad) != no_aids

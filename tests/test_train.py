@@ -2,12 +2,15 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import runs
 import train
-from common import DDP_ATOL, hf_checkpoint, read_params, run, squad_file, torchrun
+from common import DDP_ATOL, ROOT, hf_checkpoint, read_params, run, squad_file, torchrun
 
 
 
@@ -63,7 +66,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path,
     assert json.load(open(out / "run.json"))["step"] == 4
     after = read_params(out)  # the files run.json names are still there and whole
     assert all(torch.equal(before[k], after[k]) for k in before)
-    cfg, mcfg, tok, base, method = train.load_run(str(out))  # and the run loads
+    cfg, mcfg, tok, base, method = runs.load_run(str(out))  # and the run loads
     assert cfg.method == "meanpool"
 
 
@@ -143,7 +146,7 @@ def test_help_lists_every_flag():
 
 
 def test_lr_schedules():
-    cfg = train.TrainConfig(lr=1.0, max_iters=100, warmup_frac=0.1, min_lr_frac=0.1)
+    cfg = runs.TrainConfig(lr=1.0, max_iters=100, warmup_frac=0.1, min_lr_frac=0.1)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
     assert train.lr_at(100, cfg) == pytest.approx(0.1)  # cosine ends at lr * min_lr_frac
     assert train.lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean
@@ -162,7 +165,7 @@ def test_new_inputs_start_at_the_scale_the_model_reads(tmp_path):
     tok, base = data.load_tokenizer(ckpt), Transformer.from_pretrained(ckpt)
     fed = base.model.embed_tokens(torch.arange(base.config.vocab_size)).std().item()
     assert base.model.embed_tokens.scale and abs(base.model.embed_tokens.input_std() / fed - 1) < 0.05
-    run = train.TrainConfig(objective="qa", ratio="4", max_context=128)
+    run = runs.TrainConfig(objective="qa", ratio="4", max_context=128)
     m = pic.PIC(base, pic.PICConfig(), tok, run)
     assert 0.8 < m.mem_embed.std().item() / fed < 1.2
     a = ata.ATA(Transformer.from_pretrained(ckpt), ata.ATAConfig(lora_r=4), tok, run)
@@ -181,7 +184,7 @@ def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
     tok = data.load_tokenizer(ckpt)
     start, user = tok.special("<|im_start|>"), tok.encode("user\n", start=False)
     for prompt, prefix in (("auto", [tok.bos_id, start] + user), ("plain", [tok.bos_id])):
-        cfg = train.TrainConfig(method="teacher", init_from=ckpt, data=squad, prompt=prompt, batch_size=2)
+        cfg = runs.TrainConfig(method="teacher", init_from=ckpt, data=squad, prompt=prompt, batch_size=2)
         batch = train.Batches(cfg, tok, object())(0)[0]
         assert batch["prefix"] == prefix and batch["full"][0, :len(prefix)].tolist() == prefix
     in_process(["--method", "teacher", "--init_from", ckpt, "--data", squad, "--max_iters", 1, "--batch_size", 2,
@@ -189,3 +192,10 @@ def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
     assert json.load(open(tmp_path / "t" / "run.json"))["train"]["prompt"] == "auto"
     p = run(["--method", "teacher", "--init_from", ckpt, "--prompt", "vicuna"], check=False)
     assert p.returncode != 0 and "--prompt 'vicuna'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_eval_does_not_import_train():
+    """No import cycle: eval.py reads runs through runs.py; only train.py calls eval."""
+    out = subprocess.run([sys.executable, "-c", "import sys, eval; print('train' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

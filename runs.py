@@ -1,0 +1,383 @@
+"""A run: its flags, its method, its checkpoint files (SPEC §2.4-2.5). train.py writes
+runs and eval.py reads them; both import this file and neither imports the other's loop.
+
+- `TrainConfig` is train.py's command line; `parse_args` turns flags into dataclasses
+  (the fields are the flags) for train.py and eval.py alike.
+- `method_registry` maps --method to a class; `build` makes (tokenizer, base, method);
+  `apply_defaults` fills 0-valued flags from the method's TINY or PAPER values.
+- A run dir holds run.json (the configs, the step, the checkpoint file names) and
+  safetensors of the trainable tensors; `load_run` rebuilds a finished run for eval.
+"""
+import json
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import ata
+import data
+import meanpool
+import pic
+import sac
+import sentence_gist
+import tiny
+from model import Transformer
+
+
+
+@dataclass
+class TrainConfig:
+    # --- run
+    method: str = "meanpool"   # base | teacher | meanpool | pic | sentence_gist | sac | ata
+    objective: str = ""        # "" = the method's first objective; see --help of each method
+    ratio: str = "4,8,16"      # one compression ratio, or a set trained together: 4,8,16
+    init_from: str = ""        # HF checkpoint dir or one of our run dirs; "" = tiny_base/ (shipped)
+    teacher: str = ""          # a --method teacher run dir whose adapter is merged into the base
+    data: str = ""             # QA / text file (SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, .txt); "" = synthetic
+    eval_data: str = ""        # held-out file for the final evaluation; "" = synthetic test split
+    skip_bad: bool = False     # skip (and count) malformed records instead of stopping
+    hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
+    prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
+    out_dir: str = ""          # "" = out/<method>
+    no_aids: bool = False      # tiny base only: none of tiny.py's aids (curriculum, attention KD, decoder LoRA)
+    # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
+    max_iters: int = 0
+    batch_size: int = 0
+    grad_accum: int = 1
+    lr: float = 0.0
+    min_lr_frac: float = 0.1   # cosine decays to lr * min_lr_frac
+    warmup_frac: float = 0.05
+    warmup_iters: int = 0      # linear warmup steps where a paper gives a count; 0 = warmup_frac * max_iters
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_context: int = 1024
+    max_answer: int = 64
+    # --- logging / eval
+    eval_interval: int = 0     # validation loss every N steps (0 = 4 times per run)
+    eval_examples: int = 200   # held-out QA examples for the final EM/F1 (0: train only, e.g. a pretraining stage)
+    # --- system
+    device: str = ""           # "" = cuda if available else cpu
+    dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
+    compile: bool = False      # torch.compile the model and the losses
+    grad_ckpt: bool = False    # activation checkpointing per decoder layer: large models fit, ~1/3 more compute
+    seed: int = 1337
+    resume: bool = False
+    quiet: bool = False        # no progress bar
+
+
+
+# -----------------------------------------------------------------------------
+# command line: the dataclass fields are the flags
+
+
+USAGE = "python train.py --method NAME [--flag value ...]"
+
+
+def parse_args(argv, *configs, positional=None, usage=USAGE):
+    """--key=value or --key value over the fields of several dataclasses; bools are
+    switches (--compile, --no_linear); bare arguments are joined into the field named
+    `positional`. Returns (instances, set of explicit keys)."""
+    known = {f.name: (c, f) for c in configs for f in fields(c)}
+    values, explicit = {}, set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print_help(configs, usage)
+            sys.exit(0)
+        if not arg.startswith("--") and positional:
+            values[positional] = (values.get(positional, "") + " " + arg).strip()
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {arg!r}; flags look like --method=pic")
+        key, _, val = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if key not in known:
+            raise SystemExit(f"error: unknown flag --{key}; see python train.py --help")
+        f = known[key][1]
+        if f.type in (bool, "bool") and not _:
+            val = "true"
+        elif not _:
+            i += 1
+            if i >= len(argv):
+                raise SystemExit(f"error: flag --{key} needs a value")
+            val = argv[i]
+        values[key] = _convert(key, f, val)
+        explicit.add(key)
+        i += 1
+    out = []
+    for c in configs:
+        out.append(c(**{k: v for k, v in values.items() if known[k][0] is c}))
+    return out, explicit
+
+
+def _convert(key, f, val):
+    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(f.type, f.type)
+    if typ is bool:
+        if val.lower() not in ("true", "false", "1", "0"):
+            raise SystemExit(f"error: --{key} is a switch; got {val!r}")
+        return val.lower() in ("true", "1")
+    try:
+        return typ(val)
+    except ValueError:
+        raise SystemExit(f"error: --{key} expects {typ.__name__}, got {val!r}")
+
+
+def print_help(configs, usage=USAGE):
+    import inspect
+    print(f"usage: {usage}\n")
+    for c in configs:
+        print(f"{c.__name__} ({os.path.basename(inspect.getsourcefile(c))}):")
+        src = inspect.getsource(c).splitlines()
+        for f in fields(c):
+            line = next((l for l in src if l.strip().startswith(f"{f.name}:")), "")
+            note = line.split("#", 1)[1].strip() if "#" in line else ""
+            print(f"  --{f.name:<18} {str(f.default)!r:<14} {note}")
+
+
+def ratios_of(spec):
+    try:
+        rs = [int(r) for r in str(spec).split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --ratio {spec!r} must be an integer or a comma list like 4,8,16")
+    if not rs or any(r <= 0 for r in rs):
+        raise SystemExit(f"error: --ratio {spec!r}: every ratio must be a positive integer")
+    return rs
+
+
+# -----------------------------------------------------------------------------
+# base and teacher: the two non-compressing "methods"
+
+
+@dataclass
+class TeacherConfig:
+    lora_r: int = 16
+    lora_alpha: int = 16
+
+
+class Teacher(torch.nn.Module):
+    """`--method teacher`: `sft` of a real checkpoint with a `teacher` LoRA adapter on
+    full-context QA (meanpool_multi_ratio §5.1: the teacher is finetuned first, then
+    frozen). Compressors merge it into the base with --teacher."""
+    objectives = ("sft",)
+    TINY = dict(max_iters=200, batch_size=16, lr=1e-3)
+
+    def __init__(self, base, cfg, tok, run):
+        super().__init__()
+        self.base = base
+        base.add_adapter("teacher", cfg.lora_r, cfg.lora_alpha)
+
+    def forward(self, batch, ratios):
+        with self.base.adapter("teacher"):
+            h = self.base(batch["full"], output="hidden")
+        loss, n = self.base.ce(h, batch["full_labels"])
+        return loss, n, {}
+
+
+def method_registry():
+    """The one map from --method names to classes (SPEC §2.4)."""
+    return {"base": tiny.Base, "teacher": Teacher, "meanpool": meanpool.MeanPool, "pic": pic.PIC,
+            "sentence_gist": sentence_gist.SentenceGist, "sac": sac.SAC, "ata": ata.ATA}
+
+
+def method_config(cls):
+    return {tiny.Base: tiny.BaseConfig, Teacher: TeacherConfig}.get(cls, getattr(cls, "Config", None))
+
+
+# -----------------------------------------------------------------------------
+# building a run: tokenizer, base model, method
+
+
+def load_base(cfg, device, dtype):
+    """(tokenizer, base Transformer) for cfg.init_from (an HF dir or a run dir)."""
+    path = tiny.base_path(cfg.init_from)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise SystemExit(f"error: --init_from {path!r} is not an HF checkpoint dir (no config.json)")
+    tok = data.load_tokenizer(path)
+    base = Transformer.from_pretrained(path, dtype=dtype, device=device)
+    if cfg.teacher:
+        adapter = os.path.join(cfg.teacher, "teacher")
+        if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
+            raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
+        base.load_adapter(adapter, "teacher")
+        base.merge_adapter("teacher")  # the teacher is the frozen base from here on
+    return tok, base
+
+
+def build(cfg, mcfg, device, dtype):
+    cls = method_registry()[cfg.method]
+    tok, base = load_base(cfg, device, dtype)
+    for p in base.parameters():
+        p.requires_grad_(cfg.method == "base")
+    method = cls(base, mcfg, tok, cfg)
+    if tiny.aided(cfg):
+        tiny.add_decoder_adapter(method)
+    method = method.to(device)
+    for m in method.modules():  # the base and any separate encoder / decoder (pic)
+        if isinstance(m, Transformer):
+            m.grad_ckpt = cfg.grad_ckpt
+    if cfg.method != "base" and first_stage(cfg.init_from, cfg.method):
+        load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata, sentence_gist)
+    return tok, base, method
+
+
+def first_stage(init_from, method):
+    """The train config of the run dir `init_from` when it is an earlier stage of the same
+    method (e.g. pic ae+lm before qa), else None."""
+    path = os.path.join(init_from, "run.json") if init_from else ""
+    if not path or not os.path.exists(path):
+        return None
+    first = json.load(open(path))["train"]
+    return first if first["method"] == method else None
+
+
+def inherit_first_stage(cfg, mcfg, explicit, cls):
+    """A second stage (--init_from an earlier run of the same method) runs under the first
+    stage's method config: its tensors were shaped and trained under it (a pic memory table
+    of --max_mem rows, an encoder pretrained with --mask causal). A flag given with another
+    value is a one-line error, except the stage's own (cls.STAGE_FLAGS: gist's --stage)."""
+    if not first_stage(cfg.init_from, cfg.method):
+        return
+    for key, val in json.load(open(os.path.join(cfg.init_from, "run.json")))["method"].items():
+        if key in getattr(cls, "STAGE_FLAGS", ()) or not hasattr(mcfg, key):
+            continue
+        if key in explicit and getattr(mcfg, key) != val:
+            raise SystemExit(f"error: --{key} {getattr(mcfg, key)!r} conflicts with the first stage "
+                             f"{cfg.init_from} ({key}={val!r}); drop the flag to inherit it")
+        setattr(mcfg, key, val)
+
+
+def apply_defaults(cfg, mcfg, explicit, cls):
+    """0 = method default. On the tiny base the method's TINY values; on real checkpoints
+    the paper's (its Config fields)."""
+    small = dict(getattr(cls, "TINY", {})) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
+    paper = {**getattr(cls, "PAPER", {}), **getattr(cls, "STAGES", {}).get(getattr(mcfg, "stage", None), {})}
+    for key, val in {**paper, **small}.items():
+        if key in explicit:
+            continue
+        target = cfg if hasattr(cfg, key) else mcfg
+        setattr(target, key, val)
+    cfg.max_iters = cfg.max_iters or 1000
+    cfg.batch_size = cfg.batch_size or 16
+    cfg.lr = cfg.lr or 1e-4
+    cfg.out_dir = cfg.out_dir or os.path.join("out", cfg.method)
+    if not cfg.objective:
+        cfg.objective = cls.default_objective(mcfg) if hasattr(cls, "default_objective") else cls.objectives[0]
+    if cfg.objective not in cls.objectives:
+        raise SystemExit(f"error: --objective {cfg.objective!r} does not apply to --method {cfg.method}; "
+                         f"choose from {', '.join(cls.objectives)}")
+
+
+
+
+def read_records(path, cfg, stats=None):
+    return data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
+
+
+def to_device(batch, device):
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: safetensors + JSON, written atomically (temp file, fsync, rename)
+
+
+def atomic_write(path, write):
+    tmp = path + ".tmp"
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def trainable_state(method):
+    return {n: p for n, p in method.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
+    """ckpt-<step>.safetensors (trainable tensors) and optim-<step>.safetensors (AdamW
+    state, torch RNG), then run.json naming them: its rename is the commit point, so a
+    kill at any moment leaves the previous checkpoint whole. Older files go after."""
+    os.makedirs(out_dir, exist_ok=True)
+    named = trainable_state(method)
+    names = {id(p): n for n, p in named.items()}
+    opt_tensors, groups = {"rng::torch": torch.get_rng_state()}, []
+    for g in opt.param_groups:
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]})
+        for p in g["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                opt_tensors[f"{names[id(p)]}::{k}"] = v.detach().contiguous().cpu()
+    files = {"ckpt": f"ckpt-{step:07d}.safetensors", "optim": f"optim-{step:07d}.safetensors"}
+    params = {n: p.detach().contiguous().cpu() for n, p in named.items()}
+    atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
+    atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(opt_tensors, p))
+    if cfg.method == "base":  # the base run dir is also an HF checkpoint dir
+        atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_hf_weights(method.base, p))
+    if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
+        method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
+    state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
+             "param_groups": groups,
+             "python_rng": list(random.getstate()[1])}
+    atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
+    for f in os.listdir(out_dir):
+        if f.startswith(("ckpt-", "optim-")) and f not in files.values():
+            os.remove(os.path.join(out_dir, f))
+
+
+def save_hf_weights(model, path):
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if "lora_" not in k}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def load_checkpoint(out_dir, method, opt=None):
+    """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
+    state = json.load(open(os.path.join(out_dir, "run.json")))
+    params = trainable_state(method) if opt is not None else dict(method.named_parameters())
+    tensors = load_file(os.path.join(out_dir, state["files"]["ckpt"]))
+    unknown = [k for k in tensors if k not in params]
+    if unknown:
+        raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters")
+    with torch.no_grad():
+        for k, v in tensors.items():
+            params[k].copy_(v)
+    if opt is not None:
+        for g, saved in zip(opt.param_groups, state["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for key, v in load_file(os.path.join(out_dir, state["files"]["optim"])).items():
+            name, _, slot = key.partition("::")
+            if name == "rng":
+                torch.set_rng_state(v)
+            else:
+                opt.state[params[name]][slot] = v.to(params[name].device)
+        random.setstate((3, tuple(state["python_rng"]), None))
+    return state["step"]
+
+
+def load_run(run_dir, device="cpu", dtype=torch.float32):
+    """(cfg, mcfg, tok, base, method) of a finished run, ready for eval."""
+    path = os.path.join(run_dir, "run.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"error: {run_dir!r} is not a run dir (no run.json)")
+    try:
+        state = json.load(open(path))
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: {path}: corrupt run.json ({e})")
+    methods = method_registry()
+    name = state["train"]["method"]
+    if name not in methods:
+        raise SystemExit(f"error: {run_dir}: unknown method {name!r}; known: {', '.join(methods)}")
+    cfg = TrainConfig(**state["train"])
+    mcfg = method_config(methods[name])(**state["method"])
+    if name == "base":
+        cfg.init_from = run_dir
+    tok, base, method = build(cfg, mcfg, device, dtype)
+    if name != "base":
+        load_checkpoint(run_dir, method)
+    method.eval()
+    return cfg, mcfg, tok, base, method
