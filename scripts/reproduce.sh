@@ -4,22 +4,30 @@
 # from paired-bootstrap intervals, and RESULTS.md generated whole from this run.
 #   bash scripts/reproduce.sh            # the suite at the budget below; rewrites RESULTS.md
 #   bash scripts/reproduce.sh --smoke    # every entry for 2 steps, 4 questions (CI); report in $OUT-smoke
-#   ITERS= EXAMPLES=1000 bash scripts/reproduce.sh   # each method's default steps (300-500), 1000 questions
+#   ITERS=700 EXAMPLES=1000 bash scripts/reproduce.sh   # 700 steps for every run, 1000 questions
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Budget: <= 60 min on 2 CPU cores. From a 60-step, 100-question run (1084 s for the 29 runs):
-# ~0.5 s per training step, ~60 questions/s per evaluated ratio; 29 x 150 steps ~ 38 min, and
-# 25 runs x (teacher, no context, 1-3 ratios) x 400 questions ~ 12 min.
-ITERS=${ITERS-150}               # training steps per run and per pretraining stage ("" = each method's default)
+# Budget: <= 60 min on 2 CPU cores, two runs at a time with one thread each (small models
+# use cores better one thread each: ~1.3x the throughput of one run on two threads).
+# Steps per run, per family (ITERS overrides all): the fewest at which each family learns on the
+# tiny base, from each method's default run (README) and 400-step probes.
+ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
+MP_ITERS=${MP_ITERS:-400}        # meanpool, compression tokens, pic's ae+lm stage (batch 8)
+PIC_ITERS=${PIC_ITERS:-700}      # pic qa (batch 8): at 400 steps it is still at the no-context level
+SAC_ITERS=${SAC_ITERS:-300}      # sac (batch 16)
+GIST_ITERS=${GIST_ITERS:-150}    # sentence_gist (batch 16)
+ATA_ITERS=${ATA_ITERS:-150}      # ata, each stage (batch 16)
+JOBS=${JOBS:-2}                  # runs at a time
 EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
 RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}
 start=$(date +%s)
 COMMON=(--seed "$SEED" --quiet)
 BASE=tiny_base
-CMD="ITERS=$ITERS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
+CMD="${ITERS:+ITERS=$ITERS }${ITERS:-MP_ITERS=$MP_ITERS PIC_ITERS=$PIC_ITERS SAC_ITERS=$SAC_ITERS GIST_ITERS=$GIST_ITERS ATA_ITERS=$ATA_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke ITERS=2 EXAMPLES=4
   RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
@@ -29,47 +37,63 @@ elif [ -n "${INIT_FROM:-}" ]; then
   BASE=$INIT_FROM
   COMMON+=(--init_from "$INIT_FROM" --data "$DATA" --eval_data "$EVAL_DATA")
 fi
-[ -n "$ITERS" ] && COMMON+=(--max_iters "$ITERS")
 COMMON+=(--eval_examples "$EXAMPLES")
-evaluated=()
-train_one() { local name=$1; shift; echo "== $name: $*"; python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > /dev/null; }
-run() { train_one "$@"; evaluated+=("$OUT/$1"); }        # trained, evaluated, one table row each
-stage() { train_one "$@" --eval_examples 0; }          # a pretraining stage: trained, not evaluated
+evaluated=() pids=()
+train_one() {  # NAME STEPS FLAGS...: one run dir, its output in NAME.log
+  local name=$1 steps=${ITERS:-$2}; shift 2
+  echo "== $name: --max_iters $steps $*"
+  python train.py --out_dir "$OUT/$name" "${COMMON[@]}" --max_iters "$steps" "$@" > "$OUT/$name.log" 2>&1 ||
+    { echo "error: $name failed; see $OUT/$name.log" >&2; return 1; }
+}
+stage() { train_one "$@" --eval_examples 0; }  # a pretraining stage: trained, not evaluated
+job() {  # a command in the background, at most JOBS at a time; a failed one stops the suite
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  "$@" & pids+=($!)
+}
+run() { evaluated+=("$OUT/$1"); job train_one "$@"; }  # trained, evaluated, one table row each
+stage_then_train() {  # STAGE FLAGS... -- NAME FLAGS...: a pretraining stage, then the run from it
+  local first=(); while [ "$1" != "--" ]; do first+=("$1"); shift; done; shift
+  stage "${first[@]}" && train_one "$@"
+}
+run_after() { local i; for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--" ] && break; done
+              evaluated+=("$OUT/${@:i+1:1}"); job stage_then_train "$@"; }
+mkdir -p "$OUT"
 
 # meanpool_multi_ratio Tables 1/3: mean pooling vs compression tokens (causal, bidirectional),
 # multi- vs single-ratio, no linear layer, ratio sampling
-run meanpool              --method meanpool --ratio 4,8,16
-run meanpool-single4      --method meanpool --ratio 4
-run meanpool-single16     --method meanpool --ratio 16
-run meanpool-no_linear    --method meanpool --ratio 4,8,16 --no_linear
-run meanpool-sampling     --method meanpool --ratio 4,8,16 --ratio_sampling
-run ctok-causal           --method pic --ratio 4,8,16 --mask causal --mem single
-run ctok-bidir            --method pic --ratio 4,8,16 --mask bidir --mem single
+run meanpool              $MP_ITERS --method meanpool --ratio 4,8,16
+run meanpool-single4      $MP_ITERS --method meanpool --ratio 4
+run meanpool-single16     $MP_ITERS --method meanpool --ratio 16
+run meanpool-no_linear    $MP_ITERS --method meanpool --ratio 4,8,16 --no_linear
+run meanpool-sampling     $MP_ITERS --method meanpool --ratio 4,8,16 --ratio_sampling
+run ctok-causal           $MP_ITERS --method pic --ratio 4,8,16 --mask causal --mem single
+run ctok-bidir            $MP_ITERS --method pic --ratio 4,8,16 --mask bidir --mem single
 # pic Table 4: block-wise vs full causal mask (at 4x and 16x), and the paper's two stages
 # (ae+lm pretraining on the text stream, then qa finetuning from it)
-run pic-blockwise         --method pic --ratio 4,16 --mask blockwise
-run pic-causal            --method pic --ratio 4,16 --mask causal
-stage pic-pretrain        --method pic --ratio 16 --objective ae+lm
-run pic-blockwise-ae+lm   --method pic --ratio 16 --init_from "$OUT/pic-pretrain"
+run pic-blockwise         $PIC_ITERS --method pic --ratio 4,16 --mask blockwise
+run pic-causal            $PIC_ITERS --method pic --ratio 4,16 --mask causal
+run_after pic-pretrain $MP_ITERS --method pic --ratio 16 --objective ae+lm -- \
+          pic-blockwise-ae+lm $PIC_ITERS --method pic --ratio 16 --init_from "$OUT/pic-pretrain"
 # sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
-for g in 1 2 4 8; do run gist-$g --method sentence_gist --gists $g; done
+for g in 1 2 4 8; do run gist-$g $GIST_ITERS --method sentence_gist --gists $g; done
 # sac Tables 3-4 (at 5x): SAC vs w/o bidirectional mask, w/o anchor embedding, random
 # anchors; and SAC at 15x (the paper's other ratio)
-run sac-r5                --method sac --ratio 5
-run sac-causal-r5         --method sac --ratio 5 --causal
-run sac-no_emb-r5         --method sac --ratio 5 --no_anchor_embedding
-run sac-random-r5         --method sac --ratio 5 --anchors random
-run sac-r15               --method sac --ratio 15
+run sac-r5                $SAC_ITERS --method sac --ratio 5
+run sac-causal-r5         $SAC_ITERS --method sac --ratio 5 --causal
+run sac-no_emb-r5         $SAC_ITERS --method sac --ratio 5 --no_anchor_embedding
+run sac-random-r5         $SAC_ITERS --method sac --ratio 5 --anchors random
+run sac-r15               $SAC_ITERS --method sac --ratio 15
 # ata Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction, each
 # pretrained with `rel` (reconstruct the relevant chunk) then finetuned with `qa` (§3.4)
 for v in "" no_aac no_selective; do
-  flags=(--method ata ${v:+--$v}); name=ata${v:+-$v}
-  stage $name-rel         "${flags[@]}" --objective rel
-  run $name               "${flags[@]}" --init_from "$OUT/$name-rel"
+  name=ata${v:+-$v}
+  run_after $name-rel $ATA_ITERS --method ata ${v:+--$v} --objective rel -- \
+            $name $ATA_ITERS --method ata ${v:+--$v} --init_from "$OUT/$name-rel"
 done
+for p in "${pids[@]}"; do wait "$p"; done
 
 python eval.py "${evaluated[@]}" --out "$OUT/results.json" | tee "$OUT/results.md"
 python scripts/claims.py "$OUT/results.json" | tee -a "$OUT/results.md"
 wall=$(( $(date +%s) - start ))
 echo "suite: $wall s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
-python scripts/results_md.py "$OUT/results.json" --out "$RESULTS" --base "$BASE" --command "$CMD" --wall_s "$wall"
+OMP_NUM_THREADS=$(nproc) python scripts/results_md.py "$OUT/results.json" --out "$RESULTS" --base "$BASE" --command "$CMD" --wall_s "$wall"

@@ -70,7 +70,7 @@ def base_tokens_per_s(base_dir, batch=16, seq=256, iters=3):
 
 
 def distinct(values):
-    """"150" when all agree, else "150 (20 runs), 2 (5 runs)"."""
+    """"400 x 8" when all agree, else "400 x 8 (11 runs), 300 x 16 (5 runs)"."""
     counts = {}
     for v in values:
         counts[v] = counts.get(v, 0) + 1
@@ -84,7 +84,7 @@ def header(results, args):
     for res in results:
         path = os.path.join(res["run"], "run.json")
         train_cfgs.append(json.load(open(path))["train"] if os.path.exists(path) else {})
-    steps = distinct([t.get("max_iters", "?") for t in train_cfgs])
+    steps = distinct([f"{t.get('max_iters', '?')} x {t.get('batch_size', '?')}" for t in train_cfgs])
     seeds = distinct([t.get("seed", "?") for t in train_cfgs])
     questions = distinct([r.get("n", "?") for res in results for r in res["rows"]])
     tps = f"{base_tokens_per_s(args.base):,.0f} tokens/s (fwd + bwd, fp32, batch 16 x 256)" if args.base else "-"
@@ -101,7 +101,7 @@ def header(results, args):
         f"- machine: {machine()}",
         f"- base: `{args.base or '-'}`, {tps}",
         f"- wall time: {wall} for {len(results)} evaluated runs (pretraining stages included, not listed)",
-        f"- seeds: {seeds}; training steps per run: {steps}; held-out questions per row: {questions}",
+        f"- seeds: {seeds}; training steps x batch per run: {steps}; held-out questions per row: {questions}",
     ])
 
 

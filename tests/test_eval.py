@@ -278,7 +278,7 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     for res in results:
         res["run"] = str(tmp_path / os.path.basename(res["run"]))
         os.makedirs(res["run"])
-        (tmp_path / res["run"] / "run.json").write_text(json.dumps({"train": {"max_iters": 150, "seed": 1337}}))
+        (tmp_path / res["run"] / "run.json").write_text(json.dumps({"train": {"max_iters": 150, "batch_size": 16, "seed": 1337}}))
     (tmp_path / "results.json").write_text(json.dumps(results))
     out = tmp_path / "report" / "RESULTS.md"
     out.parent.mkdir()
@@ -289,7 +289,7 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     text = out.read_text()
     assert "hand-written" not in text and text.startswith("# Results: the reproduction suite")
     for want in ("- command: `bash x.sh`", "- wall time: 125 s (2.1 min) for 2 evaluated runs",
-                 "- seeds: 1337; training steps per run: 150; held-out questions per row: 20",
+                 "- seeds: 1337; training steps x batch per run: 150 x 16; held-out questions per row: 20",
                  "tokens/s (fwd + bwd", "| meanpool | 4.0x | 0.0 [0.0, 0.0] | 50.0 [",
                  "| mean pooling > bidirectional compression tokens, 4x | meanpool@4 > ctok-bidir@4 | 70.55 / 69.57 |"
                  " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question"):
