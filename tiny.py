@@ -15,6 +15,11 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   layout (window, chunk, anchor, a sentence's gists, ATA's relevant chunk).
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it.
+
+Why the K/V-memory methods (sentence_gist, sac, ata) stay far below meanpool and pic here:
+a memory token's layer-0 K/V are a function of its own embedding alone, so on a 4-layer
+base the context reaches the decoder in 3 layers after at most 3 of mixing, whereas an
+embedding memory (meanpool, pic) is the encoder's last layer read by all 4 decoder layers.
 """
 import json
 import math
