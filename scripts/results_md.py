@@ -5,13 +5,18 @@ questions), eval.py's table with 95% intervals, scripts/claims.py's verdicts, th
     python scripts/results_md.py out/suite/results.json --base tiny_base --out RESULTS.md \
         --command "bash scripts/reproduce.sh" --wall_s 3512
 
-Nothing in the file is written by hand: rerunning the suite rewrites it.
+Nothing in the file is written by hand: rerunning the suite rewrites it, keeping the
+sections other commands put there (`--section`, e.g. scripts/smollm2_squad.sh), each
+between `<!-- section: TITLE -->` and `<!-- end section -->`:
+
+    python scripts/results_md.py --section "SmolLM2 on SQuAD" --body out/smollm2/section.md --out RESULTS.md
 """
 import argparse
 import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -111,6 +116,28 @@ F1 with their 95% bootstrap interval over questions; F1/teacher = (F1 - no-conte
 = compress + answer for methods, answer with the full context for the teacher."""
 
 
+SECTION = re.compile(r"^<!-- section: (?P<title>.+?) -->\n.*?^<!-- end section -->$", re.M | re.S)
+
+
+def read(path):
+    return open(path).read() if os.path.exists(path) else ""
+
+
+def write(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def put_section(path, title, body):
+    """Replace the section TITLE of the file at path with body (or append it)."""
+    block = f"<!-- section: {title} -->\n## {title}\n\n{body.strip()}\n<!-- end section -->"
+    text = read(path)
+    old = next((m for m in SECTION.finditer(text) if m["title"] == title), None)
+    text = text[:old.start()] + block + text[old.end():] if old else text.rstrip() + ("\n\n" if text else "") + block
+    write(path, text.rstrip() + "\n")
+
+
 def report(results, args):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     png = evaluate.plot(results, os.path.join(out_dir, os.path.splitext(os.path.basename(args.out))[0] + ".png"))
@@ -119,17 +146,27 @@ def report(results, args):
              claims.table(results)]
     if png:
         parts += ["## F1 vs compression ratio", f"![F1 vs compression ratio]({os.path.basename(png)})"]
+    parts += [m.group(0) for m in SECTION.finditer(read(args.out))]  # other commands' sections stay
     return "\n\n".join(parts) + "\n"
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", help="eval.py --out JSON of the suite")
+    parser.add_argument("results", nargs="?", help="eval.py --out JSON of the suite")
     parser.add_argument("--out", default="RESULTS.md", help="the markdown file to write (the .png goes beside it)")
     parser.add_argument("--base", default="", help="the base checkpoint dir, for its tokens/s")
     parser.add_argument("--command", default="", help="the command that ran the suite, for the header")
     parser.add_argument("--wall_s", type=float, default=0, help="the suite's wall time in seconds")
+    parser.add_argument("--section", default="", help="instead: put --body into --out as the section of this title")
+    parser.add_argument("--body", default="", help="--section: a markdown file")
     args = parser.parse_args(argv)
+    if args.section:
+        if not os.path.exists(args.body):
+            raise SystemExit(f"error: --body {args.body!r}: file not found")
+        put_section(args.out, args.section, read(args.body))
+        return print(f"wrote section {args.section!r} of {args.out}")
+    if not args.results:
+        raise SystemExit("error: name the suite's results JSON (eval.py --out), or use --section")
     try:
         results = json.load(open(args.results))
     except (OSError, ValueError) as e:
@@ -138,10 +175,7 @@ def main(argv):
         raise SystemExit(f"error: {args.results}: expected eval.py --out's list of runs")
     if args.base and not os.path.exists(os.path.join(args.base, "config.json")):
         raise SystemExit(f"error: --base {args.base}: no config.json (not a checkpoint dir)")
-    text = report(results, args)
-    with open(args.out + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(args.out + ".tmp", args.out)
+    write(args.out, report(results, args))
     print(f"wrote {args.out}")
 
 

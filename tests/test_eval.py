@@ -299,3 +299,26 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     assert out.read_text().split("- machine")[1].split("- base")[0] == text.split("- machine")[1].split("- base")[0]
     with pytest.raises(SystemExit, match="--base .*: no config.json"):
         results_md.main(args[:3] + ["--base", str(tmp_path)])
+
+
+def test_results_md_keeps_other_commands_sections(tmp_path):
+    """--section puts a block into RESULTS.md (appended, then replaced in place), and the
+    suite's regeneration of the file keeps it while dropping hand-written text."""
+    results_md = _load_script("results_md")
+    out, body = tmp_path / "RESULTS.md", tmp_path / "body.md"
+    out.write_text("hand-written history\n")
+    body.write_text("first table\n")
+    results_md.main(["--section", "SmolLM2", "--body", str(body), "--out", str(out)])
+    body.write_text("second table\n")
+    results_md.main(["--section", "SmolLM2", "--body", str(body), "--out", str(out)])
+    text = out.read_text()
+    assert text.count("## SmolLM2") == 1 and "second table" in text and "first table" not in text
+    ids = [f"q{i}" for i in range(4)]
+    results = _suite_results({"meanpool": {4: ({q: 50.0 for q in ids}, {"n": 4})}})
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    results_md.main([str(tmp_path / "results.json"), "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# Results: the reproduction suite") and "hand-written" not in text
+    assert "<!-- section: SmolLM2 -->\n## SmolLM2\n\nsecond table\n<!-- end section -->" in text
+    with pytest.raises(SystemExit, match="--body .*: file not found"):
+        results_md.main(["--section", "x", "--body", str(tmp_path / "missing.md"), "--out", str(out)])
