@@ -23,7 +23,8 @@ EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same question
 SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
 RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}
+CORES=$(getconf _NPROCESSORS_ONLN)    # nproc would read OMP_NUM_THREADS back
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}
 start=$(date +%s)
 COMMON=(--seed "$SEED" --quiet)
 BASE=tiny_base
@@ -96,4 +97,4 @@ python eval.py "${evaluated[@]}" --out "$OUT/results.json" | tee "$OUT/results.m
 python scripts/claims.py "$OUT/results.json" | tee -a "$OUT/results.md"
 wall=$(( $(date +%s) - start ))
 echo "suite: $wall s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"
-OMP_NUM_THREADS=$(nproc) python scripts/results_md.py "$OUT/results.json" --out "$RESULTS" --base "$BASE" --command "$CMD" --wall_s "$wall"
+OMP_NUM_THREADS=$CORES python scripts/results_md.py "$OUT/results.json" --out "$RESULTS" --base "$BASE" --command "$CMD" --wall_s "$wall"
