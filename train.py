@@ -148,6 +148,7 @@ def configure(argv):
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, method_config(cls))
     apply_defaults(cfg, mcfg, explicit, cls)
     inherit_first_stage(cfg, mcfg, explicit, cls)
+    ratios_of(cfg.ratio)  # a bad --ratio is a one-line error before any method's own checks
     if cfg.prompt not in ("auto", "plain", *data.CHAT_FORMATS):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
     if hasattr(cls, "check_config"):
