@@ -39,7 +39,8 @@ Choices the paper leaves open, made here:
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation with m_t holding
 c_t, several QA pairs per context, a LoRA decoder).
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
-`--objective qa --init_from out/pic_pt` (the second inherits the first's config).
+`--objective qa --init_from out/pic_pt` (the second inherits the first's config). On the
+tiny base, qa after 400 ae+lm steps stays at no context in 700 steps (F1 ~6) where from scratch it learns.
 """
 import math
 from dataclasses import dataclass
