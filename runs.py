@@ -150,7 +150,7 @@ def ratios_of(spec):
 
 
 # -----------------------------------------------------------------------------
-# base and teacher: the two non-compressing "methods"
+# the teacher (the non-compressing method beside tiny.Base), and the method registry
 
 
 @dataclass
@@ -270,8 +270,6 @@ def apply_defaults(cfg, mcfg, explicit, cls):
     if cfg.objective not in cls.objectives:
         raise SystemExit(f"error: --objective {cfg.objective!r} does not apply to --method {cfg.method}; "
                          f"choose from {', '.join(cls.objectives)}")
-
-
 
 
 def read_records(path, cfg, stats=None):
