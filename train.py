@@ -132,8 +132,8 @@ def lr_at(step, cfg, schedule="cosine"):
 
 
 def configure(argv):
-    """(cfg, mcfg, explicit flags, method class) from the command line, in two passes:
-    --method decides which method config's flags exist."""
+    """(cfg, mcfg, explicit flags, method class, ratios) from the command line, in two
+    passes: --method decides which method config's flags exist."""
     methods = method_registry()
     name = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
                  for i, a in enumerate(argv) if a.split("=")[0] == "--method"), TrainConfig.method)
@@ -148,12 +148,12 @@ def configure(argv):
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, method_config(cls))
     apply_defaults(cfg, mcfg, explicit, cls)
     inherit_first_stage(cfg, mcfg, explicit, cls)
-    ratios_of(cfg.ratio)  # a bad --ratio is a one-line error before any method's own checks
+    ratios = ratios_of(cfg.ratio)  # a bad --ratio is a one-line error before any method's own checks
     if cfg.prompt not in ("auto", "plain", *data.CHAT_FORMATS):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
-    return cfg, mcfg, explicit, cls
+    return cfg, mcfg, explicit, cls, ratios
 
 
 def init_distributed(cfg):
@@ -223,8 +223,7 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
 def main(argv):
     if "-h" in argv or "--help" in argv:
         return print_help([TrainConfig] + [method_config(c) for c in method_registry().values()])
-    cfg, mcfg, explicit, cls = configure(argv)
-    ratios = ratios_of(cfg.ratio)
+    cfg, mcfg, explicit, cls, ratios = configure(argv)
     ddp, rank, world, device = init_distributed(cfg)
     master = rank == 0
     dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
