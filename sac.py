@@ -34,6 +34,8 @@ Choices the paper leaves open, made here:
   into two halves"; the AE half is the compressed one); the decoder reads the second half
   and predicts each next token (its first token is input only); texts are cut at 2 x
   max_context so the compressed half reaches max_context. No `ae+lm` (Table 5): skipped.
+  On the tiny base, qa after 300 lm steps scores F1 6.2 at 4.9x (20 from scratch): a synthetic
+  text's second half rarely needs its first, so the decoder learns to ignore the memory.
 - Several ratios in `--ratio`: one encoder pass per ratio (anchors differ), losses summed.
 - Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
   batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default,
