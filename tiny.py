@@ -16,10 +16,9 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it.
 
-Why the K/V-memory methods (sentence_gist, sac, ata) stay far below meanpool and pic here:
-a memory token's layer-0 K/V are a function of its own embedding alone, so on a 4-layer
-base the context reaches the decoder in 3 layers after at most 3 of mixing, whereas an
-embedding memory (meanpool, pic) is the encoder's last layer read by all 4 decoder layers.
+How many examples a method sees matters most here (batch 16, F1 at the default ratio):
+sac scores 20 after 300 steps and 65 (0.70 of the teacher's gain) after 800;
+sentence_gist 11 after 300 and 17 after 800; sac at 15x stays at 6 after 800.
 """
 import json
 import math

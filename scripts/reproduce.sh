@@ -8,8 +8,8 @@
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Budget: <= 60 min on 2 CPU cores, two runs at a time with one thread each (small models
-# use cores better one thread each: ~1.3x the throughput of one run on two threads).
+# Cost: 67 min on a 2-core AMD EPYC (base 11.5k tokens/s), two runs at a time with one thread
+# each (small models use cores better so: ~1.3x the throughput of one run on two threads).
 # Steps per run, per family (ITERS overrides all): the fewest at which each family learns on the
 # tiny base, from each method's default run (README) and 400-step probes; sentence_gist and ata
 # do not learn on the tiny base in any budget tried (README), so they get the fewest steps.
@@ -53,12 +53,11 @@ job() {  # a command in the background, at most JOBS at a time; a failed one sto
   "$@" & pids+=($!)
 }
 run() { evaluated+=("$OUT/$1"); job train_one "$@"; }  # trained, evaluated, one table row each
-stage_then_train() {  # STAGE FLAGS... -- NAME FLAGS...: a pretraining stage, then the run from it
+chain() { local n=$1; shift; stage "${@:1:n}" && train_one "${@:n+1}"; }  # N STAGE... NAME...
+run_after() {  # STAGE STEPS FLAGS... -- NAME STEPS FLAGS...: a pretraining stage, then the run from it
   local first=(); while [ "$1" != "--" ]; do first+=("$1"); shift; done; shift
-  stage "${first[@]}" && train_one "$@"
+  evaluated+=("$OUT/$1"); job chain ${#first[@]} "${first[@]}" "$@"
 }
-run_after() { local i; for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--" ] && break; done
-              evaluated+=("$OUT/${@:i+1:1}"); job stage_then_train "$@"; }
 mkdir -p "$OUT"
 
 # The longest chains start first, so that no core idles at the end.
