@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # each (small models use cores better so: ~1.3x the throughput of one run on two threads).
 # Steps per run, per family (ITERS overrides all): the fewest at which each family learns on the
 # tiny base, from each method's default run (README) and 400-step probes; sentence_gist and ata
-# do not learn on the tiny base in any budget tried (README), so they get the fewest steps.
+# stay near the no-context level at any budget that fits here (README), so they get the fewest steps.
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
 MP_ITERS=${MP_ITERS:-400}        # meanpool, compression tokens, pic's ae+lm stage (batch 8)
 PIC_ITERS=${PIC_ITERS:-700}      # pic qa (batch 8): at 400 steps it is still at the no-context level
