@@ -16,7 +16,7 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it.
 
-How many examples a method sees matters most here (batch 16, F1 at the default ratio):
+What more steps buy here (batch 16, F1 at each default ratio):
 sac scores 20 after 300 steps and 65 (0.70 of the teacher's gain) after 800;
 sentence_gist 11 after 300 and 17 after 800; ata (38-45x) 7 after 500 and 6 after 800;
 sac at 15x stays at 6 after 800.
