@@ -98,6 +98,7 @@ table=()  # the table in the papers' order
 for family in meanpool ctok pic gist sac ata; do
   for d in "${evaluated[@]}"; do [[ $(basename "$d") == $family* ]] && table+=("$d"); done
 done
+[ ${#table[@]} -eq ${#evaluated[@]} ] || { echo "error: a run's name starts with no family above" >&2; exit 1; }
 python eval.py "${table[@]}" --out "$OUT/results.json" | tee "$OUT/results.md"
 python scripts/claims.py "$OUT/results.json" | tee -a "$OUT/results.md"
 wall=$(( $(date +%s) - start ))
