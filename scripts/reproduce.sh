@@ -14,11 +14,11 @@ cd "$(dirname "$0")/.."
 # tiny base, from each method's default run (README) and 400-step probes; sentence_gist and ata
 # stay near the no-context level at any budget that fits here (README), so they get the fewest steps.
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
-MP_ITERS=${MP_ITERS:-400}        # meanpool, compression tokens, pic's ae+lm stage (batch 8)
+MP_ITERS=${MP_ITERS:-300}        # meanpool, compression tokens, pic's ae+lm stage (batch 8)
 PIC_ITERS=${PIC_ITERS:-700}      # pic qa (batch 8): at 400 steps it is still at the no-context level
 SAC_ITERS=${SAC_ITERS:-300}      # sac (batch 16)
-GIST_ITERS=${GIST_ITERS:-75}     # sentence_gist (batch 16)
-ATA_ITERS=${ATA_ITERS:-75}       # ata, each stage (batch 16)
+GIST_ITERS=${GIST_ITERS:-50}     # sentence_gist (batch 16)
+ATA_ITERS=${ATA_ITERS:-50}       # ata, each stage (batch 16)
 JOBS=${JOBS:-2}                  # runs at a time
 EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
@@ -42,10 +42,11 @@ fi
 COMMON+=(--eval_examples "$EXAMPLES")
 evaluated=() pids=()
 train_one() {  # NAME STEPS FLAGS...: one run dir, its output in NAME.log
-  local name=$1 steps=${ITERS:-$2}; shift 2
+  local name=$1 steps=${ITERS:-$2} t=$SECONDS; shift 2
   echo "== $name: --max_iters $steps $*"
   python train.py --out_dir "$OUT/$name" "${COMMON[@]}" --max_iters "$steps" "$@" > "$OUT/$name.log" 2>&1 ||
     { echo "error: $name failed; see $OUT/$name.log" >&2; return 1; }
+  echo "   $name: $(( SECONDS - t )) s"
 }
 stage() { train_one "$@" --eval_examples 0; }  # a pretraining stage: trained, not evaluated
 job() {  # a command in the background, at most JOBS at a time; a failed one stops the suite
