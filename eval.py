@@ -16,6 +16,7 @@ bootstrap interval of the F1 difference of two rows on the questions both answer
 """
 import collections
 import glob
+import hashlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import torch
 
 import data
 import runs
+import tiny
 from model import Memory
 
 
@@ -41,7 +43,7 @@ class EvalConfig:
     n: int = 0                 # examples (0 = the run's eval_examples)
     batch_size: int = 16
     max_new_tokens: int = 32
-    recompute: bool = False    # ignore cached <run>/metrics.json
+    recompute: bool = False    # ignore cached <run>/metrics.json and sibling runs' teacher rows
     out: str = ""              # combined JSON (+ .png) for several runs
     device: str = ""
     # --- one-shot mode
@@ -202,6 +204,29 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     return rows
 
 
+def teacher_key(cfg, ecfg, records, device):
+    """A hash of what the teacher and no-context rows depend on: the base's weight files (path,
+    size, mtime), the merged teacher's, the prompt and length settings, the questions."""
+    files = glob.glob(os.path.join(tiny.base_path(cfg.init_from), "*.safetensors"))
+    files += glob.glob(os.path.join(cfg.teacher, "teacher", "*.safetensors")) if cfg.teacher else []
+    state = [f"{os.path.abspath(f)}:{os.path.getsize(f)}:{os.path.getmtime(f)}" for f in sorted(files)]
+    setup = [cfg.prompt, cfg.max_context, cfg.max_answer, ecfg.batch_size, ecfg.max_new_tokens, str(device)]
+    return hashlib.sha1(json.dumps([state, setup, records], sort_keys=True, default=str).encode()).hexdigest()
+
+
+def sibling_teacher_rows(run_dir, key):
+    """The teacher and no-context rows of a run beside run_dir evaluated under the same key,
+    or None: the runs of one suite share them, so each is computed once (not per run)."""
+    for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(run_dir)), "*", "metrics.json")):
+        try:
+            res = json.load(open(path))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if res.get("teacher_key") == key:
+            return {"teacher": res["teacher"], "no-context": res["no_context"]}
+    return None
+
+
 def normalised(rows, teacher, noctx):
     gap = teacher["f1"] - noctx["f1"]
     for row in rows:
@@ -237,7 +262,9 @@ def evaluate_run(run_dir, ecfg):
     records = eval_records(cfg, ecfg)
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
-    t = teacher_rows(base, tok, records, cfg, ecfg, device)
+    key = teacher_key(cfg, ecfg, records, device)
+    shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
+    t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4)
@@ -245,7 +272,7 @@ def evaluate_run(run_dir, ecfg):
     for row in rows:
         row["method"], row["run"] = label, run_dir
         row.update(extra)
-    result = {"run": run_dir, "teacher": t["teacher"], "no_context": t["no-context"],
+    result = {"run": run_dir, "teacher_key": key, "teacher": t["teacher"], "no_context": t["no-context"],
               "rows": normalised(rows, t["teacher"], t["no-context"])}
     with open(cached + ".tmp", "w") as f:
         json.dump(result, f, indent=1)

@@ -8,17 +8,20 @@
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Cost: 67 min on a 2-core AMD EPYC (base 11.5k tokens/s), two runs at a time with one thread
-# each (small models use cores better so: ~1.3x the throughput of one run on two threads).
-# Steps per run, per family (ITERS overrides all): the fewest at which each family learns on the
-# tiny base, from each method's default run (README) and 400-step probes; sentence_gist and ata
-# stay near the no-context level at any budget that fits here (README), so they get the fewest steps.
+# Cost: ~57 min on a 2-core AMD EPYC (base 11.5k tokens/s), two runs at a time with one thread
+# each (small models use cores better so: ~1.3x the throughput of one run on two threads); the
+# runs of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is
+# in the log. Steps per run, per family (ITERS overrides all): the fewest at which each family
+# learns on the tiny base (meanpool: F1 6 at 300 steps, 31 at 400; pic qa: still at the
+# no-context level at 400); sentence_gist and ata stay near the no-context level at any budget
+# that fits here (README), so they get the fewest steps.
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
-MP_ITERS=${MP_ITERS:-300}        # meanpool, compression tokens, pic's ae+lm stage (batch 8)
-PIC_ITERS=${PIC_ITERS:-700}      # pic qa (batch 8): at 400 steps it is still at the no-context level
+MP_ITERS=${MP_ITERS:-400}        # meanpool and compression tokens (batch 8)
+PIC_ITERS=${PIC_ITERS:-700}      # pic qa (batch 8)
+PRE_ITERS=${PRE_ITERS:-200}      # pic's ae+lm stage before its qa (batch 8)
 SAC_ITERS=${SAC_ITERS:-300}      # sac (batch 16)
-GIST_ITERS=${GIST_ITERS:-50}     # sentence_gist (batch 16)
-ATA_ITERS=${ATA_ITERS:-50}       # ata, each stage (batch 16)
+GIST_ITERS=${GIST_ITERS:-40}     # sentence_gist (batch 16)
+ATA_ITERS=${ATA_ITERS:-40}       # ata, each stage (batch 16)
 JOBS=${JOBS:-2}                  # runs at a time
 EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
@@ -29,7 +32,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 
 start=$(date +%s)
 COMMON=(--seed "$SEED" --quiet)
 BASE=tiny_base
-CMD="${ITERS:+ITERS=$ITERS }${ITERS:-MP_ITERS=$MP_ITERS PIC_ITERS=$PIC_ITERS SAC_ITERS=$SAC_ITERS GIST_ITERS=$GIST_ITERS ATA_ITERS=$ATA_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
+CMD="${ITERS:+ITERS=$ITERS }${ITERS:-MP_ITERS=$MP_ITERS PIC_ITERS=$PIC_ITERS PRE_ITERS=$PRE_ITERS SAC_ITERS=$SAC_ITERS GIST_ITERS=$GIST_ITERS ATA_ITERS=$ATA_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke ITERS=2 EXAMPLES=4
   RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
@@ -65,7 +68,7 @@ mkdir -p "$OUT"
 # pic Table 4 (pic_blockwise_causal): block-wise vs full causal mask (at 4x and 16x), and the
 # paper's two stages (ae+lm pretraining on the text stream, then qa finetuning from it) on the
 # same ratios as pic-blockwise: trained at 16x alone, pic stays at the no-context level in 700 steps
-run_after pic-pretrain $MP_ITERS --method pic --ratio 4,16 --objective ae+lm -- \
+run_after pic-pretrain $PRE_ITERS --method pic --ratio 4,16 --objective ae+lm -- \
           pic-blockwise-ae+lm $PIC_ITERS --method pic --ratio 4,16 --init_from "$OUT/pic-pretrain"
 run pic-blockwise         $PIC_ITERS --method pic --ratio 4,16 --mask blockwise
 run pic-causal            $PIC_ITERS --method pic --ratio 4,16 --mask causal

@@ -149,6 +149,29 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
 
 
+def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
+    """Runs beside each other with the same base and questions compute the teacher rows
+    once; other questions (--n) or --recompute compute them again."""
+    tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
+    say = lambda prompts: [tok.encode("Paris") for _ in prompts]
+    base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(prompts))
+    memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
+    method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
+                                   answer_from_memory=lambda mem, prompts, k: say(prompts))
+    cfg = runs.TrainConfig(ratio="4", eval_examples=4)
+    monkeypatch.setattr(runs, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+    calls = []
+    real = evaluate.teacher_rows
+    monkeypatch.setattr(evaluate, "teacher_rows", lambda *a: calls.append(1) or real(*a))
+    for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}}))
+        evaluate.main([str(tmp_path / name)] + extra)
+        assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
+    a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
+    assert a["teacher_key"] == b["teacher_key"] and a["teacher"] == b["teacher"]
+
+
 def _scores_file(path, f1_by_ratio, teacher=None):
     """A metrics.json whose method rows score {ratio: {id: f1}}."""
     row = lambda name, s, **kw: {"method": name, "em": 0.0, "f1": sum(s.values()) / len(s), "examples_per_s": 1.0,
