@@ -24,6 +24,7 @@ import string
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -274,9 +275,7 @@ def evaluate_run(run_dir, ecfg):
         row.update(extra)
     result = {"run": run_dir, "teacher_key": key, "teacher": t["teacher"], "no_context": t["no-context"],
               "rows": normalised(rows, t["teacher"], t["no-context"])}
-    with open(cached + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(cached + ".tmp", cached)
+    runs.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
     return result
 
 

@@ -19,7 +19,8 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
 What more steps buy here (batch 16, F1 at each default ratio):
 sac scores 20 after 300 steps and 65 (0.70 of the teacher's gain) after 800;
 sentence_gist 11 after 300 and 17 after 800; ata (38-45x) 7 after 500 and 6 after 800;
-sac at 15x stays at 6 after 800.
+sac at 15x stays at 6 after 800; meanpool after 1000 steps of 8 gains at 4x (53) but not at
+16x (12), and pic after 1000 falls to 6 (its onset is fragile: 39-48 after 700).
 """
 import json
 import math

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
 MP_ITERS=${MP_ITERS:-400}        # meanpool and compression tokens (batch 8)
 PIC_ITERS=${PIC_ITERS:-700}      # pic qa (batch 8)
-PRE_ITERS=${PRE_ITERS:-200}      # pic's ae+lm stage before its qa (batch 8)
+PRE_ITERS=${PRE_ITERS:-100}      # pic's ae+lm stage before its qa (batch 8)
 SAC_ITERS=${SAC_ITERS:-300}      # sac (batch 16)
 GIST_ITERS=${GIST_ITERS:-40}     # sentence_gist (batch 16)
 ATA_ITERS=${ATA_ITERS:-40}       # ata, each stage (batch 16)
