@@ -180,7 +180,7 @@ def reset_memory():
 
 
 # -----------------------------------------------------------------------------
-# (c) train: one optimizer step of each method's main objective, vs transformers + peft
+# train: one optimizer step of each method's main objective, vs transformers + peft
 
 ROWS = [  # (row, method, objective, ratios): the methods' main objectives at their papers' ratios
     ("meanpool kd", "meanpool", "kd", "4,8,16"),
@@ -480,7 +480,7 @@ def hf_pic_ae(model, m, batch, ratios, tok):
 
 
 # -----------------------------------------------------------------------------
-# (d) attention: flex + BlockMask vs SDPA + dense mask, fwd + bwd; create_block_mask cost
+# attention: flex + BlockMask vs SDPA + dense mask, fwd + bwd; create_block_mask cost
 
 
 def attention_masks(T, dev):
@@ -541,7 +541,7 @@ def bench_attention():
 
 
 # -----------------------------------------------------------------------------
-# (e) ttft: answering from a saved Memory vs reading the whole context
+# ttft: answering from a saved Memory vs reading the whole context
 
 
 def bench_ttft():

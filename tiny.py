@@ -18,7 +18,8 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
 
 What more steps buy here (batch 16, F1 at each default ratio):
 sac scores 20 after 300 steps and 65 (0.70 of the teacher's gain) after 800;
-sentence_gist 11 after 300 and 17 after 800; ata (38-45x) 7 after 500 and 6 after 800;
+sentence_gist 11 after 300 and 17 after 800; ata (38-45x) 7 after 500 and 6 after 800,
+and 7 with twice the slots (--ratio 4 --k_max 16: 18x);
 sac at 15x stays at 6 after 800; meanpool after 1000 steps of 8 gains at 4x (53) but not at
 16x (12), and pic after 1000 falls to 6 (its onset is fragile: 39-48 after 700).
 """
@@ -333,7 +334,9 @@ class AttentionDistillation:
     mass, summed over the context tokens each memory slot holds (SLOTS), is the target of the decoder's head 0 over the memory slots:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
     with n the method's token count, so the term is per answer token like KD/CE. Without
-    it the decoder sits on the answer prior for thousands of examples."""
+    it the decoder sits on the answer prior for thousands of examples. Teaching the writing
+    side as well (each slot's query at layer L-2 reads the tokens it holds) did not help:
+    sentence_gist 6 and ata 6 after their default steps."""
 
     def __init__(self, method, weight):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
