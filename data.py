@@ -1,29 +1,23 @@
 """Data for nanocompress: tokenizers, prompt formats, dataset readers, the synthetic
 benchmark and batching (SPEC §2.6, §2.7).
 
-Read top to bottom:
-1. Tokenizers. `load_tokenizer(path)` reads an HF checkpoint dir or a tokenizer file:
-   a byte-level BPE `tokenizer.json` (Llama 3, Qwen2, GPT-2, SmolLM) becomes a
-   `tiktoken.Encoding`;
-   a `tokenizer.model` is either a tiktoken ranks file (Llama 3 original, Qwen) or a
-   sentencepiece model (Llama 2, the embedded default). Both sit behind one `Tokenizer`.
-2. Prompt formats. `format_qa` turns (context, question, answer) into token spans
-   `prefix | context | prompt | answer`, so a method can compress the context alone;
-   `chat_format` reads an instruct checkpoint's format from its chat_template.
-3. Readers. SQuAD, MRQA, HotpotQA, MS MARCO, generic JSONL, plain text; all yield
-   `{"id", "context", "question", "answers", "relevant", "chunks"}` dicts.
+1. Tokenizers: `load_tokenizer(path)` reads an HF checkpoint dir or a tokenizer file (a
+   byte-level BPE tokenizer.json (Llama 3, Qwen2, GPT-2, SmolLM) becomes a tiktoken
+   Encoding; a tokenizer.model is a tiktoken ranks file or a sentencepiece model), all
+   behind one `Tokenizer`.
+2. Prompt formats: `format_qa` -> token spans `prefix | context | prompt | answer`, so a
+   method can compress the context alone; `chat_format` reads an instruct checkpoint's format.
+3. Readers: SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, text -> `{"id", "context", "question",
+   "answers", "relevant", "chunks"}` dicts. Errors in user files are ValueError("file:line:
+   what is wrong"); for JSON files (not JSONL) "line" is the 1-based record index.
 4. The synthetic benchmark: biographies of invented people, and the default tokenizer.
 5. Batching: `collate_qa`, `collate_lm` -> padded LongTensors.
-
-Errors in user files are `ValueError("file:line: what is wrong")`; for JSON files
-(not JSONL) "line" is the 1-based index of the record (question, for SQuAD).
 """
 import base64
 import gzip
 import io
 import json
 import math
-import os
 import random
 import re
 import unicodedata
@@ -44,9 +38,8 @@ import torch
 LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# Digits(individual_digits) then ByteLevel(use_regex), as SmolLM ships, in one regex: a
-# digit (or a digit run) is a piece of its own, so no space joins it and whitespace before
-# it ends a piece (GPT-2's (?!\S) seen at the end of a Digits piece).
+# SmolLM's Digits(individual_digits) + ByteLevel(use_regex) in one regex: a digit (or run)
+# is a piece of its own, so no space joins it and whitespace before it ends a piece.
 GPT2_DIGITS = {individual: GPT2_PATTERN.replace(r" ?\p{N}+", r"\p{N}" if individual else r"\p{N}+")
                .replace(r"(?!\S)", r"(?![^\s\p{N}])") for individual in (True, False)}
 
@@ -54,8 +47,8 @@ GPT2_DIGITS = {individual: GPT2_PATTERN.replace(r" ?\p{N}+", r"\p{N}" if individ
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special_token_{i}|>" for i in range(4)),
                    "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
                    *(f"<|reserved_special_token_{i}|>" for i in range(5, 251))]
-# A bare ranks file does not say which model it belongs to; its size does.
-# n ranks -> (regex, special tokens numbered from n, bos, eos list, NFC-normalise text)
+# A bare ranks file does not say which model it is; its size does. n ranks ->
+# (regex, special tokens numbered from n, bos, eos list, NFC-normalise text)
 TIKTOKEN_FILES = {
     128000: (LLAMA3_PATTERN, LLAMA3_SPECIALS, "<|begin_of_text|>", ["<|end_of_text|>", "<|eot_id|>"], False),
     151643: (QWEN2_PATTERN, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, ["<|endoftext|>"], True),
@@ -87,10 +80,10 @@ def bpe_merge(ranks, piece):
 class Tokenizer:
     """One interface over a tiktoken Encoding or a sentencepiece processor.
 
-    encode() never parses special-token strings in the text unless allow_special=True
-    (then every added token is matched, as HF tokenizers do); non-special added tokens
-    of a tokenizer.json are always matched, as in HF. start=False encodes text that
-    continues earlier text: sentencepiece then adds no dummy-prefix space.
+    encode() matches special-token strings in the text only with allow_special=True (then
+    every added token, as HF does); a tokenizer.json's non-special added tokens always
+    match, as in HF. start=False encodes text that continues earlier text: sentencepiece
+    then adds no dummy-prefix space.
     """
 
     def __init__(self, kind, model, specials, bos_id, eos_ids, pad_id=None, nfc=False, always=(), lacking=None):
@@ -114,48 +107,38 @@ class Tokenizer:
     def encode(self, text, bos=False, eos=False, allow_special=False, start=True):
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
-        if self.kind == "tiktoken":
-            allowed = set(self.specials) if allow_special else self.always
-            if self.lacking:
-                ids = self._encode_lacking(text, allowed)
-            else:
-                ids = self.model.encode(text, allowed_special=allowed, disallowed_special=())
-        else:
-            ids, parts = [], [text]
-            if allow_special:  # split out special-token strings; odd parts are specials
-                names = sorted(self.specials, key=len, reverse=True)
-                parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+        allowed = set(self.specials) if allow_special else self.always
+        if self.kind == "tiktoken" and not self.lacking:
+            ids = self.model.encode(text, allowed_special=allowed, disallowed_special=())
+        else:  # split out the allowed special-token strings (the odd parts), encode the rest
+            names = sorted(allowed, key=len, reverse=True)
+            parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
+            ids = []
             for i, part in enumerate(parts):
                 if i % 2:
                     ids.append(self.specials[part])
                 elif part:
-                    ids += self._sp_encode(part, start or i > 0)
+                    ids += self._encode_lacking(part) if self.lacking else self._sp_encode(part, start or i > 0)
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (self.eos_ids[:1] if eos else [])
 
-    def _encode_lacking(self, text, allowed):
+    def _encode_lacking(self, text):
         """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes
         they saw). After the regex split, a byte the vocab lacks becomes the unk token (one per
         run of them with fuse_unk) or, with no unk token, is dropped, and its neighbours then
         merge as if adjacent (tokenizers' BPE::merge_word). tiktoken needs all 256 bytes, so
         the pieces are merged here in Python (bpe_merge, tiktoken's rule)."""
         pattern, ranks, lacks, unk, fuse = self.lacking
-        names = sorted(allowed, key=len, reverse=True)
-        parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
         ids = []
-        for i, part in enumerate(parts):
-            if i % 2:  # an added token
-                ids.append(self.specials[part])
-                continue
-            for piece in pattern.findall(part):
-                run, after_unk = [], False
-                for byte in piece.encode("utf-8"):
-                    if byte not in lacks:
-                        run.append(byte)
-                        after_unk = False
-                    elif unk is not None and not (fuse and after_unk):
-                        ids += bpe_merge(ranks, bytes(run)) + [unk]
-                        run, after_unk = [], True
-                ids += bpe_merge(ranks, bytes(run))
+        for piece in pattern.findall(text):
+            run, after_unk = [], False
+            for byte in piece.encode("utf-8"):
+                if byte not in lacks:
+                    run.append(byte)
+                    after_unk = False
+                elif unk is not None and not (fuse and after_unk):
+                    ids += bpe_merge(ranks, bytes(run)) + [unk]
+                    run, after_unk = [], True
+            ids += bpe_merge(ranks, bytes(run))
         return ids
 
     def _sp_encode(self, text, start):
@@ -191,20 +174,20 @@ class Tokenizer:
 
     def token_texts(self):
         """Decoded text of every id (sentencepiece: '▁' -> ' ', a byte piece < 0x80 -> its char)."""
-        names = {i: s for s, i in self.specials.items()}
-        sp, n = self.model, (self.model.get_piece_size() if self.kind == "sentencepiece" else 0)
+        names, m = {i: s for s, i in self.specials.items()}, self.model
+        n = m.get_piece_size() if self.kind == "sentencepiece" else 0
 
         def text(i):
             if i in names:
                 return names[i]
             if self.kind == "tiktoken":
-                return sp.decode_single_token_bytes(i).decode("utf-8", "replace")
+                return m.decode_single_token_bytes(i).decode("utf-8", "replace")
             if i >= n:
                 return ""
-            if sp.is_byte(i):  # <0xAB>
-                b = int(sp.id_to_piece(i)[3:5], 16)
+            if m.is_byte(i):  # <0xAB>
+                b = int(m.id_to_piece(i)[3:5], 16)
                 return chr(b) if b < 0x80 else "\ufffd"
-            return sp.id_to_piece(i).replace("\u2581", " ")
+            return m.id_to_piece(i).replace("\u2581", " ")
         return [text(i) for i in range(self.vocab_size)]
 
 
@@ -215,33 +198,21 @@ def load_tokenizer(path):
     come from tokenizer_config.json, generation_config.json and config.json next to it.
     """
     path = Path(path)
+    tj, tm = path / "tokenizer.json", path / "tokenizer.model"
+    if not path.exists():
+        raise ValueError(f"{path}: tokenizer file not found")
+    if path.is_dir() and not (tj.exists() or tm.exists()):
+        raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
     try:
-        tok = _load_tokenizer_file(path)
+        file = path
+        if path.is_dir():
+            file = tj if tj.exists() and (not tm.exists() or _is_byte_level(_load_json(tj))) else tm
+        tok = _from_tokenizer_json(file) if file.suffix == ".json" else _from_model_file(file)
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # a JSON file of another shape
         raise ValueError(f"{path}: unsupported tokenizer: unexpected file structure ({type(e).__name__}: "
                          f"{e}); {UNSUPPORTED}") from None
-    _apply_checkpoint_config(tok, path if path.is_dir() else path.parent)
+    _apply_checkpoint_config(tok, file.parent)
     return tok
-
-
-def _load_tokenizer_file(path):
-    if path.is_dir():
-        tj, tm = path / "tokenizer.json", path / "tokenizer.model"
-        if tj.exists() and (not tm.exists() or _is_byte_level(_read_json(tj))):
-            return _from_tokenizer_json(tj)
-        if tm.exists():
-            return _from_model_file(tm)
-        raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
-    if not path.exists():
-        raise ValueError(f"{path}: tokenizer file not found")
-    return _from_tokenizer_json(path) if path.suffix == ".json" else _from_model_file(path)
-
-
-def _read_json(path):
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
 
 
 def _is_byte_level(spec):
@@ -251,7 +222,7 @@ def _is_byte_level(spec):
 
 
 def _from_tokenizer_json(path):
-    spec = _read_json(path)
+    spec = _load_json(path)
     model = spec.get("model") or {}
     if not _is_byte_level(spec):
         kind = model.get("type", "?") + ("" if model.get("type") != "BPE" else " (not byte-level)")
@@ -269,9 +240,9 @@ def _from_tokenizer_json(path):
     if lacks and model.get("byte_fallback"):
         raise ValueError(f"{path}: unsupported tokenizer: found byte_fallback on a byte-level vocab that lacks "
                          f"{len(lacks)} of the 256 single bytes; {UNSUPPORTED}")
-    # tiktoken merges by the rank of the merged token; that matches HF's merge order
-    # when the merged tokens' ids never decrease along the merges list (true for files
-    # written by `tokenizers` trainers and for Llama 3 / Qwen2, converted from tiktoken).
+    # tiktoken merges by the rank of the merged token; that is HF's merge order when the
+    # merged tokens' ids never decrease along the merges list (true for files written by
+    # `tokenizers` trainers and for Llama 3 / Qwen2, converted from tiktoken).
     last = -1
     for m in model.get("merges", []):
         a, b = m.split(" ") if isinstance(m, str) else m
@@ -322,11 +293,8 @@ def _pretokenizer(path, spec):
 def _from_model_file(path):
     head = path.read_bytes()[:100].split(b"\n")[0]
     if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", head):  # tiktoken ranks file: "base64 rank" lines
-        ranks = {}
-        for line in path.read_text(encoding="ascii").splitlines():
-            if line:
-                b64, rank = line.split()
-                ranks[base64.b64decode(b64)] = int(rank)
+        lines = [line.split() for line in path.read_text(encoding="ascii").splitlines() if line]
+        ranks = {base64.b64decode(b64): int(rank) for b64, rank in lines}
         if len(ranks) not in TIKTOKEN_FILES:
             raise ValueError(f"{path}: a tiktoken file with {len(ranks)} ranks; known sizes: 128000 (Llama 3), 151643 (Qwen)")
         pattern, names, bos, eos, nfc = TIKTOKEN_FILES[len(ranks)]
@@ -344,9 +312,9 @@ def _from_model_file(path):
 
 
 def _apply_checkpoint_config(tok, folder):
-    """bos / eos / pad ids from the HF config files next to the tokenizer, when present."""
-    def read(name):
-        return _read_json(folder / name) if (folder / name).exists() else {}
+    """bos / eos / pad ids and the chat template from the HF config files next to the tokenizer."""
+    tcfg, gcfg, cfg = (_load_json(folder / name) if (folder / name).exists() else {}
+                       for name in ("tokenizer_config.json", "generation_config.json", "config.json"))
 
     def ids(v):
         return [] if v is None else [v] if isinstance(v, int) else list(v)
@@ -359,18 +327,16 @@ def _apply_checkpoint_config(tok, folder):
             return tok.model.piece_to_id(text)
         raise ValueError(f"{folder / 'tokenizer_config.json'}: {name} {text!r} is not a token of this tokenizer")
 
-    tcfg, gcfg, cfg = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+    if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
+        for t in _load_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
+            tok.specials.setdefault(t["content"], t["id"])
+        tok.vocab_size = max(tok.vocab_size, max(tok.specials.values()) + 1)
     if tcfg:
         template = tcfg.get("chat_template") or ""
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             template = next((t["template"] for t in template if t.get("name") == "default"), "")
         jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
         tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
-    if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
-        for t in _read_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
-            tok.specials.setdefault(t["content"], t["id"])
-        tok.vocab_size = max(tok.vocab_size, max(tok.specials.values()) + 1)
-    if tcfg:
         tok.bos_id = token_id(tcfg["bos_token"], "bos_token") if tcfg.get("bos_token") else None
         if tcfg.get("add_bos_token") is False:
             tok.bos_id = None
@@ -384,6 +350,17 @@ def _apply_checkpoint_config(tok, folder):
         tok.pad_id = token_id(tcfg["pad_token"], "pad_token")
     if tok.pad_id is None:
         tok.pad_id = tok.eos_ids[0] if tok.eos_ids else 0
+
+
+def own_tokenizer(path, tok, vocab_size):
+    """The tokenizer of the checkpoint at path (vocab_size) when it is not `tok`, else None."""
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        if vocab_size != tok.vocab_size:
+            raise ValueError(f"{path} has vocab_size {vocab_size}, the base {tok.vocab_size}, and no "
+                             f"tokenizer of its own (tokenizer.json or tokenizer.model)")
+        return None
+    own, probe = load_tokenizer(path), "Ada Lovelace, born 1815 in London: a poet's daughter."
+    return None if own.vocab_size == tok.vocab_size and own.encode(probe) == tok.encode(probe) else own
 
 
 # -----------------------------------------------------------------------------
@@ -401,18 +378,15 @@ QA_TEMPLATES = [
     "\nFind the answer in the context.\nQuestion: {question}",
 ]
 ANSWER_CUE = "\nAnswer:"
-
-
 # chat format -> (turn start, turn end): the special tokens its template writes
 CHAT_FORMATS = {"llama3": ("<|start_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>"),
                 "gemma": ("<start_of_turn>", "<end_of_turn>")}
 
 
 def chat_format(tok):
-    """"llama3", "chatml", "gemma" or None (plain). The checkpoint's chat_template decides when
-    it has one (the format whose turn tokens it writes); a checkpoint whose
-    tokenizer_config.json has no chat_template is a base model: None. With no config at all
-    (a bare tokenizer file), the format whose special tokens the tokenizer has."""
+    """"llama3", "chatml", "gemma" or None (plain): the format whose turn tokens the checkpoint's
+    chat_template writes; None for a base model (a tokenizer_config.json without one); with no
+    config at all (a bare tokenizer file), the format whose special tokens the tokenizer has."""
     if tok.chat_template == "":
         return None
     for name, (start, end) in CHAT_FORMATS.items():
@@ -437,11 +411,10 @@ def chunk_ends(context, chunks):
 
 
 def encode_chunks(tok, context, chunks=None, start=True):
-    """Tokens of `context` and the (start, end) token span of each chunk in it.
+    """Tokens of `context` and the (start, end) token span of each chunk (no chunks: one).
 
-    Chunks are non-overlapping substrings of the context, in order. Each is tokenized on
-    its own together with the text before it (the separator, e.g. "\\n"), so the spans are
-    exact and tile the context (text after the last chunk is in no span). No chunks: one.
+    Each chunk is tokenized on its own with the text before it (the separator, e.g. "\\n"),
+    so the spans are exact and tile the context (text after the last chunk is in no span).
     """
     ids, spans, pos = [], [], 0
     for end in chunk_ends(context, chunks or [context]):
@@ -457,14 +430,12 @@ def encode_chunks(tok, context, chunks=None, start=True):
 def format_qa(tok, context, question, answer, template=None, rng=None, chunks=None, format="plain"):
     """Token spans of one QA example: {bos, prefix, context, prompt, answer, chunk_spans}.
 
-    The sequence a model reads is prefix + context + prompt + answer. `prefix` is what
-    starts a sequence before the context: `bos` ([] or [bos_id]) and, for chat formats,
-    the user-turn header. The context span holds the context tokens only, so a method
-    can compress it alone; `prompt` ends with the answer cue ("\\nAnswer:" or the
-    assistant header); `answer` ends with the first eos id (chat: the turn-end token).
-    template: an index into QA_TEMPLATES or a string with {question}; None draws one with
-    rng, or takes template 0 without rng. format: "plain", "llama3", "chatml", "gemma", or
-    "auto" (chat_format(tok), else plain). Chat formats add no system turn (Gemma has none).
+    A model reads prefix + context + prompt + answer: `prefix` is `bos` ([] or [bos_id]) and,
+    for chat formats, the user-turn header; `prompt` ends with the answer cue ("\\nAnswer:" or
+    the assistant header); `answer` ends with the first eos id (chat: the turn-end token).
+    template: an index into QA_TEMPLATES or a string with {question}; None draws one with rng,
+    or takes 0 without rng. format: "plain", "llama3", "chatml", "gemma", or "auto"
+    (chat_format(tok), else plain). Chat formats add no system turn (Gemma has none).
     """
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
@@ -573,11 +544,6 @@ def _loads(line):
         raise ValueError(f"invalid JSON: {e.msg}") from None
 
 
-def split_sentences(text):
-    """Sentences of text: split after . ! or ? followed by whitespace (a simple rule)."""
-    return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
-
-
 def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
     """SQuAD v1.1 / v2.0 JSON (or a .zip holding it). One record per question.
 
@@ -600,7 +566,7 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
             if not keep_unanswerable:
                 return []
         texts, starts = [_field(a, "text", str) for a in answers], [_field(a, "answer_start", int) for a in answers]
-        chunks = split_sentences(context)
+        chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s]  # split after . ! ? and whitespace
         ends = chunk_ends(context, chunks)
         relevant = [next((c for c, e in zip(chunks, ends) if e > starts[0]), chunks[-1])] if starts else None
         return [_record(qa.get("id"), context, question, texts, relevant, chunks)]
@@ -708,10 +674,8 @@ def read_dataset(path, distractors=False, **kw):
     if path.suffix == ".zip":
         return read_squad(path, **kw)
     if ".jsonl" in path.name:
-        with _open_text(path) as f:
-            first = next((line for line in f if line.strip()), "{}")
         try:
-            first = json.loads(first)
+            first = json.loads(next(_jsonl(path), (1, "{}"))[1])
         except json.JSONDecodeError:
             first = {}  # read_jsonl reports it with its line number
         if isinstance(first, dict) and ("header" in first or "qas" in first):
@@ -728,10 +692,9 @@ def read_dataset(path, distractors=False, **kw):
 
 
 # -----------------------------------------------------------------------------
-# 4. The synthetic benchmark (SPEC §2.6): biographies of invented people.
-# Values avoid long digit strings (a small tokenizer splits years into digits, which
-# was the main error source of the pilot run); each attribute has many values, drawn
-# uniformly, so the answer cannot be guessed without the context.
+# 4. The synthetic benchmark (SPEC §2.6): biographies of invented people. Values avoid
+# long digit strings (a small tokenizer splits them into digits); each attribute has many
+# values, drawn uniformly, so the answer cannot be guessed without the context.
 
 FIRST_NAMES = """Ada Alan Alma Amir Anna Arlo Aurora Basil Bianca Boris Carmen Cedric Clara Dario Delia
 Dmitri Edith Elias Elsa Emil Farah Felix Flora Gideon Greta Hana Hugo Ilse Ines Ivan Jonas Juno Kai Kira
@@ -818,30 +781,21 @@ def _render(template, name, value=""):
     return template.format(name=name, value=value, a_value=f"{article} {value}")
 
 
-def name_split(first, last):
-    """The split ("train", "val" or "test") a full name belongs to: a stable hash, 8/1/1."""
-    bucket = zlib.crc32(f"{first} {last}".encode()) % 10
-    return next(s for s, r in SPLITS.items() if bucket in r)
-
-
 class Synthetic:
     """Reading comprehension over biographies of invented people, deterministic from a seed.
-
-    Splits are disjoint by person: every (first, last) name belongs to one split.
-    """
+    Splits are disjoint by person: every (first, last) name belongs to one split."""
 
     def __init__(self, seed=0, split="train"):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
         self.seed, self.split = seed, split
-        self.names = [f"{f} {l}" for f in FIRST_NAMES for l in LAST_NAMES if name_split(f, l) == split]
+        names = (f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES)
+        self.names = [n for n in names if zlib.crc32(n.encode()) % 10 in SPLITS[split]]  # a stable hash: 8/1/1
 
     def example(self, rng, n_people, n_attrs, same_attrs=True, n_questions=1):
-        """A context of n_people biographies (one chunk each) and n_questions QA pairs.
-
-        same_attrs: every person carries the same attributes, so each is a distractor.
-        The answer is the attribute value exactly as written in the context.
-        """
+        """A context of n_people biographies (one chunk each) and n_questions QA pairs whose
+        answers are attribute values as written in the context. same_attrs: every person
+        carries the same attributes, so each is a distractor."""
         n_attrs = min(n_attrs, len(ATTRIBUTES))
         shared = rng.sample(list(ATTRIBUTES), n_attrs)
         bios, facts = [], []
@@ -855,24 +809,18 @@ class Synthetic:
                 sentences.append(_render(rng.choice(sentence_templates), name, value))
                 facts.append((len(bios), name, a, value))
             bios.append(" ".join(sentences))
-        qas, relevant, people = [], [], []
-        for i, name, a, value in rng.sample(facts, min(n_questions, len(facts))):
-            qas.append((_render(rng.choice(ATTRIBUTES[a][2]), name), value))
-            relevant.append(bios[i])
-            people.append(name)
+        asked = rng.sample(facts, min(n_questions, len(facts)))
+        qas = [(_render(rng.choice(ATTRIBUTES[a][2]), name), value) for _, name, a, value in asked]
+        relevant = [bios[i] for i, _, _, _ in asked]
         return {"id": f"syn-{self.split}-{rng.getrandbits(48):012x}", "context": "\n".join(bios), "chunks": bios,
                 "qas": qas, "question": qas[0][0], "answers": [qas[0][1]], "relevant": relevant[:1],
-                "qa_relevant": relevant, "qa_people": people}
+                "qa_relevant": relevant, "qa_people": [name for _, name, _, _ in asked]}
 
     def qa_examples(self, n, n_people=EVAL_PEOPLE, n_attrs=EVAL_ATTRS, seed_offset=0):
         """n fixed examples (eval sets, or a fixed training set); same arguments, same list."""
         rng = random.Random(f"{self.seed}/{self.split}/{seed_offset}")
-        out = []
-        for i in range(n):
-            ex = self.example(rng, rng.randint(*n_people), rng.randint(*n_attrs), same_attrs=rng.random() < 0.5)
-            ex["id"] = f"syn-{self.split}-{self.seed}-{seed_offset}-{i}"
-            out.append(ex)
-        return out
+        return [dict(self.example(rng, rng.randint(*n_people), rng.randint(*n_attrs), same_attrs=rng.random() < 0.5),
+                     id=f"syn-{self.split}-{self.seed}-{seed_offset}-{i}") for i in range(n)]
 
     def lm_text(self, rng, n_people):
         """Plain biography text (one per line) for LM streams."""
@@ -895,12 +843,12 @@ def synthetic_corpus(seed, n_chars):
 
 
 def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
-    """Train the embedded default tokenizer (sentencepiece BPE) on synthetic_corpus.
+    """Train the embedded default tokenizer (sentencepiece BPE) on synthetic_corpus;
+    out_path: a .model file or a directory (then DIR/tokenizer.model).
 
     Deterministic: fixed input order, one thread, no sampling. Byte fallback covers any
     character; no dummy-prefix space and identity normalisation, so text round-trips
-    exactly and spans tokenized separately concatenate cleanly. out_path: a .model file
-    or a directory (then DIR/tokenizer.model).
+    exactly and spans tokenized separately concatenate cleanly.
     """
     out = Path(out_path)
     out = out if out.suffix == ".model" else out / "tokenizer.model"
@@ -920,17 +868,6 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
 # -----------------------------------------------------------------------------
 # 5. Batching
 
-def own_tokenizer(path, tok, vocab_size):
-    """The tokenizer of the checkpoint at path (vocab_size) when it is not `tok`, else None."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        if vocab_size != tok.vocab_size:
-            raise ValueError(f"{path} has vocab_size {vocab_size}, the base {tok.vocab_size}, and no "
-                             f"tokenizer of its own (tokenizer.json or tokenizer.model)")
-        return None
-    own, probe = load_tokenizer(path), "Ada Lovelace, born 1815 in London: a poet's daughter."
-    return None if own.vocab_size == tok.vocab_size and own.encode(probe) == tok.encode(probe) else own
-
-
 def _pad(rows, value, multiple):
     """(B, T) LongTensor of right-padded rows, T rounded up to a multiple."""
     T = max([1] + [len(r) for r in rows])
@@ -948,27 +885,26 @@ def _answer_labels(n_before, answer):
     return labels
 
 
-def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_multiple=64, stats=None,
-               format="plain", template=None):
-    """Tensors for a batch of QA records (spans as in format_qa; format/template passed on).
+def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_multiple=64, stats=None, format="plain"):
+    """Tensors for a batch of QA records (spans as in format_qa, to which format, rng and a
+    record's "template" key go).
 
     context (B, L); qa (B, T) = prompt + answer; full (B, S) = prefix + context + prompt +
     answer; noctx = prefix + prompt + answer (the no-context baseline); each with `_len` (B,)
-    and, but context, `_labels`: -100 except where the next token is an answer token (the
-    last prompt token predicts the first answer token). prompt_len, answer_len (B,). Pads
-    are tok.pad_id; lengths round up to pad_multiple. The context keeps its first
-    max_context tokens, the answer its first max_answer (counted in stats as
-    "truncated_context", "truncated_answer"). chunk_spans: per example the (start, end) of
-    each chunk in `context`; relevant_idx: the relevant chunks (all when the record has no
-    "relevant"). prefix, bos: the shared sequence start as lists. answers, questions, ids,
-    records: the raw values. A record's own "template" key overrides `template`.
+    and, but context, `_labels`: -100 except where the next token is an answer token.
+    prompt_len, answer_len (B,). Pads are tok.pad_id; lengths round up to pad_multiple. The
+    context keeps its first max_context tokens, the answer its first max_answer (counted in
+    stats as "truncated_context", "truncated_answer"). chunk_spans: per example the (start,
+    end) of each chunk in `context`; relevant_idx: the relevant chunks (all when the record
+    has no "relevant"). prefix, bos: the shared sequence start. answers, questions, ids,
+    records: the raw values.
     """
     stats = {} if stats is None else stats
     rows = {k: [] for k in ("context", "qa", "qa_labels", "full", "full_labels", "noctx", "noctx_labels")}
     spans_all, rel_all, prompt_len, answer_len, prefix = [], [], [], [], []
     for r in records:
         answer = r["answers"][0] if r["answers"] else ""  # unanswerable (kept on request): just eos
-        f = format_qa(tok, r["context"], r["question"], answer, r.get("template", template), rng, r.get("chunks"), format)
+        f = format_qa(tok, r["context"], r["question"], answer, r.get("template"), rng, r.get("chunks"), format)
         ctx, spans, prefix, prompt, ans = f["context"], f["chunk_spans"], f["prefix"], f["prompt"], f["answer"]
         if len(ctx) > max_context:
             ctx, spans = ctx[:max_context], [(s, min(e, max_context)) for s, e in spans if s < max_context]
