@@ -1,46 +1,28 @@
-"""The fast paths: attention dispatch, mask builders and chunked losses.
+"""The fast paths: attention dispatch, mask builders and chunked losses (SPEC §2.2, §5).
 
-Every method writes its attention pattern once, as a FlexAttention-style
-``mask_mod(b, h, q_idx, kv_idx) -> bool`` (SPEC §2.2). ``Mask`` turns that one
-function into whichever backend the device wants:
+A method writes its attention pattern once, as a FlexAttention-style
+``mask_mod(b, h, q_idx, kv_idx) -> bool`` with tensor indexing only (no Python ``if`` on
+values, so the dense builder calls it once on broadcast index grids). ``Mask`` turns it into
+a ``BlockMask`` for ``flex_attention`` (CUDA; empty blocks skipped), a dense boolean mask for
+SDPA (CPU, which has no flex backward; also the tests' reference), or ``is_causal=True``
+(mask None). A ``score_mod`` (Gemma 2's ``softcap``) serves both: flex takes it as is, the
+dense path calls it on the materialised (B, H, Q, S) scores.
 
-- a ``BlockMask`` for ``flex_attention`` on CUDA (block-sparse: empty blocks skipped),
-- a dense boolean mask for ``scaled_dot_product_attention`` (CPU: torch 2.13 has no
-  FlexAttention backward on CPU; also the reference the tests compare against),
-- ``is_causal=True`` when the pattern is plain causal (``mask=None``).
+The losses take final hidden states and the LM head weight, never logits: fp32
+``[tokens, vocab]`` logits exist one chunk of tokens at a time, and the gradient is computed
+chunk by chunk in the forward, only scaled in the backward. ``naive_ce`` / ``naive_kd`` are
+the slow twins the tests compare against.
 
-A ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (Gemma 2's attention logit
-soft-capping, ``softcap``) is one definition for both backends too: flex takes it as is,
-the dense path (SDPA cannot modify scores) materialises the (B, H, Q, S) scores and calls
-the same function on them. Sliding-window attention is a mask_mod (``sliding_window``)
-ANDed with the method's own (``and_masks``).
-
-mask_mods are written with tensor indexing only (no Python ``if`` on values), so the
-dense builder can call them once on broadcast index grids instead of per element.
-
-The losses (SPEC §5) take final hidden states and the LM head weight, never logits:
-``[tokens, vocab]`` logits exist one chunk of tokens at a time, in fp32, in the forward
-and the backward (the gradient is computed chunk by chunk inside the forward and only
-scaled in the backward). ``naive_ce`` / ``naive_kd`` are the slow twins the tests use.
-
-Legend: B batch, H heads, Hkv key/value heads, Q query tokens, S key tokens, hd head dim,
-N flattened tokens, d width, V vocab.
+Legend: B batch, H/Hkv heads, Q query tokens, S key tokens, hd head dim, N tokens, d width, V vocab.
 """
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-try:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:  # very old torch: dense SDPA everywhere
-    create_block_mask = flex_attention = None
-
-# The one override: None = pick by device; "dense" or "flex" forces a backend (tests).
-BACKEND = None
-# Flex pads queries and keys to a multiple of BLOCK (its block size): the compiled kernel
-# (dynamic=False) is specialised to shapes, so one graph serves a whole bucket of lengths.
-# Nothing a mask_mod closes over may be a Python int: dynamo guards on its value and
-# recompiles for every new one (8 recompiles, then eager flex that materialises B*H*Q*S
-# scores). Ints go in as 0-d tensors, whose guards are shape-only.
+BACKEND = None  # the one override: None = pick by device; "dense" or "flex" forces a backend (tests)
+# Flex pads queries and keys to a multiple of BLOCK, so one compiled (dynamic=False) graph
+# serves a bucket of lengths. Ints a mask_mod closes over go in as 0-d tensors: dynamo
+# guards on a Python int's value and would recompile for every new one.
 BLOCK = 128
 _compiled_flex = _compiled_block_mask = None  # built once, on the first CUDA call
 
@@ -54,7 +36,7 @@ def _flex(q, k, v, block_mask, scale=None, score_mod=None):
     global _compiled_flex
     if _compiled_flex is None and q.device.type == "cuda":
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    fn = _compiled_flex or flex_attention  # CPU: eager flex forward (tests), unless a test installs a compiled one
+    fn = _compiled_flex or flex_attention  # CPU: eager, unless a test installs a compiled one
     Q, S = q.shape[2], k.shape[2]
     Qp, Sp = block_mask.seq_lengths
     q = F.pad(q, (0, 0, 0, Qp - Q))
@@ -74,7 +56,7 @@ def causal_after_prefix(prefix_len, key_valid):
     """Queries are the last Q of S keys: the first prefix_len keys are a prefix (memory
     or cache) seen by every query where ``key_valid`` (B, S) is True; the rest is causal."""
     name = f"causal_after_prefix_{prefix_len}"
-    prefix_len = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK (a fill, no H2D copy)
+    prefix_len = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK
     key_valid = pad_keys(key_valid)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -109,11 +91,12 @@ def with_prefix(mask_mod, prefix_len, prefix_valid):
 
 def sliding_window(window, prefix_len=0):
     """Keys fewer than `window` slots away from the query, the queries being the last Q of
-    S = prefix_len + Q keys. ANDed with causal this is HF's ``kv_idx > q_idx - window``
-    (masking_utils.sliding_window_overlay); ANDed with a bidirectional mask it is symmetric.
-    The window counts key slots, as HF counts cache slots (padding and memory included)."""
+    S = prefix_len + Q keys (prefix_len: an int, or a 0-d tensor under compile). ANDed with
+    causal this is HF's ``kv_idx > q_idx - window`` (masking_utils.sliding_window_overlay);
+    ANDed with a bidirectional mask it is symmetric. Like HF it counts key slots, padding
+    and memory included."""
     def mask_mod(b, h, q_idx, kv_idx):
-        dist = q_idx + prefix_len - kv_idx  # prefix_len: an int, or a 0-d tensor under compile (see BLOCK)
+        dist = q_idx + prefix_len - kv_idx
         return (dist < window) & (dist > -window)
     mask_mod.__name__ = f"sliding_window_{window}"
     return mask_mod
@@ -131,17 +114,22 @@ def and_masks(*mask_mods):
 
 
 def softcap(cap):
-    """score_mod: cap * tanh(score / cap), Gemma 2's attention logit soft-capping
-    (HF gemma2 eager_attention_forward: after the 1/sqrt scaling, before the mask)."""
+    """score_mod: Gemma 2's attention logit soft-capping (HF gemma2 eager_attention_forward:
+    after the 1/sqrt scaling, before the mask)."""
     def score_mod(score, b, h, q_idx, kv_idx):
         return soft_cap(score, cap)
     score_mod.__name__ = f"softcap_{cap}"
     return score_mod
 
 
+def soft_cap(logits, cap):
+    """cap * tanh(logits / cap) (Gemma 2); cap None/0: unchanged."""
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
 def pad_keys(key_valid):
-    """(B, S) -> (B, bucket(S)) with False after S: metadata the kernels own is bucketed
-    like q/k/v, so a compiled kernel's guards on its shape hold for a whole bucket."""
+    """(B, S) -> (B, bucket(S)) with False after S: metadata is bucketed like q/k/v, so a
+    compiled kernel's guards on its shape hold for a whole bucket."""
     return F.pad(key_valid, (0, bucket(key_valid.shape[1]) - key_valid.shape[1]), value=False)
 
 
@@ -185,10 +173,7 @@ class Mask:
         self._dense = self._block = None
 
     def backend(self):
-        if BACKEND is not None:
-            return BACKEND
-        use_flex = flex_attention is not None and self.device.type == "cuda" and self.Q >= 128
-        return "flex" if use_flex else "dense"
+        return BACKEND or ("flex" if self.device.type == "cuda" and self.Q >= 128 else "dense")
 
     def dense(self):
         if self._dense is None:
@@ -196,8 +181,8 @@ class Mask:
         return self._dense
 
     def block(self):
-        """BlockMask over (bucket(Q), bucket(S)). On CUDA one compiled create_block_mask
-        (never materialises B*Q*S); eager on CPU."""
+        """BlockMask over (bucket(Q), bucket(S)): on CUDA one compiled create_block_mask
+        (never materialises B*Q*S), eager on CPU."""
         global _compiled_block_mask
         if self._block is None:
             if _compiled_block_mask is None and self.device.type == "cuda":
@@ -211,7 +196,7 @@ class Mask:
 def attention(q, k, v, mask=None, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S.
     scale: of q.k (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap).
-    GQA without repeating K/V (SDPA ``enable_gqa``, flex ``enable_gqa``)."""
+    GQA without repeating K/V (``enable_gqa``)."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None and score_mod is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -250,11 +235,10 @@ CHUNK = 1024  # tokens per chunk: 1024 x 152k fp32 logits = 620 MB; at most 3 su
 
 
 class _ChunkedLoss(torch.autograd.Function):
-    """Sum over tokens of a per-token loss of logits = h @ w.T, computed chunk by chunk.
-    The forward also computes d loss / d (h, w) chunk by chunk; backward only scales.
-    ``kind`` is "ce" (target ids) or "kd" (teacher hidden states + teacher head). ``cap``:
-    final logit soft-capping (Gemma 2), cap * tanh(logits / cap), on student and teacher
-    logits alike (both run the same base family here)."""
+    """Sum over tokens of a per-token loss of logits = h @ w.T, computed chunk by chunk,
+    with d loss / d (h, w); backward only scales. ``kind`` "ce" (target ids) or "kd"
+    (teacher hidden states + head). ``cap``: Gemma 2's final logit soft-capping, on student
+    and teacher logits alike (both are the same base family here)."""
 
     @staticmethod
     def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):
@@ -297,21 +281,16 @@ class _ChunkedLoss(torch.autograd.Function):
             if grad_w is not None:
                 grad_w += grad_logits.T @ hc
             del logp, grad_logits  # free now, not when the next chunk rebinds the names
-        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
-        ctx.has_grad_w, ctx.dtypes = grad_w is not None, (h.dtype, w.dtype)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = h.dtype, w.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         gh = (grad_h * grad_out).to(ctx.dtypes[0])
-        gw = (grad_w * grad_out).to(ctx.dtypes[1]) if ctx.has_grad_w else None
+        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[1])
         return gh, gw, None, None, None, None, None, None
-
-
-def soft_cap(logits, cap):
-    """cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping); cap None/0: unchanged."""
-    return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def _select(h, labels, weights):

@@ -3,13 +3,12 @@ greedy generation (SPEC §2.1-2.3).
 
 Families: Llama 2/3/3.1/3.2 (rope scaling ``llama3`` or ``linear``), Mistral, Qwen2/2.5
 (q/k/v bias), Qwen3 (q_norm/k_norm, explicit ``head_dim``), Gemma 2; tied or untied LM
-head. Gemma 2 is the Llama layout with a few config-driven differences (HF
-modeling_gemma2.py): token embeddings times sqrt(d) in the model dtype, RMSNorm with
-(1 + weight), four norms per layer (around attention and around the MLP), GELU-tanh gated
-MLP, scores scaled by query_pre_attn_scalar^-0.5 and soft-capped (cap * tanh(s / cap)),
-soft-capped final logits, a tied head.
-Module names are the HF checkpoint's (``model.layers.N.self_attn.q_proj``), so loading is
-a key-for-key copy and adapters save in PEFT's key format.
+head. Gemma 2 is the Llama layout with config-driven differences (HF modeling_gemma2.py):
+embeddings times sqrt(d) in the model dtype, RMSNorm with (1 + weight), four norms per
+layer, GELU-tanh gated MLP, scores scaled by query_pre_attn_scalar^-0.5 and soft-capped
+(cap * tanh(s / cap)), soft-capped final logits, a tied head. Module names are the HF
+checkpoint's (``model.layers.N.self_attn.q_proj``): loading is a key-for-key copy and
+adapters save in PEFT's key format.
 
 One ``forward`` serves encoders (bidirectional or custom masks), decoders (a ``Memory`` as
 prefix embeddings or prefix K/V) and teachers (plain causal):
@@ -19,14 +18,11 @@ prefix embeddings or prefix K/V) and teachers (plain causal):
     h, kv = model(embeds=e, return_kv=True, output="hidden")
     logits = model(ids, memory=Memory(...))               # memory, then the tokens
 
-Sliding-window attention (Mistral, Qwen2/3 with use_sliding_window from
-max_window_layers on, Gemma 2 on every other layer; ``layer_types`` when the config has
-it): those layers AND the forward's mask with ``kernels.sliding_window``. As in HF the
-window counts key slots, not position ids: a query sees the last ``sliding_window`` keys
-of [memory, tokens] (left padding and invalid memory slots count as slots). So when
-memory + prompt exceed the window, the sliding layers of a query far enough along no
-longer see the first memory slots (the full-attention layers still do); a K/V memory
-computed by an encoder keeps what it holds, but the decoder reads only its window of it.
+Sliding-window layers (Mistral; Qwen2/3 with use_sliding_window, from max_window_layers on;
+every other Gemma 2 layer; or the config's ``layer_types``) AND the forward's mask with
+``kernels.sliding_window``. As in HF the window counts key slots of [memory, tokens]
+(padding and invalid memory slots included), not position ids: once memory + prompt exceed
+the window, those layers no longer see the first memory slots (full-attention layers do).
 
 Legend: B batch, T tokens, C memory slots, d width, H/Hkv heads, hd head dim, V vocab.
 """
@@ -39,7 +35,6 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
@@ -52,6 +47,11 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 GEMMA2_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256,
                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
                        hidden_activation="gelu_pytorch_tanh")
+
+
+def id_list(ids):
+    """An eos id or list of ids (None: none) as a list."""
+    return [ids] if isinstance(ids, int) else list(ids or [])
 
 
 @dataclass
@@ -91,9 +91,7 @@ class ModelConfig:
             n = self.num_hidden_layers
             slides = [i % 2 == 0 for i in range(n)] if self.model_type == "gemma2" else [True] * n
             self.layer_types = ["sliding_attention" if self.sliding_window and s else "full_attention" for s in slides]
-        if isinstance(self.eos_token_id, int):
-            self.eos_token_id = [self.eos_token_id]
-        self.eos_token_id = list(self.eos_token_id or [])
+        self.eos_token_id = id_list(self.eos_token_id)
 
     @classmethod
     def from_json(cls, path):
@@ -127,8 +125,7 @@ class ModelConfig:
 
     def to_json(self):
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["rope_parameters"] = dict(self.rope_scaling or {"rope_type": "default"}, rope_theta=self.rope_theta)
-        d.pop("rope_scaling")
+        d["rope_parameters"] = dict(d.pop("rope_scaling") or {"rope_type": "default"}, rope_theta=self.rope_theta)
         if self.model_type in ("qwen2", "qwen3") and self.sliding_window:
             d["use_sliding_window"] = True
         d["sliding_window"] = self.sliding_window or None
@@ -152,11 +149,9 @@ class Memory:
     next_pos: torch.Tensor = None      # (B,) long
 
     def __post_init__(self):
-        ref = self.embeds if self.embeds is not None else self.kv[0][0]
-        B = ref.shape[0]
-        C = ref.shape[1] if self.embeds is not None else ref.shape[2]
         if self.mask is None:
-            self.mask = torch.ones(B, C, dtype=torch.bool, device=ref.device)
+            ref = self.embeds if self.embeds is not None else self.kv[0][0].transpose(1, 2)  # (B, C, ...)
+            self.mask = torch.ones(ref.shape[:2], dtype=torch.bool, device=ref.device)
         if self.next_pos is None:
             self.next_pos = self.mask.sum(-1).long()
 
@@ -222,8 +217,8 @@ class LoRALinear(nn.Linear):
     """nn.Linear that owns ``weight``/``bias`` (checkpoint keys load unchanged) plus
     named adapters ``lora_A[name]`` (r, in), ``lora_B[name]`` (out, r)."""
 
-    def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__(in_features, out_features, bias=bias)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         self.scaling, self.dropout = {}, {}
         self.active = None
@@ -246,9 +241,21 @@ class LoRALinear(nn.Linear):
 
     def merge(self, name):
         with torch.no_grad():
-            delta = self.lora_B[name] @ self.lora_A[name] * self.scaling[name]
-            self.weight += delta.to(self.weight.dtype)
+            self.weight += (self.lora_B[name] @ self.lora_A[name] * self.scaling[name]).to(self.weight.dtype)
         del self.lora_A[name], self.lora_B[name]
+
+
+@contextmanager
+def active_adapters(mods, names):
+    """Sets mods[i].active = names[i] (LoRALinear modules) inside the block, then restores."""
+    before = [m.active for m in mods]
+    for m, name in zip(mods, names):
+        m.active = name
+    try:
+        yield
+    finally:
+        for m, name in zip(mods, before):
+            m.active = name
 
 
 # -----------------------------------------------------------------------------
@@ -357,14 +364,13 @@ def keep_attention_inputs(model, layers):
 
 
 def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
-    """(N, C + T) log attention probabilities of head 0 of `attn` from the queries (rows,
-    pos) onto every key of their sequence, under the causal mask (and keys_valid (B, C + T)).
-    pos counts the tokens after n_memory memory slots, which are the first C keys: the
-    layer's prefix K/V (K/V memory), or the first C rows of x (embedding memory).
-    inputs: what the layer was called with (keep_attention_inputs). SDPA does not return
-    attention weights, so head 0's q and k are recomputed, in fp32."""
+    """(N, C + T) fp32 log attention probabilities of head 0 of `attn` from the queries
+    (rows, pos) onto every key of their sequence, under the causal mask (and keys_valid
+    (B, C + T)). The first C keys are memory: the layer's prefix K/V, or the first n_memory
+    rows of x (embedding memory); pos counts the tokens after them. inputs: the layer's
+    (keep_attention_inputs). SDPA returns no weights, so head 0's q and k are recomputed."""
     x, cos, sin = (t.float() for t in inputs[:3])  # (B, T, d), (B, 1, T, hd) x 2
-    prefix = inputs[4] if len(inputs) > 4 else None
+    prefix = inputs[4]  # the layer's prefix K/V, or None
     at = pos if prefix is not None else pos + n_memory  # the query's row of x
     hd = attn.hd
     q, k = attn.q_proj(x[rows, at])[:, :hd], attn.k_proj(x)[..., :hd]  # head 0 and its kv head
@@ -429,14 +435,8 @@ def checkpointed(layer, *args):
     active = [m.active for m in lora]
 
     def run(*args):
-        before = [m.active for m in lora]
-        for m, a in zip(lora, active):
-            m.active = a
-        try:
+        with active_adapters(lora, active):
             return layer(*args)
-        finally:
-            for m, a in zip(lora, before):
-                m.active = a
     return checkpoint(run, *args, use_reentrant=False)
 
 
@@ -469,14 +469,14 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
         """An HF checkpoint dir: config.json + model.safetensors or a sharded
-        model.safetensors.index.json. Safetensors only: nothing is unpickled."""
+        model.safetensors.index.json (safetensors only: nothing is unpickled); generation
+        stops at generation_config.json's eos ids when it has them."""
         cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
-        for name in ("generation_config.json",):  # eos ids for generation
-            p = os.path.join(path, name)
-            if os.path.exists(p):
-                eos = json.load(open(p)).get("eos_token_id")
-                if eos is not None:
-                    cfg.eos_token_id = [eos] if isinstance(eos, int) else list(eos)
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos)
         with torch.device("meta"):
             model = cls(cfg)
         model.load_base_weights(read_safetensors(path, device), dtype=dtype)
@@ -540,42 +540,36 @@ class Transformer(nn.Module):
         if pos is None:
             start = memory.next_pos if memory is not None else torch.zeros(B, dtype=torch.long, device=x.device)
             pos = start[:, None] + torch.arange(T, device=x.device)
-        if valid is None and (memory is not None):
-            valid = torch.ones(B, T, dtype=torch.bool, device=x.device)
-        prefix = None
-        n_mem = 0
-        if memory is not None and memory.embeds is not None:
-            n_mem = memory.embeds.shape[1]
-            x = torch.cat([memory.embeds.to(x.dtype), x], dim=1)
-            mem_pos = (memory.mask.long().cumsum(1) - 1).clamp(min=0)  # valid slots 0, 1, ...; holes skipped
-            pos = torch.cat([mem_pos, pos], dim=1)
+        prefix, n_mem = None, 0
+        if memory is not None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid
             valid = torch.cat([memory.mask, valid], dim=1)
-        elif memory is not None:
-            prefix = memory.kv
-            valid = torch.cat([memory.mask, valid], dim=1)
+            if memory.embeds is not None:
+                n_mem = memory.embeds.shape[1]
+                x = torch.cat([memory.embeds.to(x.dtype), x], dim=1)
+                mem_pos = (memory.mask.long().cumsum(1) - 1).clamp(min=0)  # valid slots 0, 1, ...; holes skipped
+                pos = torch.cat([mem_pos, pos], dim=1)
+            else:
+                prefix = memory.kv
         Q = x.shape[1]
-        S = Q + (prefix[0][0].shape[2] if prefix else 0)
-        attn_mask = None
-        if mask is not None:
-            assert n_mem == 0, "custom masks with embedding memory: prepend the embeds yourself"
-            if prefix is not None:
-                mask = kernels.with_prefix(mask, S - Q, valid[:, :S - Q])
-            attn_mask = kernels.Mask(mask, B, Q, S, x.device)
-        elif valid is not None:
-            attn_mask = kernels.Mask(kernels.causal_after_prefix(S - Q, valid), B, Q, S, x.device)
+        P = prefix[0][0].shape[2] if prefix else 0  # the keys are [prefix K/V, x]
+        S = P + Q
+        assert mask is None or n_mem == 0, "custom masks with embedding memory: prepend the embeds yourself"
+        if mask is not None and prefix is not None:
+            mask = kernels.with_prefix(mask, P, valid[:, :P])
+        elif mask is None and valid is not None:
+            mask = kernels.causal_after_prefix(P, valid)
+        attn_mask = None if mask is None else kernels.Mask(mask, B, Q, S, x.device)
         masks = (attn_mask, attn_mask)  # (full-attention layers, sliding-window layers)
         if self.config.sliding_window:
-            window = kernels.sliding_window(self.config.sliding_window, torch.full((), S - Q, device=x.device))
-            within = kernels.and_masks(attn_mask.mask_mod if attn_mask else kernels.causal, window)
+            window = kernels.sliding_window(self.config.sliding_window, torch.full((), P, device=x.device))
+            within = kernels.and_masks(kernels.causal if mask is None else mask, window)
             masks = (attn_mask, kernels.Mask(within, B, Q, S, x.device))
-        cos, sin = self.rope(pos)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = (t.to(x.dtype) for t in self.rope(pos))
         kvs = []
         for i, layer in enumerate(self.model.layers):
-            if self.grad_ckpt and torch.is_grad_enabled():
-                x, kv = checkpointed(layer, x, cos, sin, masks, prefix[i] if prefix else None)
-            else:
-                x, kv = layer(x, cos, sin, masks, prefix[i] if prefix else None)
+            args = (x, cos, sin, masks, prefix[i] if prefix else None)
+            x, kv = checkpointed(layer, *args) if self.grad_ckpt and torch.is_grad_enabled() else layer(*args)
             if return_kv:
                 kvs.append(kv)
         h = self.model.norm(x[:, n_mem:])
@@ -610,31 +604,27 @@ class Transformer(nn.Module):
         eos = set(self.config.eos_token_id if eos_ids is None else eos_ids)
         device = self.lm_head.weight.device
         B, T = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(B, T, dtype=torch.long, device=device)
-        valid = torch.zeros(B, T, dtype=torch.bool, device=device)
-        for b, p in enumerate(prompts):
-            ids[b, T - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid[b, T - len(p):] = True
+        ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        valid = torch.arange(T, device=device) >= T - lengths[:, None]  # (B, T): the prompts, left-padded
         start = memory.next_pos if memory is not None else torch.zeros(B, dtype=torch.long, device=device)
         pos = start[:, None] + (valid.cumsum(1) - 1).clamp(min=0)
-        left_padded = not bool(valid.all())
-        logits, kv = self(ids, pos=pos, memory=memory, valid=valid if left_padded or memory else None,
-                          return_kv=True)
+        plain = memory is None and bool(valid.all())  # no padding, no memory: plain causal
+        logits, kv = self(ids, pos=pos, memory=memory, valid=None if plain else valid, return_kv=True)
         cache_valid = valid if memory is None else torch.cat([memory.mask, valid], dim=1)
         next_pos = pos[:, -1] + 1
         out, done = [[] for _ in range(B)], [False] * B
         for _ in range(max_new_tokens):
             tok = logits[:, -1].argmax(-1)  # (B,)
             for b, t in enumerate(tok.tolist()):
+                done[b] = done[b] or t in eos
                 if not done[b]:
-                    done[b] = t in eos
-                    if not done[b]:
-                        out[b].append(t)
+                    out[b].append(t)
             if all(done):
                 break
             cache = Memory(kv=kv, mask=cache_valid, next_pos=next_pos)
             logits, kv = self(tok[:, None], memory=cache, return_kv=True)
-            cache_valid = torch.cat([cache_valid, torch.ones(B, 1, dtype=torch.bool, device=device)], 1)
+            cache_valid = F.pad(cache_valid, (0, 1), value=True)
             next_pos = next_pos + 1
         return out
 
@@ -650,23 +640,17 @@ class Transformer(nn.Module):
             raise ValueError(f"no module matches LoRA targets {targets}")
         for m in mods.values():
             m.add_adapter(name, r, alpha, dropout)
-        self.adapter_configs[name] = dict(r=r, alpha=alpha, dropout=dropout, targets=sorted(
-            {n.split(".")[-1] for n in mods}))
+        targets = sorted({n.split(".")[-1] for n in mods})
+        self.adapter_configs[name] = dict(r=r, alpha=alpha, dropout=dropout, targets=targets)
 
     @contextmanager
     def adapter(self, name):
         """``with model.adapter("encoder"):`` runs with that adapter active; None = the base."""
         if name is not None and name not in self.adapter_configs:
             raise ValueError(f"unknown adapter {name!r}; have {sorted(self.adapter_configs)}")
-        mods = self.lora_modules().values()
-        before = [m.active for m in mods]
-        for m in mods:
-            m.active = name
-        try:
+        mods = list(self.lora_modules().values())
+        with active_adapters(mods, [name] * len(mods)):
             yield self
-        finally:
-            for m, a in zip(mods, before):
-                m.active = a
 
     def adapter_state(self, name):
         """{module path: (A, B)} tensors of one adapter."""
@@ -675,12 +659,10 @@ class Transformer(nn.Module):
     def save_adapter(self, name, path):
         """PEFT format: adapter_config.json + adapter_model.safetensors."""
         os.makedirs(path, exist_ok=True)
-        c = self.adapter_configs[name]
-        tensors = {}
-        for n, (A, B) in self.adapter_state(name).items():
-            tensors[f"base_model.model.{n}.lora_A.weight"] = A.detach().contiguous()
-            tensors[f"base_model.model.{n}.lora_B.weight"] = B.detach().contiguous()
+        tensors = {f"base_model.model.{n}.lora_{ab}.weight": t.detach().contiguous()
+                   for n, pair in self.adapter_state(name).items() for ab, t in zip("AB", pair)}
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        c = self.adapter_configs[name]
         peft_cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c["r"], "lora_alpha": c["alpha"],
                     "lora_dropout": c["dropout"], "target_modules": c["targets"], "bias": "none",
                     "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
@@ -691,14 +673,13 @@ class Transformer(nn.Module):
         with open(os.path.join(path, "adapter_config.json")) as f:
             c = json.load(f)
         self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
-        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
         mods = self.lora_modules()
-        for key, t in tensors.items():
-            path_, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        for key, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+            module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
             which = "lora_" + ab.split(".")[0]
-            if path_ not in mods or name not in getattr(mods[path_], which):
+            if module not in mods or name not in getattr(mods[module], which):
                 raise ValueError(f"{path}: adapter tensor {key} matches no module of this model")
-            getattr(mods[path_], which)[name].data.copy_(t)
+            getattr(mods[module], which)[name].data.copy_(t)
         return self
 
     def merge_adapter(self, name):
@@ -710,11 +691,10 @@ class Transformer(nn.Module):
 
 
 def compile_forward(model, backend="inductor"):
-    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). Graphs
-    are specialised to shapes: K/V memory is padded (invalid slots, never seen) to a
-    multiple of kernels.BLOCK slots before the graph, so memories of 1..128 slots share one
-    graph instead of compiling one per length (dynamo stops at 8 and runs eager). Not when
-    the caller asks for the K/V back (return_kv): its length would change."""
+    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). K/V
+    memory is padded (invalid slots, never seen) to a multiple of kernels.BLOCK slots, so
+    memories of 1..128 slots share one shape-specialised graph; not with return_kv, whose
+    length would change."""
     compiled = torch.compile(model.forward, dynamic=False, backend=backend)
 
     def forward(*args, memory=None, return_kv=False, **kw):
@@ -734,16 +714,10 @@ def read_safetensors(path, device="cpu"):
         files = [single]
     elif os.path.exists(index):
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, s) for s in shards]
+            files = [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
         for s in files:
             if not os.path.exists(s):
                 raise ValueError(f"{index}: shard file {os.path.basename(s)} is missing")
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints are read)")
-    state = {}
-    for fname in files:
-        with safe_open(fname, framework="pt", device=str(device)) as f:
-            for k in f.keys():
-                state[k] = f.get_tensor(k)
-    return state
+    return {k: t for s in files for k, t in load_file(s, device=str(device)).items()}
