@@ -1,4 +1,4 @@
-"""Micro-benchmarks, nanoGPT style: burn-in, then timed iterations.
+"""Benchmarks, nanoGPT style: burn-in, then timed iterations between synchronize calls.
 
     python bench.py loss         # time and peak memory: chunked_kd vs naive_kd at vocab 152k
     python bench.py train        # one optimizer step of every method at real shapes, vs HF + peft
@@ -6,8 +6,8 @@
     python bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
     (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
 
-On CPU the loss benchmark runs each variant in a fresh subprocess and reports the growth
-of its peak RSS (ru_maxrss) over the inputs; on CUDA, torch.cuda.max_memory_allocated.
+Peak memory is torch.cuda.max_memory_allocated; on CPU the loss benchmark runs each variant
+in a fresh subprocess and reports the growth of its peak RSS (ru_maxrss) over the inputs.
 Real shapes are random-init models with the checkpoints' config.json values (SHAPES):
 speed and memory depend on shapes only. BENCHMARKS.md has the numbers and the hardware.
 """
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,9 @@ parser.add_argument("--no_hf", action="store_true", help="train: skip the transf
 parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
 args = parser.parse_args(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests: defaults
 device = torch.device(args.device)
-if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors on a busy CPU: spin-waiting threads cost 10x
+if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors: more threads only spin-wait
     torch.set_num_threads(args.threads or 1)
+TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
 
 
 def sync():
@@ -60,50 +62,53 @@ def sync():
 
 
 def timeit(step, burn_in, iters):
-    """Median ms per iteration after burn-in (the median: shared CPU machines are noisy)."""
+    """Median seconds per step() after burn_in untimed calls (the median: shared machines are noisy)."""
     for _ in range(burn_in):
         step()
     times = []
-    for _ in range(iters):
+    for _ in range(max(1, iters)):
         sync()
         t0 = time.perf_counter()
         step()
         sync()
-        times.append((time.perf_counter() - t0) * 1000)
+        times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
 
-# -----------------------------------------------------------------------------
-# the loss: chunked vs naive KD from hidden states, fwd + bwd (student h and head)
+def peak_memory_mb():
+    """max_memory_allocated on CUDA; elsewhere this process's peak RSS (Linux: ru_maxrss in KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-def loss_inputs():
+
+def reset_memory():
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# -----------------------------------------------------------------------------
+# loss: chunked vs naive KD from hidden states, fwd + bwd (student h and head)
+
+def bench_one_loss(variant):
     g = torch.Generator(device=device).manual_seed(0)
-    mk = lambda *s: (torch.randn(*s, generator=g, device=device) * 0.05)
+    mk = lambda *s: (torch.randn(*s, generator=g, device=device) * 0.05)  # noqa: E731
     h, w = mk(1, args.tokens, args.dim).requires_grad_(), mk(args.loss_vocab, args.dim).requires_grad_()
     th, tw = mk(1, args.tokens, args.dim), mk(args.loss_vocab, args.dim)
     labels = torch.zeros(1, args.tokens, dtype=torch.long, device=device)
-    return h, w, th, tw, labels
-
-
-def maxrss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def bench_one_loss(variant):
     fn = kernels.chunked_kd if variant == "chunked" else lambda *a: (kernels.naive_kd(*a), None)
-    h, w, th, tw, labels = loss_inputs()
-    base = torch.cuda.memory_allocated() if device.type == "cuda" else maxrss_mb()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset_memory()
+    base = peak_memory_mb()
 
     def step():
         loss, _ = fn(h, w, th, tw, labels)
         loss.backward()
         h.grad = w.grad = None
         return loss
-    ms = timeit(step, min(args.burn_in, 1), max(min(args.iters, 3), 1))  # seconds per step: keep it short
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else maxrss_mb() - base
-    print(f"{variant:8s} fwd+bwd {ms:9.1f} ms/iter   peak memory above inputs {peak:8.0f} MB   loss {step().item():.4f}")
+    ms = timeit(step, min(args.burn_in, 1), min(args.iters, 3)) * 1000  # seconds per step: keep it short
+    print(f"{variant:8s} fwd+bwd {ms:9.1f} ms/iter   peak memory above inputs {peak_memory_mb() - base:8.0f} MB"
+          f"   loss {step().item():.4f}")
 
 
 def bench_loss():
@@ -139,19 +144,13 @@ SHAPES = {
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
-def shapes():
-    return ["tiny"] if args.tiny else args.shapes.split(",")
-
-
-def weights_dtype(dev=None):
-    return torch.bfloat16 if (dev or device).type == "cuda" else torch.float32  # as train.py on real checkpoints
-
-
-def random_model(shape, tok, dev=None, dtype=None, seed=0):
-    """A frozen random-init Transformer of SHAPES[shape], weights N(0, 0.02), built on the device."""
-    dev, dtype = dev or device, dtype or weights_dtype(dev)
+def random_model(shape, tok, dev=None, dtype=None):
+    """A frozen random-init Transformer of SHAPES[shape], weights N(0, 0.02), built on the
+    device in bf16 on CUDA and fp32 elsewhere, as train.py loads real checkpoints."""
+    dev = dev or device
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg = ModelConfig(**SHAPES[shape], bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # no fp32 copy of an 8B model first
     try:
@@ -159,24 +158,12 @@ def random_model(shape, tok, dev=None, dtype=None, seed=0):
             model = Transformer(cfg)
     finally:
         torch.set_default_dtype(default)
+    model.requires_grad_(False)
     with torch.no_grad():
         for p in model.parameters():
-            p.requires_grad_(False)
             if p.dim() == 2:
                 p.normal_(0.0, 0.02)
     return model
-
-
-def peak_memory_mb():
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return None
-
-
-def reset_memory():
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 # -----------------------------------------------------------------------------
@@ -192,31 +179,27 @@ ROWS = [  # (row, method, objective, ratios): the methods' main objectives at th
 ]
 
 
-def build_row(base, tok, method, objective, ratio, batch_size, context, seed=0):
+def build_row(base, tok, method, objective, ratio, batch_size, context):
     """(method module, one collated batch on the device, context tokens in it), built as
-    train.py builds them (train.Batches.collate, the method's prepare), from synthetic
-    biographies long enough to fill `context` tokens."""
+    train.py builds them, from synthetic biographies long enough to fill `context` tokens."""
     cls = runs.method_registry()[method]
     run = runs.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
-                            batch_size=batch_size, no_aids=True, seed=seed)
+                           batch_size=batch_size, no_aids=True, seed=0)
     mcfg = runs.method_config(cls)()
-    if getattr(cls, "check_config", None):
+    if hasattr(cls, "check_config"):
         cls.check_config(run, mcfg)
-    torch.manual_seed(seed)
-    m = cls(base, mcfg, tok, run).to(base.lm_head.weight.device)
+    torch.manual_seed(0)
+    dev = base.lm_head.weight.device
+    m = cls(base, mcfg, tok, run).to(dev)
     for n, p in m.named_parameters():  # non-zero adapters, as after some training
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)
-    batches = train.Batches(run, tok, m)
-    rng = random.Random(seed)
+    batches, rng = train.Batches(run, tok, m), random.Random(0)
     people = context // 25 + 4  # ~40 tokens per biography with the tiny tokenizer; collate cuts at `context`
-    if batches.text:
-        items = [batches.synth.lm_text(rng, people) for _ in range(batch_size)]
-    else:
-        items = [batches.synth.example(rng, people, 6) for _ in range(batch_size)]
-    batch = dict(runs.to_device(batches.collate(items), base.lm_head.weight.device), step=0)
-    n_tokens = int((batch["lengths"] if batches.text else batch["context_len"]).sum())
-    return m, batch, n_tokens
+    items = [batches.synth.lm_text(rng, people) if batches.text else batches.synth.example(rng, people, 6)
+             for _ in range(batch_size)]
+    batch = dict(runs.to_device(batches.collate(items), dev), step=0)
+    return m, batch, int((batch["lengths"] if batches.text else batch["context_len"]).sum())
 
 
 class FlopCounter:
@@ -233,30 +216,26 @@ class FlopCounter:
     not counted. MFU = FLOPs / (seconds per step x the GPU's dense bf16 peak).
     """
 
-    def __init__(self, models):
+    def __init__(self, model):
         self.flops, self.hooks = 0, []
-        for model in models:
-            cfg = model.config
-            for layer in model.model.layers:
-                p_layer = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-                attn = 4 * cfg.num_attention_heads * cfg.head_dim
-                self.hooks.append(layer.register_forward_hook(
-                    lambda mod, inp, out, p=p_layer, a=attn: self.layer(inp, out, p, a)))
+        self.attn = 4 * model.config.num_attention_heads * model.config.head_dim
+        for layer in model.model.layers:
+            p_layer = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+            self.hooks.append(layer.register_forward_hook(lambda mod, inp, out, p=p_layer: self.layer(inp, out, p)))
         self.real_run = kernels._ChunkedLoss._run
-        counter = self
 
         def counted(ctx, h, w, weights, kind, *rest):  # rest: target, teacher_h, teacher_w, softcap
             matmuls = 2 + (kind == "kd") + bool(ctx.needs_input_grad[1])
-            counter.flops += 2 * h.shape[0] * h.shape[1] * w.shape[0] * matmuls
-            return counter.real_run(ctx, h, w, weights, kind, *rest)
+            self.flops += 2 * h.shape[0] * h.shape[1] * w.shape[0] * matmuls
+            return self.real_run(ctx, h, w, weights, kind, *rest)
         kernels._ChunkedLoss._run = staticmethod(counted)
 
-    def layer(self, inp, out, p_layer, attn):
+    def layer(self, inp, out, p_layer):
         x, prefix = inp[0], inp[4]
         B, Q = x.shape[:2]
         S = Q + (prefix[0].shape[2] if prefix is not None else 0)
         grad = out[0].requires_grad
-        self.flops += B * Q * (2 * p_layer * (2 if grad else 1) + attn * S * (3 if grad else 1))
+        self.flops += B * Q * (2 * p_layer * (2 if grad else 1) + self.attn * S * (3 if grad else 1))
 
     def close(self):
         for h in self.hooks:
@@ -264,25 +243,12 @@ class FlopCounter:
         kernels._ChunkedLoss._run = staticmethod(self.real_run)
 
 
-def time_step(step):
-    """Median seconds of step() after one untimed step."""
-    step()
-    times = []
-    for _ in range(max(1, args.iters)):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def optimizer_step(params, compute_loss):
+    """One AdamW step of compute_loss() (under bf16 autocast on CUDA) as a function."""
     opt = torch.optim.AdamW(params, lr=1e-5)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def step():
-        with autocast:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = compute_loss()
         loss.backward()
         opt.step()
@@ -292,26 +258,23 @@ def optimizer_step(params, compute_loss):
 
 
 def report(name, secs, n_tokens, flops):
-    peak = PEAK_BF16.get(next((k for k in PEAK_BF16 if device.type == "cuda" and k in torch.cuda.get_device_name()), ""))
+    peak = next((v for k, v in PEAK_BF16.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     mfu = f"{flops / secs / peak:6.1%}" if peak else "   n/a"
-    mem = peak_memory_mb()
-    mem = f"{mem:8.0f} MB" if mem is not None else "     n/a"
+    mem = f"{peak_memory_mb():8.0f} MB" if device.type == "cuda" else "     n/a"
     print(f"  {name:22s} {secs * 1000:9.1f} ms/step {n_tokens / secs:10.0f} ctx tok/s  "
           f"{flops / 1e9:9.1f} GFLOP  MFU {mfu}  peak {mem}")
 
 
 def bench_train():
-    tok = data.load_tokenizer(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base"))
-    context = 256 if args.tiny else args.context
-    B = 2 if args.tiny else args.train_batch
-    only = set(args.methods.split(",")) if args.methods else None
-    rows = [r for r in ROWS if only is None or r[0] in only or r[1] in only]
+    tok = data.load_tokenizer(TINY_BASE)
+    context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
+    rows = [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device}"
           f" ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
           f"{'bf16 weights + autocast' if device.type == 'cuda' else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''};"
           f" median of {args.iters} after 1 untimed;"
           f" peak = max_memory_allocated{' (n/a on CPU)' if device.type != 'cuda' else ''}")
-    for shape in shapes():
+    for shape in ["tiny"] if args.tiny else args.shapes.split(","):
         print(f"{shape}:")
         for row in rows:
             try:
@@ -327,33 +290,32 @@ def train_row(shape, tok, row, B, context):
     base = random_model(shape, tok)
     m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
     ratios = runs.ratios_of(ratio)
-    params = [p for p in m.parameters() if p.requires_grad]
 
     def ours():
         loss, n, _ = m(batch, ratios)
         return loss / max(float(n), 1.0)
-    step = optimizer_step(params, ours)
-    counter = FlopCounter([base])
+    step = optimizer_step([p for p in m.parameters() if p.requires_grad], ours)
+    counter = FlopCounter(base)
     try:
         step()  # counted without --grad_ckpt: recomputation is not model FLOPs
     finally:
         counter.close()
-    flops = counter.flops
     base.grad_ckpt = args.grad_ckpt
     reset_memory()
-    secs = time_step(step)
-    report(name, secs, n_tokens, flops)
+    secs = timeit(step, 1, args.iters)
+    report(name, secs, n_tokens, counter.flops)
     hf_fn = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}.get(name)
-    if hf_fn is not None and not args.no_hf:
-        model = hf_peft(base)  # no checkpointing: HF's recomputes under whichever adapter is active then
-        n = int((batch["qa_labels"] != -100).sum()) if method == "meanpool" else B  # ours' counts
-        params_hf = [p for k, p in model.named_parameters() if "lora_" in k] + \
-            [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
-        step_hf = optimizer_step(params_hf, lambda: hf_fn(model, m, batch, ratios, tok) / n)
-        reset_memory()
-        secs_hf = time_step(step_hf)
-        report(f"{name} (HF + peft)", secs_hf, n_tokens, flops)
-        print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
+    if hf_fn is None or args.no_hf:
+        return
+    model = hf_peft(base)  # no checkpointing: HF's recomputes under whichever adapter is active then
+    n = int((batch["qa_labels"] != -100).sum()) if method == "meanpool" else B  # ours' counts
+    params = [p for k, p in model.named_parameters() if "lora_" in k] + \
+        [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
+    step_hf = optimizer_step(params, lambda: hf_fn(model, m, batch, ratios, tok) / n)
+    reset_memory()
+    secs_hf = timeit(step_hf, 1, args.iters)
+    report(f"{name} (HF + peft)", secs_hf, n_tokens, counter.flops)
+    print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
 
 
 # The transformers + peft twins, written the way the papers' official code is: peft adapters
@@ -363,8 +325,6 @@ def train_row(shape, tok, row, B, context):
 
 def hf_peft(ours):
     """A transformers model sharing `ours`' base weights, with ours' adapters as peft adapters."""
-    import warnings
-
     import peft
     import transformers
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # peft calls a deprecated HF name
@@ -386,8 +346,7 @@ def hf_peft(ours):
             model = peft.get_peft_model(hf, lc, adapter_name=name)
         else:
             model.add_adapter(name, lc)
-    with torch.no_grad():
-        for name in ours.adapter_configs:
+        with torch.no_grad():
             for path, (A, B) in ours.adapter_state(name).items():
                 mod = model.base_model.model.get_submodule(path)
                 mod.lora_A[name].weight.copy_(A)
@@ -403,11 +362,23 @@ def use(model, name):
             p.requires_grad_(True)
 
 
-def hf_meanpool_kd(model, m, batch, ratios, tok=None):
+def hf_decode(lm, prefix, z, slots, e):
+    """Logits of the decoder over [prefix, z, e] as inputs_embeds, as model.behind_prefix: z's
+    empty slots (slots False) are masked out and take no position."""
+    (B, T), dev = e.shape[:2], e.device
+    slots = torch.cat([torch.ones(B, prefix.shape[1], dtype=torch.bool, device=dev), slots], 1)
+    pos = torch.cat([(slots.long().cumsum(1) - 1).clamp(min=0),
+                     slots.sum(1, keepdim=True) + torch.arange(T, device=dev)], 1)
+    mask = torch.cat([slots, torch.ones(B, T, dtype=torch.bool, device=dev)], 1).long()
+    z = torch.cat([lm.model.embed_tokens(prefix).expand(B, -1, -1).to(z.dtype), z], 1)
+    return lm(inputs_embeds=torch.cat([z.to(e.dtype), e], 1), attention_mask=mask, position_ids=pos).logits
+
+
+def hf_meanpool_kd(model, m, batch, ratios, tok):
     """Summed KL(teacher || student) over answer tokens and ratios, as meanpool.MeanPool."""
     lm = model.base_model.model  # ForCausalLM with LoRA layers
     ctx, lengths, qa = batch["context"], batch["context_len"], batch["qa"]
-    (B, L), T = ctx.shape, qa.shape[1]
+    B, L = ctx.shape
     real = torch.arange(L, device=ctx.device)[None] < lengths[:, None]  # (B, L)
     use(model, "encoder")
     h = lm.model(input_ids=ctx, attention_mask=real[:, None, None, :].expand(B, 1, L, L)).last_hidden_state
@@ -416,6 +387,7 @@ def hf_meanpool_kd(model, m, batch, ratios, tok=None):
     logq = teacher.float().log_softmax(-1)
     use(model, "decoder")
     emb = lm.model.embed_tokens(qa)
+    prefix = torch.tensor(batch["prefix"], device=qa.device)[None]  # (1, P)
     total = 0.0
     for r in ratios:
         C = -(-int(lengths.max()) // r)
@@ -424,14 +396,8 @@ def hf_meanpool_kd(model, m, batch, ratios, tok=None):
         z = hp / cnt.clamp(min=1)[..., None]
         if m.proj is not None:
             z = m.proj(z.to(m.proj.weight.dtype))
-        pre = lm.model.embed_tokens(torch.tensor(batch["prefix"], device=qa.device))[None].expand(B, -1, -1)
-        z, P = torch.cat([pre.to(z.dtype), z], 1), pre.shape[1]  # [BOS, z]: as model.behind_prefix
-        slots = torch.cat([torch.ones(B, P, dtype=torch.bool, device=qa.device), cnt > 0], 1)
-        pos = torch.cat([(slots.long().cumsum(1) - 1).clamp(min=0),
-                         slots.sum(1, keepdim=True) + torch.arange(T, device=qa.device)], 1)
-        mask = torch.cat([slots, torch.ones_like(qa, dtype=torch.bool)], 1).long()
-        logits = lm(inputs_embeds=torch.cat([z.to(emb.dtype), emb], 1), attention_mask=mask, position_ids=pos).logits
-        logp = logits[:, P + C:][batch["qa_labels"] != -100].float().log_softmax(-1)
+        logits = hf_decode(lm, prefix, z, cnt > 0, emb)
+        logp = logits[:, prefix.shape[1] + C:][batch["qa_labels"] != -100].float().log_softmax(-1)
         total = total + (logq.exp() * (logq - logp)).sum()
     return total
 
@@ -459,18 +425,12 @@ def hf_pic_ae(model, m, batch, ratios, tok):
         use(model, "encoder")
         h = lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state[:, L:]
         z, mem = m.converter(h.to(m.converter[0].weight.dtype)), valid[:, L:]
-        pre = lm.model.embed_tokens(ids[:1, :off]).expand(B, -1, -1)  # [BOS, z]: as model.behind_prefix
-        z, mem = torch.cat([pre.to(z.dtype), z], 1), torch.cat([torch.ones(B, off, dtype=torch.bool, device=dev), mem], 1)
-        N = z.shape[1]
         with model.disable_adapter():
-            def ce(ids_, labels, extra=None):  # frozen decoder over [z, extra, ids_]: CE mean per example, summed
+            def ce(ids_, labels, extra=None):  # frozen decoder over [BOS, z, extra, ids_]: CE mean per example, summed
                 e = lm.model.embed_tokens(ids_)
-                x = torch.cat([z.to(e.dtype)] + ([extra.to(e.dtype)] if extra is not None else []) + [e], 1)
-                T = x.shape[1] - N
-                p = torch.cat([(mem.long().cumsum(1) - 1).clamp(min=0),
-                               mem.sum(1, keepdim=True) + torch.arange(T, device=dev)], 1)
-                mask2 = torch.cat([mem, torch.ones(B, T, dtype=torch.bool, device=dev)], 1).long()
-                logits = lm(inputs_embeds=x, attention_mask=mask2, position_ids=p).logits[:, N:N + labels.shape[1]]
+                e = torch.cat([extra.to(e.dtype), e], 1) if extra is not None else e
+                start = off + z.shape[1]
+                logits = hf_decode(lm, ids[:1, :off], z, mem, e)[:, start:start + labels.shape[1]]
                 loss = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
                 return (loss.sum(1) / (labels != -100).sum(1).clamp(min=1)).sum()
             tr = ce(tr_in, tr_lab, m.ae[None, None].expand(B, 1, -1))
@@ -481,7 +441,6 @@ def hf_pic_ae(model, m, batch, ratios, tok):
 
 # -----------------------------------------------------------------------------
 # attention: flex + BlockMask vs SDPA + dense mask, fwd + bwd; create_block_mask cost
-
 
 def attention_masks(T, dev):
     """[(name, mask_mod, tokens)] of about T tokens: PIC's block-wise mask (context + 1/16 as
@@ -503,22 +462,14 @@ def bench_attention():
     H, Hkv, hd = 16, 8, 128  # Qwen3-1.7B's attention
     for T in (4096, 8192):
         for name, mask_mod, Tm in attention_masks(T, device):
-            times = []
-            for _ in range(4):  # the first includes compiling create_block_mask (CUDA)
-                sync()
-                t0 = time.perf_counter()
-                mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
-                block = mask.block()
-                sync()
-                times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            mask.dense()
-            sync()
-            dense_ms = (time.perf_counter() - t0) * 1000
+            new_block = lambda: kernels.Mask(mask_mod, 1, Tm, Tm, device).block()  # noqa: E731
+            first_s, block_s = timeit(new_block, 0, 1), timeit(new_block, 0, 3)  # the first compiles (CUDA)
+            mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
+            block, dense_s = mask.block(), timeit(mask.dense, 0, 1)
             n_blocks = block.kv_indices.shape[-2] * block.kv_indices.shape[-1]
             used = block.kv_num_blocks.sum() + (block.full_kv_num_blocks.sum() if block.full_kv_num_blocks is not None else 0)
-            print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {sorted(times[1:])[1] * 1000:8.1f} ms/batch "
-                  f"(first call {times[0] * 1000:.0f} ms), dense mask {dense_ms:.1f} ms, "
+            print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {block_s * 1000:8.1f} ms/batch "
+                  f"(first call {first_s * 1000:.0f} ms), dense mask {dense_s * 1000:.1f} ms, "
                   f"{1 - float(used) / n_blocks:.0%} of 128x128 blocks empty")
             if device.type != "cuda":
                 print(f"{'':14s} flex vs SDPA fwd+bwd: skipped (CUDA only: torch {torch.__version__} has no flex backward on CPU)")
@@ -534,7 +485,7 @@ def bench_attention():
                     kernels.attention(q, k, v, mask).sum().backward()
                     q.grad = k.grad = v.grad = None
                 reset_memory()
-                ms[backend] = timeit(step, args.burn_in, args.iters)
+                ms[backend] = timeit(step, args.burn_in, args.iters) * 1000
                 print(f"{'':14s} {backend:5s} fwd+bwd {ms[backend]:8.2f} ms   peak {peak_memory_mb():8.0f} MB")
             kernels.BACKEND = None
             print(f"{'':14s} flex / SDPA speed: {ms['dense'] / ms['flex']:.2f}x")
@@ -543,14 +494,13 @@ def bench_attention():
 # -----------------------------------------------------------------------------
 # ttft: answering from a saved Memory vs reading the whole context
 
-
 def bench_ttft():
-    tok = data.load_tokenizer(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base"))
+    tok = data.load_tokenizer(TINY_BASE)
     L, P, r = (1024 if args.tiny else 8192), 32, 16
     ideal = (L + P) / (L / r + P)
     print(f"ttft: prefill + first token, context L={L}, prompt P={P}, Memory at {r}x (C={L // r} slots) loaded "
           f"from a safetensors file, {device}; ideal speed-up (L+P)/(L/r+P) = {ideal:.2f}")
-    for shape in shapes():
+    for shape in ["tiny"] if args.tiny else args.shapes.split(","):
         base = random_model(shape, tok)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(10, tok.vocab_size, (1, L + P), generator=g).to(device)
@@ -558,22 +508,16 @@ def bench_ttft():
             path = os.path.join(d, "memory.safetensors")
             Memory(embeds=torch.randn(1, L // r, base.config.hidden_size, generator=g) * 0.02).save(path)
             dtype = base.lm_head.weight.dtype
-            memory_ms = timeit(lambda: base.generate(ids[:, L:], 1, memory=Memory.load(path, device).to(dtype)),
-                               args.burn_in, args.iters)
-        full_ms = timeit(lambda: base.generate(ids, 1), args.burn_in, args.iters)
-        print(f"  {shape:14s} full context {full_ms:9.1f} ms   from Memory {memory_ms:8.1f} ms   "
-              f"speed-up {full_ms / memory_ms:5.2f}x (ideal {ideal:.2f}x)")
+            memory_s = timeit(lambda: base.generate(ids[:, L:], 1, memory=Memory.load(path, device).to(dtype)),
+                              args.burn_in, args.iters)
+        full_s = timeit(lambda: base.generate(ids, 1), args.burn_in, args.iters)
+        print(f"  {shape:14s} full context {full_s * 1000:9.1f} ms   from Memory {memory_s * 1000:8.1f} ms   "
+              f"speed-up {full_s / memory_s:5.2f}x (ideal {ideal:.2f}x)")
         del base
 
 
 if __name__ == "__main__":
     if args.only:
         bench_one_loss(args.only)
-    elif args.what == "train":
-        bench_train()
-    elif args.what == "attention":
-        bench_attention()
-    elif args.what == "ttft":
-        bench_ttft()
     else:
-        bench_loss()
+        {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft}[args.what]()
