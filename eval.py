@@ -7,12 +7,10 @@ memory size and answering time, for one or many run dirs; and a one-shot mode.
     python eval.py out/pic --memory doc.mem --question "Where ...?"
     python eval.py --compare out/meanpool/metrics.json out/pic/metrics.json [--row_a @16 --row_b @16]
 
-Rows: the teacher with full context, the teacher with no context, then method@ratio.
-Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio
-§5.1). Results go to <run>/metrics.json; with several runs, --out writes the combined
-JSON (and a PNG of F1 vs ratio when matplotlib is installed). Every row carries its
-per-question scores and a 95% bootstrap interval of EM and F1; --compare gives the paired-
-bootstrap interval of the F1 difference of two rows on the questions both answered.
+Rows: the teacher with full context, the teacher with no context, then method@ratio, each
+with per-question scores and 95% bootstrap intervals of EM and F1. Teacher-normalised F1 =
+(F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1). Results go to
+<run>/metrics.json; --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
 import collections
 import glob
@@ -59,21 +57,17 @@ class EvalConfig:
 
 
 # -----------------------------------------------------------------------------
-# SQuAD v1.1 metrics
-
+# SQuAD v1.1 metrics and bootstrap intervals
 
 def normalize_answer(s):
     """Lower text and remove punctuation, articles and extra whitespace (official SQuAD)."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
 
 
 def f1_score(prediction, gold):
     pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    common = collections.Counter(pred) & collections.Counter(ref)
-    same = sum(common.values())
+    same = sum((collections.Counter(pred) & collections.Counter(ref)).values())
     if same == 0:
         return 0.0
     precision, recall = same / len(pred), same / len(ref)
@@ -118,7 +112,6 @@ def paired_diff_ci(scores_a, scores_b, n=2000, seed=0):
 # -----------------------------------------------------------------------------
 # evaluating a run
 
-
 def eval_records(cfg, ecfg):
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data
@@ -157,51 +150,47 @@ def timed(fn):
     return out, time.time() - t
 
 
+def scored(preds, records, secs):
+    """qa_metrics of the predictions for records, and the answering speed."""
+    return {**qa_metrics(preds, [r["answers"] for r in records], [r["id"] for r in records]),
+            "examples_per_s": len(preds) / secs, "n": len(preds)}
+
+
 @torch.no_grad()
 def teacher_rows(base, tok, records, cfg, ecfg, device):
     """The base with full context and with no context (SPEC §4)."""
     rows = {}
     for name, key in (("teacher", "full"), ("no-context", "noctx")):
-        preds, golds, ids, secs = [], [], [], 0.0
+        preds, secs = [], 0.0
         for b in batches_of(records, tok, cfg, ecfg.batch_size):
-            lab = b[f"{key}_labels"]
-            first = (lab != -100).float().argmax(1)  # the last prompt token predicts the first answer token
+            labels = b[f"{key}_labels"]
+            first = (labels != -100).float().argmax(1)  # the last prompt token predicts the first answer token
             prompts = [b[key][i, :first[i] + 1].tolist() for i in range(len(first))]
             with base.adapter(None):
-                outs, dt = timed(lambda: base.generate([p for p in prompts], ecfg.max_new_tokens))
-            preds += decode(tok, outs)
-            golds += b["answers"]
-            ids += b["ids"]
-            secs += dt
-        rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **qa_metrics(preds, golds, ids),
-                      "examples_per_s": len(preds) / secs, "n": len(preds)}
+                outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens))
+            preds, secs = preds + decode(tok, outs), secs + dt
+        rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **scored(preds, records, secs)}
     return rows
 
 
 @torch.no_grad()
 def method_rows(method, tok, records, cfg, ecfg, ratios, device):
+    """A row per ratio, with the achieved ratio (context tokens / memory slots), the memory's
+    size and the method's own memory.stats, each a mean over examples."""
     rows = []
     for r in ratios:
-        preds, golds, ids, achieved, nbytes, secs = [], [], [], [], [], 0.0
-        extra = collections.defaultdict(list)
+        preds, secs, stats = [], 0.0, collections.defaultdict(list)
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
             b = runs.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
-            preds += decode(tok, outs)
-            golds += b["answers"]
-            ids += b["ids"]
-            slots = memory.slots().float().clamp(min=1)
-            achieved += (b["context_len"].float() / slots).tolist()
-            nbytes += memory.nbytes().tolist()
+            preds, secs = preds + decode(tok, outs), secs + dt
+            stats["ratio"] += (b["context_len"].float() / memory.slots().float().clamp(min=1)).tolist()
+            stats["memory_bytes"] += memory.nbytes().tolist()
             for k, v in getattr(memory, "stats", {}).items():
-                extra[k] += list(v)
-            secs += dt
-        row = {"method": cfg.method if not getattr(cfg, "tag", "") else cfg.tag, "ratio_requested": r,
-               "ratio": sum(achieved) / len(achieved), **qa_metrics(preds, golds, ids),
-               "memory_bytes": sum(nbytes) / len(nbytes), "examples_per_s": len(preds) / secs, "n": len(preds),
-               "examples": [{"pred": p, "gold": g} for p, g in list(zip(preds, golds))[:5]]}
-        row.update({k: sum(v) / len(v) for k, v in extra.items()})
-        rows.append(row)
+                stats[k] += list(v)
+        examples = [{"pred": p, "gold": rec["answers"]} for p, rec in list(zip(preds, records))[:5]]
+        rows.append({"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs),
+                     **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples})
     return rows
 
 
@@ -228,56 +217,51 @@ def sibling_teacher_rows(run_dir, key):
     return None
 
 
-def normalised(rows, teacher, noctx):
-    gap = teacher["f1"] - noctx["f1"]
-    for row in rows:
-        row["f1_norm"] = (row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan")
-    return rows
-
-
 def run_label(run_dir, mcfg):
     """Method name plus the flags given on its command line: the trained ratios and the
     method's own, and the first stage's objective for a second stage (e.g.
     "pic (ratio=16, mask=causal)", "ata (after rel)")."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
-    train_ratio = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
-    flags = train_ratio + [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
+    flags = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
+    flags += [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
     first = runs.first_stage(state["train"]["init_from"], state["train"]["method"])
     if first:
-        flags.append(f"after {first['objective']}")
+        flags.append(f"after {first['train']['objective']}")
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 
-def evaluate_run(run_dir, ecfg):
+def evaluate_run(run_dir, ecfg, device):
+    """<run>/metrics.json, computed unless cached (--recompute, --ratio: computed again)."""
     cached = os.path.join(run_dir, "metrics.json")
     if os.path.exists(cached) and not ecfg.recompute and not ecfg.ratio:
         try:
             return json.load(open(cached))
         except json.JSONDecodeError as e:
             raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
-    device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
     if not hasattr(method, "answer_from_memory"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
-    ratios = runs.ratios_of(ecfg.ratio or cfg.ratio)
     records = eval_records(cfg, ecfg)
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
     key = teacher_key(cfg, ecfg, records, device)
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
     t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
-    rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
+    teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
+    rows = method_rows(method, tok, records, cfg, ecfg, runs.ratios_of(ecfg.ratio or cfg.ratio), device)
     label = run_label(run_dir, mcfg)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4)
     extra = heldout([r["context"] for r in records]) if heldout else {}
     for row in rows:
-        row["method"], row["run"] = label, run_dir
-        row.update(extra)
-    result = {"run": run_dir, "teacher_key": key, "teacher": t["teacher"], "no_context": t["no-context"],
-              "rows": normalised(rows, t["teacher"], t["no-context"])}
+        row.update(method=label, run=run_dir, **extra,
+                   f1_norm=(row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan"))
+    result = {"run": run_dir, "teacher_key": key, "teacher": teacher, "no_context": noctx, "rows": rows}
     runs.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
     return result
 
+
+# -----------------------------------------------------------------------------
+# the table, the plot
 
 EXTRA = {"k": "mean k {:.2f}", "probe_abs_err": "probe MAE {:.1f}", "gist_rc": "gist r_c {:.1f}",
          "ppl_compressed": "ppl {:.2f}", "ppl_full": "(full {:.2f})"}  # method-specific columns
@@ -297,9 +281,7 @@ def table(results):
     per run x ratio. EM and F1 carry their 95% bootstrap interval."""
     head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | examples/s | method-specific |"
     lines = [head, "|" + "---|" * 8]
-    first = results[0]
-    rows = [first["teacher"], first["no_context"]] + [r for res in results for r in res["rows"]]
-    for r in rows:
+    for r in [results[0]["teacher"], results[0]["no_context"]] + [r for res in results for r in res["rows"]]:
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
         norm = f"{r['f1_norm']:.2f}" if "f1_norm" in r else "-"
         mem = f"{r['memory_bytes']:.0f}" if "memory_bytes" in r else "-"
@@ -309,6 +291,7 @@ def table(results):
 
 
 def plot(results, path):
+    """F1 vs achieved ratio, a colour per method and a marker per run; None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -338,7 +321,6 @@ def plot(results, path):
 
 # -----------------------------------------------------------------------------
 # comparing two results files
-
 
 def rows_of(path):
     """{name: row} of a metrics.json or a combined --out JSON; a method row is named
@@ -384,34 +366,28 @@ def compare(path_a, path_b, row_a="", row_b=""):
 # -----------------------------------------------------------------------------
 # one-shot: answer a question about a text file
 
-
 @torch.no_grad()
-def one_shot(ecfg):
-    run = ecfg.runs.split()[0]
-    device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg, mcfg, tok, base, method = runs.load_run(run, device)
-    ratio = runs.ratios_of(ecfg.ratio or cfg.ratio)[0]
-    question = ecfg.question or "What is this text about?"
-    context = open(ecfg.context).read() if ecfg.context else ""
-    record = {"id": "one-shot", "context": context, "question": question, "answers": [""]}
+def one_shot(ecfg, device):
+    cfg, mcfg, tok, base, method = runs.load_run(ecfg.runs.split()[0], device)
+    record = {"id": "one-shot", "context": open(ecfg.context).read() if ecfg.context else "",
+              "question": ecfg.question or "What is this text about?", "answers": [""]}
     batch = runs.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
     t0 = time.time()
     if ecfg.memory:
         memory = Memory.load(ecfg.memory, device)
-        prompt = [batch["qa"][0, :batch["prompt_len"][0]].tolist()]
-        outs = method.answer_from_memory(memory, prompt, ecfg.max_new_tokens)
+        outs = method.answer_from_memory(memory, [batch["qa"][0, :batch["prompt_len"][0]].tolist()],
+                                         ecfg.max_new_tokens)
+    elif not ecfg.context:
+        raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
+    elif batch["context_len"][0] > cfg.max_context:
+        raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
     else:
-        if not ecfg.context:
-            raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
-        if batch["context_len"][0] > cfg.max_context:
-            raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
-        outs, memory = answer(method, batch, ratio, ecfg.max_new_tokens)
+        outs, memory = answer(method, batch, runs.ratios_of(ecfg.ratio or cfg.ratio)[0], ecfg.max_new_tokens)
     dt = time.time() - t0
-    if ecfg.save_memory:
-        memory.save(ecfg.save_memory)
     print(f"answer: {decode(tok, outs)[0]}")
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
+        memory.save(ecfg.save_memory)
         print(f"saved the compressed context to {ecfg.save_memory}")
 
 
@@ -428,13 +404,13 @@ def main(argv):
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
     ecfg.runs = " ".join(run_dirs)
+    device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ecfg.context or ecfg.memory or ecfg.question:
-        return one_shot(ecfg)
-    results = [evaluate_run(r, ecfg) for r in run_dirs]
+        return one_shot(ecfg, device)
+    results = [evaluate_run(r, ecfg, device) for r in run_dirs]
     print(table(results))
     if ecfg.out:
-        with open(ecfg.out, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(ecfg.out).write_text(json.dumps(results, indent=1))
         png = plot(results, os.path.splitext(ecfg.out)[0] + ".png")
         print(f"wrote {ecfg.out}" + (f" and {png}" if png else ""))
     return results

@@ -1,13 +1,6 @@
-"""A run: its flags, its method, its checkpoint files (SPEC §2.4-2.5). train.py writes
-runs and eval.py reads them; both import this file and neither imports the other's loop.
-
-- `TrainConfig` is train.py's command line; `parse_args` turns flags into dataclasses
-  (the fields are the flags) for train.py and eval.py alike.
-- `method_registry` maps --method to a class; `build` makes (tokenizer, base, method);
-  `apply_defaults` fills 0-valued flags from the method's TINY or PAPER values.
-- A run dir holds run.json (the configs, the step, the checkpoint file names) and
-  safetensors of the trainable tensors; `load_run` rebuilds a finished run for eval.
-"""
+"""A run: its flags, its method, its checkpoint files (SPEC §2.4-2.5). train.py writes runs
+and eval.py reads them (`load_run`); both import this file, neither imports the other."""
+import inspect
 import json
 import os
 import random
@@ -25,7 +18,6 @@ import sac
 import sentence_gist
 import tiny
 from model import Transformer
-
 
 
 @dataclass
@@ -68,51 +60,42 @@ class TrainConfig:
     quiet: bool = False        # no progress bar
 
 
-
 # -----------------------------------------------------------------------------
-# command line: the dataclass fields are the flags
-
+# command line: the dataclass fields are the flags (unknown flag or bad type: one-line error)
 
 USAGE = "python train.py --method NAME [--flag value ...]"
 
 
 def parse_args(argv, *configs, positional=None, usage=USAGE):
-    """--key=value or --key value over the fields of several dataclasses; bools are
-    switches (--compile, --no_linear); bare arguments are joined into the field named
-    `positional`. Returns (instances, set of explicit keys)."""
+    """--key=value or --key value over the fields of several dataclasses; bools are switches
+    (--compile); bare arguments are joined into the field named `positional`.
+    Returns (instances, set of explicit keys)."""
     known = {f.name: (c, f) for c in configs for f in fields(c)}
-    values, explicit = {}, set()
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    values, explicit, args = {}, set(), list(argv)
+    while args:
+        arg = args.pop(0)
         if arg in ("-h", "--help"):
             print_help(configs, usage)
             sys.exit(0)
-        if not arg.startswith("--") and positional:
-            values[positional] = (values.get(positional, "") + " " + arg).strip()
-            i += 1
-            continue
         if not arg.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {arg!r}; flags look like --method=pic")
-        key, _, val = arg[2:].partition("=")
+            if not positional:
+                raise SystemExit(f"error: unexpected argument {arg!r}; flags look like --method=pic")
+            values[positional] = (values.get(positional, "") + " " + arg).strip()
+            continue
+        key, eq, val = arg[2:].partition("=")
         key = key.replace("-", "_")
         if key not in known:
             raise SystemExit(f"error: unknown flag --{key}; see python train.py --help")
         f = known[key][1]
-        if f.type in (bool, "bool") and not _:
+        if not eq and f.type in (bool, "bool"):
             val = "true"
-        elif not _:
-            i += 1
-            if i >= len(argv):
+        elif not eq:
+            if not args:
                 raise SystemExit(f"error: flag --{key} needs a value")
-            val = argv[i]
+            val = args.pop(0)
         values[key] = _convert(key, f, val)
         explicit.add(key)
-        i += 1
-    out = []
-    for c in configs:
-        out.append(c(**{k: v for k, v in values.items() if known[k][0] is c}))
-    return out, explicit
+    return [c(**{k: v for k, v in values.items() if known[k][0] is c}) for c in configs], explicit
 
 
 def _convert(key, f, val):
@@ -128,7 +111,7 @@ def _convert(key, f, val):
 
 
 def print_help(configs, usage=USAGE):
-    import inspect
+    """Every field of `configs` as a flag, with its default and its source comment."""
     print(f"usage: {usage}\n")
     for c in configs:
         print(f"{c.__name__} ({os.path.basename(inspect.getsourcefile(c))}):")
@@ -151,7 +134,6 @@ def ratios_of(spec):
 
 # -----------------------------------------------------------------------------
 # the teacher (the non-compressing method beside tiny.Base), and the method registry
-
 
 @dataclass
 class TeacherConfig:
@@ -191,9 +173,9 @@ def method_config(cls):
 # -----------------------------------------------------------------------------
 # building a run: tokenizer, base model, method
 
-
 def load_base(cfg, device, dtype):
-    """(tokenizer, base Transformer) for cfg.init_from (an HF dir or a run dir)."""
+    """(tokenizer, base Transformer) for cfg.init_from (an HF dir or a run dir), with the
+    --teacher adapter merged in: the teacher is the frozen base from here on."""
     path = tiny.base_path(cfg.init_from)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise SystemExit(f"error: --init_from {path!r} is not an HF checkpoint dir (no config.json)")
@@ -204,16 +186,15 @@ def load_base(cfg, device, dtype):
         if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
             raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
         base.load_adapter(adapter, "teacher")
-        base.merge_adapter("teacher")  # the teacher is the frozen base from here on
+        base.merge_adapter("teacher")
     return tok, base
 
 
 def build(cfg, mcfg, device, dtype):
-    cls = method_registry()[cfg.method]
+    """(tokenizer, base, method) on `device`."""
     tok, base = load_base(cfg, device, dtype)
-    for p in base.parameters():
-        p.requires_grad_(cfg.method == "base")
-    method = cls(base, mcfg, tok, cfg)
+    base.requires_grad_(cfg.method == "base")
+    method = method_registry()[cfg.method](base, mcfg, tok, cfg)
     if tiny.aided(cfg):
         tiny.add_decoder_adapter(method)
     method = method.to(device)
@@ -226,23 +207,22 @@ def build(cfg, mcfg, device, dtype):
 
 
 def first_stage(init_from, method):
-    """The train config of the run dir `init_from` when it is an earlier stage of the same
-    method (e.g. pic ae+lm before qa), else None."""
-    path = os.path.join(init_from, "run.json") if init_from else ""
-    if not path or not os.path.exists(path):
+    """run.json of the run dir `init_from` when it is an earlier stage of the same method
+    (e.g. pic ae+lm before qa), else None."""
+    path = os.path.join(init_from, "run.json")
+    if not init_from or not os.path.exists(path):
         return None
-    first = json.load(open(path))["train"]
-    return first if first["method"] == method else None
+    state = json.load(open(path))
+    return state if state["train"]["method"] == method else None
 
 
 def inherit_first_stage(cfg, mcfg, explicit, cls):
-    """A second stage (--init_from an earlier run of the same method) runs under the first
-    stage's method config: its tensors were shaped and trained under it (a pic memory table
-    of --max_mem rows, an encoder pretrained with --mask causal). A flag given with another
-    value is a one-line error, except the stage's own (cls.STAGE_FLAGS: gist's --stage)."""
-    if not first_stage(cfg.init_from, cfg.method):
-        return
-    for key, val in json.load(open(os.path.join(cfg.init_from, "run.json")))["method"].items():
+    """A second stage runs under the first stage's method config: its tensors were shaped and
+    trained under it (a pic memory table of --max_mem rows, an encoder pretrained with --mask
+    causal). A flag given with another value is a one-line error, except the stage's own
+    (cls.STAGE_FLAGS: gist's --stage)."""
+    first = first_stage(cfg.init_from, cfg.method)
+    for key, val in (first["method"] if first else {}).items():
         if key in getattr(cls, "STAGE_FLAGS", ()) or not hasattr(mcfg, key):
             continue
         if key in explicit and getattr(mcfg, key) != val:
@@ -252,15 +232,13 @@ def inherit_first_stage(cfg, mcfg, explicit, cls):
 
 
 def apply_defaults(cfg, mcfg, explicit, cls):
-    """0 = method default. On the tiny base the method's TINY values; on real checkpoints
-    the paper's (its Config fields)."""
-    small = dict(getattr(cls, "TINY", {})) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
+    """0 = method default: on the tiny base the method's TINY values, on real checkpoints the
+    paper's (PAPER, and STAGES[--stage] where a method has stages)."""
+    small = getattr(cls, "TINY", {}) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
     paper = {**getattr(cls, "PAPER", {}), **getattr(cls, "STAGES", {}).get(getattr(mcfg, "stage", None), {})}
     for key, val in {**paper, **small}.items():
-        if key in explicit:
-            continue
-        target = cfg if hasattr(cfg, key) else mcfg
-        setattr(target, key, val)
+        if key not in explicit:
+            setattr(cfg if hasattr(cfg, key) else mcfg, key, val)
     cfg.max_iters = cfg.max_iters or 1000
     cfg.batch_size = cfg.batch_size or 16
     cfg.lr = cfg.lr or 1e-4
@@ -283,7 +261,6 @@ def to_device(batch, device):
 # -----------------------------------------------------------------------------
 # checkpoints: safetensors + JSON, written atomically (temp file, fsync, rename)
 
-
 def atomic_write(path, write):
     tmp = path + ".tmp"
     write(tmp)
@@ -297,29 +274,23 @@ def trainable_state(method):
 
 
 def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
-    """ckpt-<step>.safetensors (trainable tensors) and optim-<step>.safetensors (AdamW
-    state, torch RNG), then run.json naming them: its rename is the commit point, so a
-    kill at any moment leaves the previous checkpoint whole. Older files go after."""
+    """ckpt-<step>.safetensors (trainable tensors) and optim-<step>.safetensors (AdamW state,
+    torch RNG), then run.json naming them: its rename is the commit point, so a kill at any
+    moment leaves the previous checkpoint whole. Older files go after."""
     os.makedirs(out_dir, exist_ok=True)
-    named = trainable_state(method)
-    names = {id(p): n for n, p in named.items()}
-    opt_tensors, groups = {"rng::torch": torch.get_rng_state()}, []
-    for g in opt.param_groups:
-        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]})
-        for p in g["params"]:
-            for k, v in opt.state.get(p, {}).items():
-                opt_tensors[f"{names[id(p)]}::{k}"] = v.detach().contiguous().cpu()
+    params = {n: p.detach().contiguous().cpu() for n, p in trainable_state(method).items()}
+    opt_state = opt.state_dict()  # its param_groups and state name the parameters 0, 1, ... in group order
+    optim = {f"{i}::{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()}
+    optim["rng::torch"] = torch.get_rng_state()
     files = {"ckpt": f"ckpt-{step:07d}.safetensors", "optim": f"optim-{step:07d}.safetensors"}
-    params = {n: p.detach().contiguous().cpu() for n, p in named.items()}
     atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
-    atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(opt_tensors, p))
+    atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(optim, p))
     if cfg.method == "base":  # the base run dir is also an HF checkpoint dir
         atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_hf_weights(method.base, p))
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
-             "param_groups": groups,
-             "python_rng": list(random.getstate()[1])}
+             "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1])}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):
         if f.startswith(("ckpt-", "optim-")) and f not in files.values():
@@ -345,14 +316,12 @@ def load_checkpoint(out_dir, method, opt=None):
         for k, v in tensors.items():
             params[k].copy_(v)
     if opt is not None:
-        for g, saved in zip(opt.param_groups, state["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+        optim = {}
         for key, v in load_file(os.path.join(out_dir, state["files"]["optim"])).items():
-            name, _, slot = key.partition("::")
-            if name == "rng":
-                torch.set_rng_state(v)
-            else:
-                opt.state[params[name]][slot] = v.to(params[name].device)
+            i, _, slot = key.partition("::")
+            optim.setdefault(i, {})[slot] = v
+        torch.set_rng_state(optim.pop("rng")["torch"])
+        opt.load_state_dict({"state": {int(i): s for i, s in optim.items()}, "param_groups": state["param_groups"]})
         random.setstate((3, tuple(state["python_rng"]), None))
     return state["step"]
 

@@ -9,10 +9,9 @@ On a real checkpoint and SQuAD, one GPU:
 Several GPUs (DDP; gloo on CPU):
     torchrun --nproc_per_node=8 train.py --method meanpool --init_from ... --data ...
 
-The loss of a step is the sum of per-token losses over the whole global batch divided by
-the global token count (all micro-batches, all ranks), so 2 ranks x batch b and 1 rank x
-batch 2b give the same update. Data for step s is a pure function of (seed, s), so
---resume continues exactly where a run stopped.
+A step's loss is the sum of per-token losses over the global batch over its token count, so
+2 ranks x batch b and 1 rank x batch 2b give the same update. Data for step s is a pure
+function of (seed, s), so --resume continues exactly where a run stopped.
 """
 import json
 import math
@@ -41,7 +40,6 @@ STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the ste
 # -----------------------------------------------------------------------------
 # data: batches for step s are a pure function of (seed, s, rank)
 
-
 class Batches:
     """Micro-batches for every objective. Synthetic by default (a fresh sample per step,
     with the base's curriculum), or records of --data shuffled per epoch."""
@@ -68,16 +66,15 @@ class Batches:
 
     def raw(self, step, n):
         """n raw items (QA records or texts) of the global batch of this step."""
-        rng = random.Random(self.cfg.seed * 1_000_003 + step)
-        if self.records is not None:
-            epoch_len = len(self.records)
+        if self.records is not None:  # epoch e: the records shuffled with seed + e
             out = []
             for i in range(step * n, step * n + n):
-                epoch, j = divmod(i, epoch_len)
-                perm = list(range(epoch_len))
+                epoch, j = divmod(i, len(self.records))
+                perm = list(range(len(self.records)))
                 random.Random(self.cfg.seed + epoch).shuffle(perm)
                 out.append(self.records[perm[j]])
             return out
+        rng = random.Random(self.cfg.seed * 1_000_003 + step)
         kind = "text" if self.text else "base" if self.cfg.method == "base" else "qa"
         qas = self.method.cfg.qa_per_context if kind == "base" else self.questions
         return tiny.synthetic_items(self.synth, rng, n, step / max(1, self.cfg.max_iters), kind, qas,
@@ -85,19 +82,14 @@ class Batches:
 
     def __call__(self, step):
         """This rank's micro-batches of step `step`: a list of grad_accum collated dicts."""
-        cfg = self.cfg
-        accum = cfg.grad_accum
+        cfg, accum = self.cfg, self.cfg.grad_accum
         items = self.raw(step, cfg.batch_size * self.world * accum)
         per_rank = len(items) // (self.world * accum)  # more than batch_size early in the base's curriculum
-        # prompt templates drawn per global item, so ranks x batch does not change the data
-        rng = random.Random(cfg.seed * 7919 + step)
+        rng = random.Random(cfg.seed * 7919 + step)  # templates drawn per global item: ranks x batch keeps the data
         if not self.text:
             items = [dict(it, template=rng.randrange(len(data.QA_TEMPLATES))) for it in items]
-        out = []
-        for a in range(accum):
-            lo = (a * self.world + self.rank) * per_rank
-            out.append(dict(self.collate(items[lo:lo + per_rank]), step=step))  # step: for per-step draws (ata's r)
-        return out
+        starts = [(a * self.world + self.rank) * per_rank for a in range(accum)]
+        return [dict(self.collate(items[lo:lo + per_rank]), step=step) for lo in starts]  # step: ata's per-step r
 
     def collate(self, items):
         cfg = self.cfg
@@ -117,7 +109,6 @@ class Batches:
 
 # -----------------------------------------------------------------------------
 # the loop
-
 
 def lr_at(step, cfg, schedule="cosine"):
     """1) linear warmup, 2) cosine decay to lr * min_lr_frac, or linear decay to 0 for a
@@ -141,9 +132,9 @@ def configure(argv):
         raise SystemExit(f"error: unknown --method {name!r}; choose from {', '.join(methods)}")
     cls = methods[name]
     own = {f.name for c in (TrainConfig, method_config(cls)) for f in fields(c)}
-    for arg in argv:
-        key = arg[2:].split("=")[0].replace("-", "_") if arg.startswith("--") else None
-        if key and key not in own and any(key in {f.name for f in fields(method_config(c))} for c in methods.values()):
+    others = {f.name for c in methods.values() for f in fields(method_config(c))} - own
+    for key in (a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")):
+        if key in others:
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, method_config(cls))
     apply_defaults(cfg, mcfg, explicit, cls)
@@ -153,6 +144,10 @@ def configure(argv):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
+    if cfg.dtype not in ("", "float32", "bfloat16"):
+        raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
+    if cfg.resume and not os.path.exists(os.path.join(cfg.out_dir, "run.json")):
+        raise SystemExit(f"error: --resume but {cfg.out_dir} has no checkpoint")
     return cfg, mcfg, explicit, cls, ratios
 
 
@@ -176,7 +171,7 @@ def prepare_base(cfg, mcfg, master, ddp):
             tiny.init_base(cfg.out_dir, mcfg, cfg.seed)
         cfg.init_from = cfg.out_dir
     elif master and tiny.needs_training(cfg.init_from):
-        print(f"no {tiny.BASE_DIR}: training the tiny base first (~45 min at 11k tokens/s on 2 cores)")
+        print(f"no {tiny.BASE_DIR}: training the tiny base first (~45 min on 2 CPU cores)")
         main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
               "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
     if ddp:
@@ -220,19 +215,33 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
     return counts[0].item() / max(counts[1].item(), 1.0), metrics, tokens
 
 
+@torch.no_grad()
+def validation_loss(method, batches, device, autocast, ratios, n_steps=2):
+    """Mean loss on a few fixed held-out micro-batches (steps far beyond training)."""
+    method.eval()
+    total = count = 0.0
+    for s in range(n_steps):
+        for mb in batches(10_000_000 + s):
+            with autocast:
+                loss, n, _ = method(to_device(mb, device), ratios)
+            total, count = total + loss.item(), count + float(n)
+    method.train()
+    return total / max(count, 1.0)
+
+
 def main(argv):
     if "-h" in argv or "--help" in argv:
         return print_help([TrainConfig] + [method_config(c) for c in method_registry().values()])
+    # 1) flags, DDP, the base
     cfg, mcfg, explicit, cls, ratios = configure(argv)
     ddp, rank, world, device = init_distributed(cfg)
     master = rank == 0
     dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype not in ("float32", "bfloat16"):
-        raise SystemExit(f"error: --dtype {dtype!r}; choose float32 or bfloat16")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     prepare_base(cfg, mcfg, master, ddp)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    # 2) the method (real checkpoints stay bf16 on CUDA), its optimizer, the resumed state
     bf16_weights = device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base"
     tok, base, method = build(cfg, mcfg, device, torch.bfloat16 if bf16_weights else torch.float32)
     if type(method).__name__ in tiny.SLOTS and tiny.aided(cfg):
@@ -241,13 +250,10 @@ def main(argv):
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable
     params = [p for p in method.parameters() if p.requires_grad]
     opt = adamw(params, cfg)
-    step = 0
-    if cfg.resume:
-        if not os.path.exists(os.path.join(cfg.out_dir, "run.json")):
-            raise SystemExit(f"error: --resume but {cfg.out_dir} has no checkpoint")
-        step = load_checkpoint(cfg.out_dir, method, opt)
-        if master:
-            print(f"resuming {cfg.out_dir} from step {step}")
+    step = load_checkpoint(cfg.out_dir, method, opt) if cfg.resume else 0
+    if master and cfg.resume:
+        print(f"resuming {cfg.out_dir} from step {step}")
+    # 3) compile, DDP wrap, data
     if cfg.compile:
         base.forward = compile_forward(base)  # K/V memory bucketed: one graph per length bucket
     model = method
@@ -258,6 +264,7 @@ def main(argv):
         os.makedirs(cfg.out_dir, exist_ok=True)
         print(f"{cfg.method} ({cfg.objective}) ratios {ratios}: {sum(p.numel() for p in params):,} trainable "
               f"parameters, {cfg.max_iters} steps x {cfg.batch_size * cfg.grad_accum * world} examples, {device} {dtype}")
+    # 4) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps
     eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
     STOP.clear()
     old_handler = signal.signal(signal.SIGINT, lambda *a: STOP.append(1))
@@ -283,6 +290,7 @@ def main(argv):
             f.write(json.dumps(record) + "\n")
         if checkpoint:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
+    # 5) an interrupted run saves where it stopped
     bar.close()
     if master and STOP:
         save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
@@ -298,26 +306,12 @@ def main(argv):
     return cfg.out_dir
 
 
-@torch.no_grad()
-def validation_loss(method, batches, device, autocast, ratios, n_steps=2):
-    """Mean loss on a few fixed held-out micro-batches (steps far beyond training)."""
-    method.eval()
-    total = count = 0.0
-    for s in range(n_steps):
-        for mb in batches(10_000_000 + s):
-            with autocast:
-                loss, n, _ = method(to_device(mb, device), ratios)
-            total, count = total + loss.item(), count + float(n)
-    method.train()
-    return total / max(count, 1.0)
-
-
 if __name__ == "__main__":
     try:
         out = main(sys.argv[1:])
     except ValueError as e:  # user errors raised by data.py / model.py readers
         raise SystemExit(f"error: {e}")
-    if out and os.environ.get("RANK", "0") == "0" and "--help" not in sys.argv and "-h" not in sys.argv:
+    if out and os.environ.get("RANK", "0") == "0":  # main returns None after --help
         run_cfg = json.load(open(os.path.join(out, "run.json")))["train"]
         if run_cfg["method"] not in ("base", "teacher") and run_cfg["eval_examples"] > 0:
             import eval as evaluate
