@@ -13,21 +13,20 @@ Paper: "Simple Context Compression: Mean-Pooling and Multi-Ratio Training"
 Choices the paper leaves open, made here:
 - h is the final-layer hidden state after the final norm (HF's last hidden state).
 - Encoder and decoder start from the teacher: a `--teacher` adapter is merged into the
-  shared base before the compressor's adapters are added, so `adapter(None)` is the
-  frozen teacher. On the tiny default the base itself is the teacher.
-- Padding tokens are never attended to nor pooled; a partial last window averages only
-  its real tokens (C = ceil(L / r)).
+  shared base before theirs are added, so `adapter(None)` is the frozen teacher (on the
+  tiny default, the base itself is the teacher).
+- Padding is never attended to nor pooled; a partial last window averages only its real
+  tokens (C = ceil(L / r)).
 - The decoder reads [prefix, z_1 .. z_C, prompt, answer] (prefix = BOS / chat header, as
-  the teacher's [prefix, context, prompt, answer]; model.behind_prefix), positions 0.. in
-  order; the prefix slots count in the memory size. The loss is normalised by the number
-  of answer tokens (sum over ratios kept).
+  the teacher reads [prefix, context, prompt, answer]; model.behind_prefix) at positions
+  0.. in order; the prefix slots count in the memory size. The loss is per answer token
+  (summed over ratios).
 - Table 3's ablations: `--fixed_decoder` (no decoder adapter: only the encoder and W
   train), `--fixed_encoder` (no encoder adapter: the frozen base, still bidirectional,
-  encodes), `--no_encoder` (no encoder pass: the decoder's token embeddings are pooled),
-  `--no_linear` (no W), `--ratio_sampling` (one ratio drawn per example, not all).
+  encodes), `--no_encoder` (the decoder's token embeddings are pooled), `--no_linear`
+  (no W), `--ratio_sampling` (one ratio drawn per example, not all).
 - `--objective qa`: CE on the answer instead of KD (an alternative, not the paper's).
-On the tiny base, tiny.py's aids apply (curriculum, attention distillation; slot k
-holds window S_k).
+On the tiny base, tiny.py's aids apply (slot k holds window S_k).
 """
 import random
 from dataclasses import dataclass
@@ -114,27 +113,25 @@ class MeanPool(nn.Module):
         elif self.run.objective == "kd":
             with torch.no_grad(), self.base.adapter(None):
                 teacher = self.base(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (N, d)
-        if self.cfg.ratio_sampling:
-            rs = torch.tensor([random.choice(ratios) for _ in range(h.shape[0])], device=h.device)
-            groups = [rs]
-        else:
-            groups = ratios
+        groups = ratios
+        if self.cfg.ratio_sampling:  # Table 3: one ratio per example, (B,)
+            groups = [torch.tensor([random.choice(ratios) for _ in range(h.shape[0])], device=h.device)]
         total, metrics = 0.0, {}
         for r in groups:
             memory = self.pool(h, batch, r)
             with self.base.adapter(self.dec_adapter):
                 hs = self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
-                if self.run.objective == "kd":
-                    loss, n = self.base.kd(hs[labels != -100], teacher)
-                else:
-                    loss, n = self.base.ce(hs, labels)
+            if self.run.objective == "kd":
+                loss, n = self.base.kd(hs[labels != -100], teacher)
+            else:
+                loss, n = self.base.ce(hs, labels)
+            if not torch.is_tensor(r):
+                metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
+            if teacher_attn is not None:
+                attn_loss = self.aid.memory_loss(teacher_attn, memory, batch, r)
+                loss = loss + n * attn_loss
                 if not torch.is_tensor(r):
-                    metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
-                if teacher_attn is not None:
-                    attn_loss = self.aid.memory_loss(teacher_attn, memory, batch, r)
-                    loss = loss + n * attn_loss
-                    if not torch.is_tensor(r):
-                        metrics[f"attn_r{r}"] = attn_loss.item()
+                    metrics[f"attn_r{r}"] = attn_loss.item()
             total = total + loss
         return total, n, metrics
 

@@ -18,29 +18,27 @@ Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_caus
                full context (the same loss as meanpool.py, so both compare under one loss)
 
 Choices the paper leaves open, made here:
-- Layout: memory tokens sit after the *padded* context with the unpadded position ids
-  (context i -> i, memory t -> L_b + t); mask_mods mask padding keys, so an example gets
-  the same memory in any batch. The last chunk is partial (the paper assumes r | L).
-- Memory tokens: a learned table of `max_mem` rows (PIC), at the embeddings' scale.
+- Layout: memory tokens follow the *padded* context with unpadded position ids (context
+  i -> i, memory t -> L_b + t) and padding keys are masked, so an example gets the same
+  memory in any batch; the last chunk is partial (the paper assumes r | L).
+- Memory tokens are a learned table (`--max_mem` rows) at the embeddings' scale.
   `--mem single` is meanpool §5.1's compression-token baseline whole (one learned token
-  repeated, a `decoder` LoRA adapter, a linear W at identity instead of the converter,
-  `kd` by default), so its Table 1 compares like with like.
-- Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec). The decoder reads the
+  repeated, a `decoder` LoRA, a linear W at identity for the converter, `kd`), so its
+  Table 1 compares like with like.
+- Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
   prefix (BOS / chat header), the memory, then the prompt, as in meanpool.py.
-- Encoder: the paper finetunes a separate one fully (Qwen2.5-0.5B -> frozen Llama-3-8B):
-  `--encoder DIR --lora_r 0`; it reads its own tokenizer's ids of the context text when its
-  vocabulary differs. By default the encoder is the shared base with an `encoder` adapter.
-- ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2; texts are cut at
-  2 x max_context so pretraining compresses the lengths finetuning will. Eq. 6-7 are means
-  per example: a batch's loss is the sum of eq. 8 over examples, its count the examples
-  (exact under DDP and accumulation). <AE> is a learned vector in the decoder's space.
-- A set of ratios (--ratio 4,16) sums the losses (one encoder pass each); default 16.
+- Encoder: the shared base with an `encoder` adapter by default; the paper's separate,
+  fully finetuned one (Qwen2.5-0.5B -> frozen Llama-3-8B) is `--encoder DIR --lora_r 0`,
+  reading the context text with its own tokenizer when its vocabulary differs.
+- ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2, texts cut at
+  2 x max_context so pretraining compresses the lengths finetuning will; eq. 6-7 are
+  per-example means, so a batch's loss sums eq. 8 over examples and counts examples
+  (exact under DDP and accumulation); <AE> is a learned vector in the decoder's space.
+- Several ratios (--ratio 4,16) sum their losses, one encoder pass each; default 16.
 - The kd teacher is the decoder with full context (prefer the decoder as --init_from).
-On the tiny base, tiny.py's aids apply (curriculum, attention distillation with m_t holding
-c_t, several QA pairs per context, a LoRA decoder).
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
-`--objective qa --init_from out/pic_pt` (the second inherits the first's config). On the
-tiny base, qa after 400 ae+lm steps stays at no context in 700 steps (F1 ~6) where from scratch it learns.
+`--objective qa --init_from out/pic_pt` (which inherits the first's config). On the tiny
+base, tiny.py's aids apply (m_t holds chunk c_t).
 """
 import math
 from dataclasses import dataclass

@@ -4,24 +4,16 @@ Everything here concerns the tiny base (`tiny_base/`, or any `--method base` run
 data.py's synthetic benchmark; nothing here runs on a real checkpoint.
 
 - `tiny_base/` ships with the repo: what `python train.py --method base --out_dir
-  tiny_base` writes (teacher F1 >= 90 on the synthetic test split; tests check it).
-  If it is deleted, the first run that needs it trains it again.
+  tiny_base` writes. If it is deleted, the first run that needs it trains it again.
 - `Base` (`--method base`): that model's objective and curriculum (SPEC §2.6).
 - Aids, the same for every compression method, on the tiny base only; `--no_aids`
   switches them all off (the papers' recipes alone):
-  1. `compressor_curriculum`: short contexts first (synthetic data).
-  2. `AttentionDistillation`: the decoder learns where the teacher looks.
-  SLOTS says, per method, which memory slot holds each context token under its paper's
-  layout (window, chunk, anchor, a sentence's gists, ATA's relevant chunk).
+  1. `compressor_curriculum`: short contexts first, then a ramp to the eval set's mix.
+  2. `AttentionDistillation`: the decoder's head 0 learns where the teacher looks, over
+     the memory slots that hold each context token under the paper's layout (SLOTS).
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
-  4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it.
-
-What more steps buy here (batch 16, F1 at each default ratio):
-sac scores 20 after 300 steps and 65 (0.70 of the teacher's gain) after 800;
-sentence_gist 11 after 300 and 17 after 800; ata (38-45x) 7 after 500 and 6 after 800,
-and 7 with twice the slots (--ratio 4 --k_max 16: 18x);
-sac at 15x stays at 6 after 800; meanpool after 1000 steps of 8 gains at 4x (53) but not at
-16x (12), and pic after 1000 falls to 6 (its onset is fragile: 39-48 after 700).
+  4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it; a
+     real LLM reads soft memory frozen, a tiny base trained from scratch does not.
 """
 import json
 import math
@@ -82,43 +74,30 @@ class Base(torch.nn.Module):
     contexts followed by question-answer pairs (SPEC §2.6): CE on every token, answers
     weighted 1 and the rest ``context_weight``.
 
-    Curriculum (`curriculum`), in three stages, each teaching one thing:
-    1. one person, one sentence (15 % of steps): the copy, a sharp, seed-dependent
-       transition (with 1-2 sentences it can take 700+ steps of 16 examples);
-    2. two people, one shared attribute (to 55 %): the name match, the slow part;
-    3. 2 -> 8 people and 1 -> 6 attributes (to 75 %), every person sharing the same
-       attributes during the ramp so each is a distractor; then the eval set's mix.
-    Stages 1-2 draw 4 examples per batch slot (they are short, so a step costs about
-    the same): the name match is counted in examples, not steps.
-
-    Attention supervision (``attn_weight``; ours, not from a paper). Choosing the right
-    person needs a circuit the CE signal alone finds only after >10^5 two-person examples:
-    each value must carry its person's name (binding), and the answer must
-    look up the value whose name matches the question. Two extra losses give each half
-    its own gradient, as -log of the attention mass one head puts on the right keys:
-    head 0 of layer 0 attends from every answer cue and from the asked value in the
-    context to the asked person's last name (in their biography, or in the question);
-    head 0 of the last layer attends from each answer position to the context token it
-    should copy next, in the asked person's biography. With both, two-person accuracy
-    passed 0.9 after ~60k examples; with the last-layer loss alone it stayed at chance
-    through 83k."""
+    Attention supervision (``attn_weight``; ours, not from a paper), since CE alone finds
+    the circuit that picks the asked person only after >10^5 examples: -log of the
+    attention mass one head puts on the right keys (collate_base's targets). Head 0 of
+    layer 0 binds (answer cues and the asked value -> the asked person's last name); head 0
+    of the last layer points (each answer position -> the context token to copy next)."""
     objectives = ("lm",)
     TINY = dict(max_iters=2000, batch_size=16, lr=3e-3, weight_decay=0.1)
 
     @staticmethod
     def curriculum(frac):
         """At fraction frac of the run: (min, max) people, (min, max) attributes, examples
-        per batch slot (short examples come several to a slot), ramp in [0, 1]."""
+        per batch slot, ramp in [0, 1] (while < 1, everyone shares the same attributes, so
+        each is a distractor). The short stages draw 4 examples a slot: the name match is
+        learned in examples, not steps."""
         if frac < 0.15:
-            return (1, 1), (1, 1), 4, 0.0  # the copy
+            return (1, 1), (1, 1), 4, 0.0  # the copy: one person, one sentence
         if frac < 0.55:
-            return (2, 2), (1, 1), 4, 0.0  # the name match
-        ramp = min(1.0, (frac - 0.55) / 0.2)
+            return (2, 2), (1, 1), 4, 0.0  # the name match: two people, one shared attribute
+        ramp = min(1.0, (frac - 0.55) / 0.2)  # to 2-8 people, 1-6 attributes at 75 %
         return (2, 2 + round(6 * ramp)), (1, 1 + round(5 * ramp)), 1, ramp
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
-        self.base, self.cfg, self.tok = base, cfg, tok
+        self.base, self.cfg = base, cfg
         last = base.config.num_hidden_layers - 1
         self.layer_inputs = keep_attention_inputs(base, (0, last) if cfg.attn_weight > 0 else ())
 
@@ -141,22 +120,16 @@ class Base(torch.nn.Module):
         return loss, n, {}
 
 
-
-
-def model_config(bc, tok):
-    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=bc.d_model, intermediate_size=3 * bc.d_model,
-                       num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads, rope_theta=10000.0,
-                       max_position_embeddings=2048, tie_word_embeddings=True,
-                       bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
-
-
 def init_base(out_dir, bc, seed):
     """Tokenizer and a random-init model in out_dir for `--method base` from scratch."""
     os.makedirs(out_dir, exist_ok=True)
     tok_path = os.path.join(out_dir, "tokenizer.model")
     tok = data.load_tokenizer(tok_path) if os.path.exists(tok_path) else \
         data.train_default_tokenizer(tok_path, seed=0, vocab_size=bc.vocab_size)
-    mc = model_config(bc, tok)
+    mc = ModelConfig(vocab_size=tok.vocab_size, hidden_size=bc.d_model, intermediate_size=3 * bc.d_model,
+                     num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads, rope_theta=10000.0,
+                     max_position_embeddings=2048, tie_word_embeddings=True,
+                     bos_token_id=tok.bos_id, eos_token_id=list(tok.eos_ids))
     torch.manual_seed(seed)
     model = Transformer(mc)
     for n, p in model.named_parameters():  # GPT-2 style init
@@ -170,13 +143,12 @@ def init_base(out_dir, bc, seed):
 
 def collate_base(examples, tok, context_weight):
     """[BOS] context, then (prompt, answer) for every qa pair: next-token labels, answer
-    tokens weighted 1, everything else context_weight. Each example's "template" (drawn
-    per item) words its first question; the others rotate through the templates.
-    With "qa_people" (synthetic records), also the targets of Base's attention losses:
-    bind_* (queries: each answer cue and the asked value in the context; keys: the asked
-    person's last name in their biography or the question) and point_* (queries: the
-    answer cue and each answer token; keys: the next answer token in the asked person's
-    biography)."""
+    tokens weighted 1, everything else context_weight. Each example's "template" words its
+    first question; the others rotate through the templates. With "qa_people" (synthetic
+    records), also the targets of Base's attention losses: bind_* (queries: each answer cue
+    and the asked value in the context; keys: the asked person's last name in their
+    biography or the question) and point_* (queries: the answer cue and each answer token;
+    keys: the next answer token in the asked person's biography)."""
     seqs, weights, bind, point = [], [], [], []
     for b, ex in enumerate(examples):
         ids, w = [], []
@@ -202,16 +174,10 @@ def collate_base(examples, tok, context_weight):
                           for t, token in enumerate(parts["answer"])]
         seqs.append(ids)
         weights.append(w)
-    T = max(len(s) for s in seqs)
-    T = -(-T // 64) * 64
-    ids = torch.full((len(seqs), T), tok.pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    wt = torch.zeros(len(seqs), T)
-    for b, (s, w) in enumerate(zip(seqs, weights)):
-        ids[b, :len(s)] = torch.tensor(s)
-        labels[b, :len(s) - 1] = torch.tensor(s[1:])
-        wt[b, :len(s) - 1] = torch.tensor(w[1:])
-    batch = {"ids": ids, "labels": labels, "weights": wt}
+    T = -(-max(len(s) for s in seqs) // 64) * 64
+    batch = {"ids": data._pad(seqs, tok.pad_id, T),  # (B, T): rounding up to a multiple of T is T
+             "labels": data._pad([s[1:] for s in seqs], -100, T),
+             "weights": torch.tensor([w[1:] + [0.0] * (T + 1 - len(w)) for w in weights])}
     for name, queries in (("bind", bind), ("point", point)):
         queries = [qk for qk in queries if qk[2]]  # a value before its name has no key
         keys = torch.zeros(len(queries), T, dtype=torch.bool)
@@ -224,15 +190,14 @@ def collate_base(examples, tok, context_weight):
 
 
 # -----------------------------------------------------------------------------
-# synthetic batches with curricula (aid 1 for the compressors)
+# the compressors' synthetic batches: curriculum (aid 1), several questions (aid 3)
 
 
 def compressor_curriculum(frac):
-    """The compression methods' synthetic data at fraction frac of the run, as
-    Base.curriculum: (min, max) people, (min, max) attributes, examples per slot, ramp.
-    Short contexts first (1-2 people, 1-3 attributes, 2 per slot, to 30 %): reading a value
-    back out of compressed memory is learned there; then a ramp to the eval set's mix
-    (2-8 people, 3-6 attributes, half of them with distractor attributes) at 70 %."""
+    """Aid 1, as Base.curriculum: (min, max) people, (min, max) attributes, examples per
+    slot, ramp at fraction frac of the run. Short contexts first (1-2 people, 1-3
+    attributes, 2 per slot, to 30 %), where reading a value back out of memory is learned;
+    then a ramp to the eval set's mix (half with distractor attributes) at 70 %."""
     if frac < 0.3:
         return (1, 2), (1, 3), 2, 0.0
     ramp = min(1.0, (frac - 0.3) / 0.4)
@@ -248,15 +213,14 @@ def synthetic_items(synth, rng, n, frac, kind, qa_per_context=1, aids=True):
         return [synth.lm_text(rng, rng.randint(2, 8)) for _ in range(n)]
     if kind == "base":
         people, attrs, per_slot, ramp = Base.curriculum(frac)
-    elif aids:
-        people, attrs, per_slot, ramp = compressor_curriculum(frac)
-    else:
-        people, attrs, per_slot, ramp = data.EVAL_PEOPLE, data.EVAL_ATTRS, 1, 1.0
+    else:  # without aids, the curriculum's end (the eval set's mix) throughout
+        people, attrs, per_slot, ramp = compressor_curriculum(frac if aids else 1.0)
     return [synth.example(rng, rng.randint(*people), rng.randint(*attrs), n_questions=qa_per_context,
                           same_attrs=ramp < 1 or rng.random() < 0.5) for _ in range(n * per_slot)]
 
 
-QUESTIONS = {"MeanPool": 4, "PIC": 4, "SAC": 4}  # QA pairs per context for the methods that compress without the question
+# QA pairs per context for the methods that compress without seeing the question
+QUESTIONS = {"MeanPool": 4, "PIC": 4, "SAC": 4}
 
 
 def add_questions(batch, items, tok):
@@ -287,8 +251,6 @@ ATTN_KD = 1.0  # weight of the attention-distillation term
 
 
 # which memory slot holds each context token, under each paper's layout: (B, L) long, -1 = none
-
-
 def window_slots(batch, memory, r):
     """meanpool: slot k pools window S_k; PIC: memory token m_t reads chunk c_t (r may be (B,))."""
     r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
@@ -327,16 +289,16 @@ def gist_keys(L, context_len, width, n_gists):
 
 SLOTS = {"MeanPool": window_slots, "PIC": window_slots, "SAC": anchor_slots, "ATA": relevant_slots,
          "SentenceGist": None}  # the methods that take part; sentence_gist reads its layout (layout_loss)
+
+
 class AttentionDistillation:
-    """The decoder's head 0 of the last layer learns the teacher's pointer attention
-    (ours, not in any paper; weight ATTN_KD). The tiny base's head 0 of its last layer
-    points each answer position at the context token to copy next (Base); that attention
-    mass, summed over the context tokens each memory slot holds (SLOTS), is the target of the decoder's head 0 over the memory slots:
+    """Aid 2 (ours, not in any paper): the tiny base's head 0 of its last layer points each
+    answer position at the context token to copy next (Base); that attention mass, summed
+    over the context tokens each memory slot holds (SLOTS), is the target of the decoder's
+    head 0 over the memory slots:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
     with n the method's token count, so the term is per answer token like KD/CE. Without
-    it the decoder sits on the answer prior for thousands of examples. Teaching the writing
-    side as well (each slot's query at layer L-2 reads the tokens it holds) did not help:
-    sentence_gist 6 and ata 6 after their default steps."""
+    it the decoder sits on the answer prior for thousands of examples."""
 
     def __init__(self, method, weight):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
@@ -393,15 +355,10 @@ class AttentionDistillation:
 # aid 4: a trainable decoder for the methods whose paper freezes it
 
 
-FROZEN_DECODER = ("PIC", "SAC", "ATA")
-
-
 def add_decoder_adapter(method):
     """Aid 4: a LoRA adapter `decoder` (the method's own rank and alpha) on the decoder
-    that reads the memory, where the paper keeps it frozen. A real LLM reads soft memory
-    frozen; the tiny base, trained from scratch on synthetic text, does not: pic's default
-    at 3.8x scores F1 ~6 with a frozen decoder and 39-50 with this adapter."""
-    if type(method).__name__ in FROZEN_DECODER and method.dec_adapter is None:
+    that reads the memory, for the methods whose paper keeps it frozen."""
+    if type(method).__name__ in ("PIC", "SAC", "ATA") and method.dec_adapter is None:
         decoder = getattr(method, "dec", method.base)  # pic may hold a separate decoder
         decoder.add_adapter("decoder", method.cfg.lora_r or 16, method.cfg.lora_alpha)
         method.dec_adapter = "decoder"
