@@ -13,15 +13,15 @@ Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A, Tables 2, 4-
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
 
-The target LLM (decoder) is the frozen base, `dec_adapter` None. The encoder is causal, so
-it runs all k_max compression tokens and the memory keeps the first k through its validity
-mask, identical to appending k (tests/test_ata.py checks K/V and decoder logits).
+The target LLM (decoder) is the frozen base. The encoder is causal, so it runs all k_max
+compression tokens and the memory keeps the first k through its validity mask, identical
+to appending k (tests/test_ata.py checks K/V and decoder logits).
 
 Choices the paper leaves open, made here:
 - Chunks are the records' "chunks" (HotpotQA paragraphs, MS MARCO passages, SQuAD
-  sentences, synthetic biographies), the ones inside the max_context-truncated context; a
-  chunk cut by truncation is the decoded text of its kept tokens. Tags are plain text (no
-  new vocabulary), chunks joined by spaces (as in Fig. 7-9); BOS starts the encoder input.
+  sentences, synthetic biographies) inside the max_context-truncated context; a chunk cut
+  there is the decoded text of its kept tokens. Tags are plain text (no new vocabulary),
+  chunks joined by spaces (as in Fig. 7-9); BOS starts the encoder input.
 - C_rel, the reconstruction target, is the gold relevant chunks' plain text joined by
   spaces (no <PA> tags, as in Table 7's regenerations), then EOS; L_rel is its token count.
   [BOS] is the tokenizer's BOS (its EOS when it has none, e.g. Qwen).
@@ -29,22 +29,20 @@ Choices the paper leaves open, made here:
   continues at next_pos = n + k, where an encoder that appended only k tokens would stop.
   The decoder reads [KV, q, a] (and [KV, [BOS], C_rel]): no BOS before the memory, as eq. 8, 11.
 - Probe: q = W h_last, attention over the input tokens' final hidden states (not the
-  compression tokens: k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> L_rel in
-  units of LEN_UNIT tokens (raw tokens would need thousands of small-lr steps to reach the
-  hundreds). Gradients of lam * Huber reach the encoder too (joint training, eq. 8).
-- Training uses the gold L_rel for k (so the encoder is trained independently of the
-  probe, §3.4); inference (answer/compress) uses the probe. Eq. 5 has no ceil or floor:
-  k is rounded up and at least 1 so every example keeps a slot.
+  compression tokens: k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> L_rel
+  in units of LEN_UNIT tokens (the MLP's output starts at order 1; L_rel is in the hundreds).
+  Gradients of lam * Huber reach the encoder too (joint training, eq. 8).
+- Training uses the gold L_rel for k (the encoder trains independently of the probe, §3.4);
+  inference uses the probe. Eq. 5 has no ceil or floor: k is rounded up and at least 1.
 - r is drawn "for each training batch" (§C): one per step from --rel_ratios (`rel`, Table 4)
   or --ratio (`qa`, Table 5: 10), a pure function of (seed, step), so ranks, micro-batches
   and --resume agree; eval --ratio sets r without retraining (§3.4).
 - HotpotQA keeps its distractor paragraphs (PAPER sets --hotpot_distractors; Fig. 7); a
   training batch whose every chunk is relevant warns (selective would be --no_selective).
-- Objectives: `qa` (default; finetuning eq. 11 plus lam * Huber, so one command on the
-  tiny default trains encoder and probe and yields a QA F1), `rel` (pretraining, eq. 8),
-  `qa+rel` (both from one encoder pass: a one-stage stand-in for the paper's rel -> qa).
-- On the tiny base, tiny.py's aids apply (curriculum; `qa` attention distillation, tiny.SLOTS;
-  a LoRA decoder).
+- Objectives: `qa` (default; eq. 11 plus lam * Huber, so one command trains encoder and
+  probe), `rel` (pretraining, eq. 8), `qa+rel` (both from one encoder pass: a one-stage
+  stand-in for the paper's rel -> qa).
+- On the tiny base, tiny.py's aids apply (curriculum; `qa` attention distillation; a LoRA decoder).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
@@ -57,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 import kernels
 from model import Memory
 
@@ -193,9 +192,7 @@ class ATA(nn.Module):
                           "--no_selective; for HotpotQA use --hotpot_distractors")
         batch["enc_ids"] = _left_pad(enc, tok.pad_id)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])
-        R = -(-max(map(len, rel)) // 64) * 64
-        batch["rel_ids"] = torch.tensor([r + [tok.pad_id] * (R - len(r)) for r in rel])
-        batch["rel_labels"] = torch.tensor([r + [-100] * (R - len(r)) for r in labels])
+        batch["rel_ids"], batch["rel_labels"] = data._pad(rel, tok.pad_id, 64), data._pad(labels, -100, 64)
         batch["rel_len"] = torch.tensor(rel_len)
         return batch
 
@@ -232,11 +229,6 @@ class ATA(nn.Module):
             return torch.full_like(L, self.cfg.fixed_k, dtype=torch.long)
         return policy(L, r, self.cfg.k_max)
 
-    def decode_ce(self, memory, ids, labels):
-        with self.base.adapter(self.dec_adapter):
-            h = self.base(ids, memory=memory, output="hidden")  # (B, T, d)
-        return self.base.ce(h, labels)
-
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
         h, kv = self.encode(batch)
@@ -245,21 +237,19 @@ class ATA(nn.Module):
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
         step = batch.get("step", 0)  # train.Batches sets it; a batch built by hand counts as step 0
-        if "rel" in self.run.objective.split("+"):
-            metrics["r_rel"] = r = draw_ratio(self.rel_ratios, self.run.seed, step, "rel")
-            k = self.policy_k(L, r)
-            loss, m = self.decode_ce(self.memory(kv, k, batch["enc_len"]), batch["rel_ids"], batch["rel_labels"])
-            total, n = total + loss, n + m
-            metrics.update(rel_ce=loss.item() / max(m, 1), k_rel=k.float().mean().item())
-        if "qa" in self.run.objective.split("+"):
-            metrics["r_qa"] = r = draw_ratio(ratios, self.run.seed, step, "qa")
+        for obj, ids, choices in (("rel", "rel_ids", self.rel_ratios), ("qa", "qa", ratios)):
+            if obj not in self.run.objective.split("+"):
+                continue
+            metrics[f"r_{obj}"] = r = draw_ratio(choices, self.run.seed, step, obj)
             k = self.policy_k(L, r)
             memory = self.memory(kv, k, batch["enc_len"])
-            loss, m = self.decode_ce(memory, batch["qa"], batch["qa_labels"])
-            if teacher_attn is not None:
+            with self.base.adapter(self.dec_adapter):
+                h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
+            loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])
+            if obj == "qa" and teacher_attn is not None:
                 loss = loss + m * self.aid.memory_loss(teacher_attn, memory, batch, None)
             total, n = total + loss, n + m
-            metrics.update(qa_ce=loss.item() / max(m, 1), k_qa=k.float().mean().item())
+            metrics.update({f"{obj}_ce": loss.item() / max(m, 1), f"k_{obj}": k.float().mean().item()})
         return total, n, metrics
 
     # --- inference: the probe sets k ---------------------------------------------------
@@ -294,6 +284,7 @@ def main():
     print("  " + "m" * kmax + "d" * dec)
     grid = kernels.draw(kernels.causal_after_prefix(kmax, key_valid), dec, kmax + dec).splitlines()
     print("\n".join("d " + row for row in grid))
+
 
 if __name__ == "__main__":
     main()

@@ -15,32 +15,25 @@ Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt),
                   L_QA = -log P(A | M~, Q)    (finetuning, `--objective qa`, the default)
 
 Choices the paper leaves open, made here:
-- Chunks of a sub-context of n tokens split into k = |S| parts: chunk t = [s, e) with
-  s = t*n // k, e = (t+1)*n // k (sizes differ by at most one); its middle is s + (e - s) // 2
-  (the right one of two middles). A sub-context shorter than r still gets one anchor.
+- Chunk t of a sub-context of n tokens with k = |S| anchors is [s, e) = [t*n // k, (t+1)*n // k)
+  (sizes differ by at most one); its middle is s + (e - s) // 2 (the right one of two).
+  A sub-context shorter than r still gets one anchor.
 - The sequence prefix (BOS; `batch["prefix"]`) leads every sub-context in the encoder (its
-  attention sink), but the memory's P prefix slots hold the frozen base's own causal K/V of
-  the prefix, a constant that a plain decoder has too, not a learned summary slot (the
-  paper's memory is anchors only). They are counted in the achieved ratio L / (P + |S|);
-  `memory.stats["anchor_ratio"]` is L / |S|. The frozen decoder thus sees BOS where it
-  always did: with r = 1, a causal encoder and no adapter, SAC is the teacher.
+  attention sink); the memory's P prefix slots hold the frozen base's own causal K/V of it,
+  as any decoder has, so with r = 1, a causal encoder and no adapter, SAC is the teacher.
+  They count in the achieved ratio L / (P + |S|); `memory.stats["anchor_ratio"]` is L / |S|.
 - Positions: prefix 0..P-1, token i of sub-context j at P + 510*j + i in the encoder, so the
-  concatenated memory reads as one subsampled cache; the decoder continues at P + L. Inside
-  sub-context j > 0 the encoder thus sees a position gap between the prefix and its tokens.
-- The encoder LoRA covers every linear layer but the last layer's q, o and MLP, which
-  cannot reach the memory (it is the K/V of every layer, not a final hidden state).
+  concatenated memory reads as one subsampled cache; the decoder continues at P + L.
+- The encoder LoRA skips the last layer's q, o and MLP: they cannot reach the memory (K/V).
 - e_A starts at zero (and LoRA B at zero), so training starts from the base's own cache.
-- `lm` on `collate_lm` batches: the text after the prefix is cut in half (Appendix A: "split
-  into two halves"; the AE half is the compressed one); the decoder reads the second half
-  and predicts each next token (its first token is input only); texts are cut at 2 x
-  max_context so the compressed half reaches max_context. No `ae+lm` (Table 5): skipped.
-  On the tiny base, qa after 300 lm steps scores F1 6.2 at 4.9x (20 from scratch): a synthetic
-  text's second half rarely needs its first, so the decoder learns to ignore the memory.
+- `lm` on `collate_lm` batches: the text after the prefix is cut in half (Appendix A); the
+  decoder reads the second half and predicts each next token from the memory of the first;
+  texts are cut at 2 x max_context. No `ae+lm` (Table 5).
 - Several ratios in `--ratio`: one encoder pass per ratio (anchors differ), losses summed.
 - Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
-  batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER default,
-  objective qa); for pretraining pass `--objective lm --lr 1e-4`. One model per ratio
-  (§4.1: r in {5, 15, 51}): PAPER trains r = 5; pass `--ratio 15` or `--ratio 51` for the others.
+  batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER, `qa`),
+  1e-4 pretraining (`--objective lm --lr 1e-4`). One model per ratio (§4.1: r in {5, 15, 51}):
+  PAPER trains r = 5; pass `--ratio 15` or `--ratio 51` for the others.
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation with a token
 held by its nearest anchor, `qa` only; several QA pairs per context; a LoRA decoder).
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
@@ -86,8 +79,8 @@ ANCHORS = {"middle": middle_anchors, "random": random_anchors}
 def anchor_positions(L, r, sub_len=510, select=middle_anchors):
     """Context indices of the anchors of a context of L tokens: sub-context j holds tokens
     [sub_len*j, sub_len*(j+1)) and gets max(1, floor(n_j / r)) anchors."""
-    out = [sub_len * j + select(n, max(1, n // r)) for j, n in
-           ((j, min(sub_len, L - sub_len * j)) for j in range(-(-L // sub_len)))]
+    sizes = [(s, min(sub_len, L - s)) for s in range(0, L, sub_len)]  # (start, n) per sub-context
+    out = [s + select(n, max(1, n // r)) for s, n in sizes]
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
@@ -140,53 +133,44 @@ class SAC(nn.Module):
         prefix = batch["prefix"]
         if not torch.is_tensor(prefix):  # collate_qa: one shared list
             prefix = torch.tensor(prefix, dtype=torch.long, device=dev).view(1, -1).expand(len(ctx), -1)
-        B, P, sub = len(ctx), prefix.shape[1], self.cfg.sub_len
-        L = int(lengths.max())
-        W = max(1, min(sub, L))  # sub-context width: sub_len, or the whole context when shorter
-        J = -(-max(L, 1) // W)
+        B, P, L = len(ctx), prefix.shape[1], int(lengths.max())
+        W = max(1, min(self.cfg.sub_len, L))  # sub-context width: sub_len, or the whole context when shorter
+        J, T = -(-max(L, 1) // W), P + W
         ctx = nn.functional.pad(ctx[:, :L], (0, J * W - L), value=self.pad_id)
         n_tok = (lengths[:, None] - W * torch.arange(J, device=dev)).clamp(0, W)  # (B, J)
         keep = n_tok > 0
         keep[:, 0] = True  # an empty context keeps one (padding) row: the encoder batch is never empty
         b_of, j_of = keep.nonzero(as_tuple=True)  # (N,) one encoder row per sub-context
         row_of = keep.flatten().long().cumsum(0).view(B, J) - 1  # (B, J) -> row
-        ids = torch.cat([prefix[b_of], ctx.view(B, J, W)[b_of, j_of]], 1)  # (N, P + W)
-        T = P + W
+        ids = torch.cat([prefix[b_of], ctx.view(B, J, W)[b_of, j_of]], 1)  # (N, T)
         ar = torch.arange(T, device=dev)
-        valid = ar[None] < P + n_tok[b_of, j_of][:, None]  # (N, P + W)
-        pos = torch.where(ar < P, ar, ar + W * j_of[:, None])  # (N, P + W): P + W*j + i
-        # anchor slots as flat indices into the (N * T) encoder tokens
-        select, anchor_at, anchors = ANCHORS[self.cfg.anchors], [], []
-        for b, n in enumerate(lengths.tolist()):
-            g = anchor_positions(n, ratio, W, select).to(dev)  # context indices
-            anchors.append(g)
-            anchor_at.append(row_of[b, g // W] * T + P + g % W)
-        A = max(len(a) for a in anchor_at)
-        flat = torch.zeros(B, A, dtype=torch.long, device=dev)
-        mask = torch.zeros(B, P + A, dtype=torch.bool, device=dev)
-        mask[:, :P] = True
-        for b, a in enumerate(anchor_at):
-            flat[b, :len(a)], mask[b, P:P + len(a)] = a, True
-        is_anchor = torch.zeros(len(ids) * T, dtype=torch.bool, device=dev)
-        is_anchor[torch.cat(anchor_at)] = True
+        valid = ar[None] < P + n_tok[b_of, j_of][:, None]  # (N, T)
+        pos = torch.where(ar < P, ar, ar + W * j_of[:, None])  # (N, T): P + W*j + i
+        select = ANCHORS[self.cfg.anchors]
+        anchors = [anchor_positions(n, ratio, W, select).to(dev) for n in lengths.tolist()]  # context indices
+        anchor_at = [row_of[b, g // W] * T + P + g % W for b, g in enumerate(anchors)]  # into the N * T tokens
+        flat = nn.utils.rnn.pad_sequence(anchor_at, batch_first=True)  # (B, A), zero-padded
+        counts = [len(g) for g in anchors]
+        is_kept = torch.arange(flat.shape[1], device=dev)[None] < torch.tensor(counts, device=dev)[:, None]
+        mask = nn.functional.pad(is_kept, (P, 0), value=True)  # (B, P + A)
         e = self.base.model.embed_tokens(ids)  # (N, T, d)
         if self.anchor_emb is not None:  # eq. 1
+            is_anchor = torch.zeros(len(ids) * T, dtype=torch.bool, device=dev)
+            is_anchor[torch.cat(anchor_at)] = True
             e = e + is_anchor.view(-1, T, 1) * self.anchor_emb.to(e.dtype)
         with self.base.adapter("encoder"):
             _, kv = self.base(embeds=e, pos=pos, mask=sac_encoder_mask(valid, self.cfg.causal), return_kv=True,
                               output="hidden")
+        # (N, Hkv, T, hd) -> (N*T, Hkv, hd) -> (B, A, Hkv, hd) -> (B, Hkv, A, hd)
+        pick = lambda x: x.transpose(1, 2).flatten(0, 1)[flat].transpose(1, 2)  # noqa: E731
+        mem = [(pick(k), pick(v)) for k, v in kv]
         if P:  # the prefix slots: the frozen base, causal, positions 0..P-1 (a constant, as in any decoder)
             with torch.no_grad(), self.base.adapter(None):
                 _, prefix_kv = self.base(prefix, return_kv=True, output="hidden")  # (B, Hkv, P, hd) per layer
-        mem = []
-        for i, (k, v) in enumerate(kv):  # (N, Hkv, T, hd) -> (N*T, Hkv, hd) -> (B, A, Hkv, hd) -> (B, Hkv, A, hd)
-            k, v = (x.transpose(1, 2).flatten(0, 1)[flat].transpose(1, 2) for x in (k, v))
-            if P:
-                k, v = torch.cat([prefix_kv[i][0], k], 2), torch.cat([prefix_kv[i][1], v], 2)
-            mem.append((k, v))
+            mem = [(torch.cat([pk, k], 2), torch.cat([pv, v], 2)) for (pk, pv), (k, v) in zip(prefix_kv, mem)]
         memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
-        memory.stats = {"anchor_ratio": [n / max(len(a), 1) for n, a in zip(lengths.tolist(), anchor_at)]}
-        memory.anchors = anchors  # context indices, per example
+        memory.stats = {"anchor_ratio": [n / max(c, 1) for n, c in zip(lengths.tolist(), counts)]}
+        memory.anchors = anchors
         return memory
 
     def split_lm(self, batch):

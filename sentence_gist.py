@@ -24,14 +24,14 @@ Choices the paper leaves open (or that differ from it), made here:
   sentence in it could not be dropped once the prompt finishes it.
 - Stages (§3.5, --stage; Table 3's values in STAGES): 1 gist rows; 2 + LoRA adapter `gist`
   (the paper finetunes every weight); 3 as 2, lr linearly to 0. Stage 1 matters (Tables
-  4-5): on a checkpoint run the three in turn (same --gists), each from the one before:
+  4-5): on a checkpoint run the three in turn (same --gists), each from the one before,
+  with --max_context 4096 and 64 / 128 / 512 sequences a step (batch x grad_accum x GPUs);
+  a later stage inherits the earlier one's config but --stage (STAGE_FLAGS):
       python train.py --method sentence_gist --init_from $HF --stage 1 --out_dir out/g1
       python train.py --method sentence_gist --init_from out/g1 --stage 2 --out_dir out/g2
       python train.py --method sentence_gist --init_from out/g2 --stage 3 --out_dir out/g3
-  with --max_context 4096 and 64 / 128 / 512 sequences a step (batch x grad_accum x GPUs);
-  a later stage inherits the earlier one's config but --stage (STAGE_FLAGS). Objectives:
-  `lm` (the paper's; default on real checkpoints), `qa` (the tiny base's, scored by QA F1;
-  tiny.py's aids apply). --ratio does not apply (it is achieved).
+- Objectives: `lm` (the paper's; default on real checkpoints), `qa` (the tiny base's, scored
+  by QA F1; tiny.py's aids apply). --ratio does not apply (it is achieved).
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
 from dataclasses import dataclass
