@@ -321,6 +321,8 @@ def load_checkpoint(out_dir, method, opt=None):
             i, _, slot = key.partition("::")
             optim.setdefault(i, {})[slot] = v
         torch.set_rng_state(optim.pop("rng")["torch"])
+        if not all(i.isdigit() for i in optim):  # older runs keyed it by parameter name
+            raise SystemExit(f"error: {out_dir}: optimizer state in an older format; --resume needs a newer checkpoint")
         opt.load_state_dict({"state": {int(i): s for i, s in optim.items()}, "param_groups": state["param_groups"]})
         random.setstate((3, tuple(state["python_rng"]), None))
     return state["step"]

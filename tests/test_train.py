@@ -49,6 +49,16 @@ def test_resume_reaches_the_same_parameters(base_dir, tmp_path, monkeypatch):
         assert torch.allclose(a[k], b[k], atol=1e-6), k
 
 
+def test_resume_from_an_optimizer_state_keyed_by_name_is_one_line(base_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "r"
+    in_process(args(base_dir, out, "--max_iters", 2, "--eval_interval", 2))
+    path = out / json.load(open(out / "run.json"))["files"]["optim"]
+    save_file({k.replace("0::", "encoder.lora_A::", 1): v for k, v in load_file(path).items()}, path)
+    with pytest.raises(SystemExit, match="optimizer state in an older format"):
+        in_process(args(base_dir, out, "--max_iters", 4, "--eval_interval", 2, "--resume"))
+
+
 def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path, monkeypatch):
     out = tmp_path / "r"
     in_process(args(base_dir, out, "--max_iters", 4, "--eval_interval", 2))
