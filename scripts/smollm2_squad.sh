@@ -8,7 +8,8 @@
 #    baseline at 4x distilled from it, and the claims they test (meanpool_multi_ratio T1).
 # The section "SmolLM2-135M-Instruct on SQuAD" of RESULTS.md is written from this run.
 #   bash scripts/smollm2_squad.sh                 # 1-3: ~15 min on 2 CPU cores
-#   COMPRESS=1 ITERS=1000 BATCH=16 bash scripts/smollm2_squad.sh   # all of it: a GPU (hours on a CPU)
+#   COMPRESS=1 ITERS=1000 BATCH=16 bash scripts/smollm2_squad.sh   # all of it at a learning budget: a GPU
+#   (COMPRESS=1 ITERS=40 BATCH=4 on 2 CPU cores: 10 min for 1-3, 28 min for the two compressors)
 # On a 2-core AMD EPYC (fp32): teacher rows of 200 questions in 2.5-7 min (0.6-1.6 questions/s
 # with the context), an SFT step of 4 SQuAD examples ~5 s; a compressor step runs three models (teacher,
 # encoder, decoder), ~3x that by count.
