@@ -192,7 +192,7 @@ class ATA(nn.Module):
                           "--no_selective; for HotpotQA use --hotpot_distractors")
         batch["enc_ids"] = _left_pad(enc, tok.pad_id)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])
-        batch["rel_ids"], batch["rel_labels"] = data._pad(rel, tok.pad_id, 64), data._pad(labels, -100, 64)
+        batch["rel_ids"], batch["rel_labels"] = data.pad_rows(rel, tok.pad_id, 64), data.pad_rows(labels, -100, 64)
         batch["rel_len"] = torch.tensor(rel_len)
         return batch
 

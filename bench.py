@@ -410,7 +410,7 @@ def hf_pic_ae(model, m, batch, ratios, tok):
     dev, off = ids.device, int(tok.bos_id is not None)
     texts = [ids[b, off:n].tolist() for b, n in enumerate(lengths)]
     ks = [max(1, len(x) // 2) for x in texts]
-    rows = lambda cut, value=tok.pad_id: data._pad([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)  # noqa: E731
+    rows = lambda cut, value=tok.pad_id: data.pad_rows([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)  # noqa: E731
     context, clen = rows(lambda x, k: x[:k]), torch.tensor(ks, device=dev)
     tr_in, tr_lab = rows(lambda x, k: x[:k - 1]), rows(lambda x, k: x[:k], -100)
     tc_in, tc_lab = rows(lambda x, k: x[k - 1:-1]), rows(lambda x, k: x[k:], -100)

@@ -868,7 +868,7 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
 # -----------------------------------------------------------------------------
 # 5. Batching
 
-def _pad(rows, value, multiple):
+def pad_rows(rows, value, multiple):
     """(B, T) LongTensor of right-padded rows, T rounded up to a multiple."""
     T = max([1] + [len(r) for r in rows])
     T = -(-T // multiple) * multiple
@@ -921,7 +921,7 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
             rows[k + "_labels"].append(_answer_labels(len(before) + len(prompt), ans))
         prompt_len.append(len(prompt))
         answer_len.append(len(ans))
-    batch = {k: _pad(v, -100 if k.endswith("_labels") else tok.pad_id, pad_multiple) for k, v in rows.items()}
+    batch = {k: pad_rows(v, -100 if k.endswith("_labels") else tok.pad_id, pad_multiple) for k, v in rows.items()}
     batch.update({k + "_len": torch.tensor([len(x) for x in rows[k]], dtype=torch.long)
                   for k in ("context", "qa", "full", "noctx")})
     batch.update(prompt_len=torch.tensor(prompt_len, dtype=torch.long), answer_len=torch.tensor(answer_len, dtype=torch.long),
@@ -936,5 +936,5 @@ def collate_lm(texts, tok, max_len, pad_multiple=64):
     targets (-100 on the last token and padding); lengths (B,)."""
     rows = [tok.encode(t, bos=True, eos=True)[:max_len] for t in texts]
     labels = [r[1:] + [-100] for r in rows]
-    return {"ids": _pad(rows, tok.pad_id, pad_multiple), "labels": _pad(labels, -100, pad_multiple),
+    return {"ids": pad_rows(rows, tok.pad_id, pad_multiple), "labels": pad_rows(labels, -100, pad_multiple),
             "lengths": torch.tensor([len(r) for r in rows], dtype=torch.long)}

@@ -207,7 +207,7 @@ class PIC(nn.Module):
         texts = [self.tok.decode(c[:n].tolist()) for c, n in zip(batch["context"], batch["context_len"])]
         rows = [self.enc_tok.encode(t)[:self.run.max_context] or [self.enc_tok.pad_id] for t in texts]
         dev = batch["context"].device
-        return data._pad(rows, self.enc_tok.pad_id, 1).to(dev), torch.tensor([len(r) for r in rows], device=dev)
+        return data.pad_rows(rows, self.enc_tok.pad_id, 1).to(dev), torch.tensor([len(r) for r in rows], device=dev)
 
     def compress(self, batch, ratio):
         h, valid = self.encode(*self.encoder_context(batch), ratio)
@@ -254,7 +254,7 @@ class PIC(nn.Module):
         dev = ids.device
 
         def rows(cut, value=self.tok.pad_id):  # (B, T): one slice of every text, right-padded
-            return data._pad([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)
+            return data.pad_rows([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)
 
         def per_example(labels, counts):  # eq. 6-7 are means per example: weight 1 / count
             return (1.0 / torch.tensor(counts, device=dev).clamp(min=1))[:, None].expand(labels.shape)

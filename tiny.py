@@ -175,8 +175,8 @@ def collate_base(examples, tok, context_weight):
         seqs.append(ids)
         weights.append(w)
     T = -(-max(len(s) for s in seqs) // 64) * 64
-    batch = {"ids": data._pad(seqs, tok.pad_id, T),  # (B, T): rounding up to a multiple of T is T
-             "labels": data._pad([s[1:] for s in seqs], -100, T),
+    batch = {"ids": data.pad_rows(seqs, tok.pad_id, T),  # (B, T): rounding up to a multiple of T is T
+             "labels": data.pad_rows([s[1:] for s in seqs], -100, T),
              "weights": torch.tensor([w[1:] + [0.0] * (T + 1 - len(w)) for w in weights])}
     for name, queries in (("bind", bind), ("point", point)):
         queries = [qk for qk in queries if qk[2]]  # a value before its name has no key
@@ -238,7 +238,7 @@ def add_questions(batch, items, tok):
                 lab += data._answer_labels(len(parts["prompt"]), parts["answer"])
             rows.append(ids)
             labels.append(lab)
-        batch[key], batch[key + "_labels"] = data._pad(rows, tok.pad_id, 8), data._pad(labels, -100, 8)
+        batch[key], batch[key + "_labels"] = data.pad_rows(rows, tok.pad_id, 8), data.pad_rows(labels, -100, 8)
         batch[key + "_len"] = torch.tensor([len(r) for r in rows])
     return batch
 
