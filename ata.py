@@ -42,7 +42,8 @@ Choices the paper leaves open, made here:
 - Objectives: `qa` (default; eq. 11 plus lam * Huber, so one command trains encoder and
   probe), `rel` (pretraining, eq. 8), `qa+rel` (both from one encoder pass: a one-stage
   stand-in for the paper's rel -> qa).
-- On the tiny base, tiny.py's aids apply (curriculum; `qa` attention distillation; a LoRA decoder).
+- On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder); not attention
+  distillation: compression tokens that read the whole prompt hold no fixed chunk.
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
@@ -139,7 +140,6 @@ class ATA(nn.Module):
     PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, ratio="10",
                  hotpot_distractors=True)
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, lora_r=16, lora_alpha=32, lora_dropout=0.0)  # + PAPER's
-    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
     def __init__(self, base, cfg, tok, run):
@@ -232,7 +232,6 @@ class ATA(nn.Module):
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
         h, kv = self.encode(batch)
-        teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "qa" in self.run.objective else None
         L_hat, L = self.length(batch, h), batch["rel_len"]
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
@@ -246,8 +245,6 @@ class ATA(nn.Module):
             with self.base.adapter(self.dec_adapter):
                 h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
             loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])
-            if obj == "qa" and teacher_attn is not None:
-                loss = loss + m * self.aid.memory_loss(teacher_attn, memory, batch, None)
             total, n = total + loss, n + m
             metrics.update({f"{obj}_ce": loss.item() / max(m, 1), f"k_{obj}": k.float().mean().item()})
         return total, n, metrics

@@ -244,7 +244,7 @@ def main(argv):
     # 2) the method (real checkpoints stay bf16 on CUDA), its optimizer, the resumed state
     bf16_weights = device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base"
     tok, base, method = build(cfg, mcfg, device, torch.bfloat16 if bf16_weights else torch.float32)
-    if type(method).__name__ in tiny.SLOTS and tiny.aided(cfg):
+    if tiny.aided(cfg) and tiny.distills_attention(method):
         method.aid = tiny.AttentionDistillation(method, tiny.ATTN_KD)
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable

@@ -183,7 +183,6 @@ def test_a_run_on_another_tiny_base_trains_nothing_and_writes_nothing_in_the_rep
 
 
 def _with_aid(base_dir, name, **kw):
-    import ata
     import data
     import pic
     import sac
@@ -192,11 +191,11 @@ def _with_aid(base_dir, name, **kw):
     tok, base = data.load_tokenizer(base_dir), Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
+    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist}[name]
     m = cls(base, cls.Config(**kw), tok, runs.TrainConfig(method=name, objective="qa"))
     m.aid = tiny.AttentionDistillation(m, 1.0)
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
-    return m, (m.prepare(batch) if name == "ata" else batch)
+    return m, batch
 
 
 def test_slots_follow_each_papers_layout(base_dir):
@@ -228,17 +227,24 @@ def test_slots_follow_each_papers_layout(base_dir):
             else:
                 assert (lay["kind"][b, k] == GIST).all() and (lay["sentence"][b, k] == lay["sentence"][b, pos[j]]).all()
         assert (keys[b, n:] == -1).all()
-    m, batch = _with_aid(base_dir, "ata", lora_r=4, lora_alpha=8)
-    memory = m.memory(m.encode(batch)[1], torch.tensor([3, 1, 8]), batch["enc_len"])
-    slots = tiny.relevant_slots(batch, memory, None)
-    for b, k in enumerate([3, 1, 8]):
-        s, e = batch["chunk_spans"][b][batch["relevant_idx"][b][0]]  # one relevant biography
-        assert slots[b, s:e].tolist() == sorted(slots[b, s:e].tolist()) and set(slots[b, s:e].tolist()) == set(range(k))
-        assert (slots[b, :s] == -1).all() and (slots[b, e:] == -1).all()
+
+
+def test_attention_distillation_only_where_the_layout_fixes_the_slots():
+    """Aid 2 is for layouts that say which slot holds which token: meanpool's windows, PIC's
+    block-wise chunks, SAC's anchors, a sentence's gists; not compression tokens that read
+    the whole context (PIC's causal and bidir masks, --mem single under them, ATA)."""
+    def fake(name, **kw):  # a method's class name and config are all the rule reads
+        cls = runs.method_registry()[name]
+        return type(cls.__name__, (), {"cfg": runs.method_config(cls)(**kw)})()
+    assert all(tiny.distills_attention(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist"))
+    assert tiny.distills_attention(fake("pic", mem="single", mask="blockwise"))
+    assert not any(tiny.distills_attention(fake("pic", mask=mask, mem=mem))
+                   for mask in ("causal", "bidir") for mem in ("table", "single"))
+    assert not tiny.distills_attention(fake("ata")) and not tiny.distills_attention(fake("teacher"))
 
 
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sac", {"lora_r": 4, "lora_alpha": 8}, 4),
-                                       ("sentence_gist", {"gists": 2}, 1), ("ata", {"lora_r": 4, "lora_alpha": 8}, 10)])
+                                       ("sentence_gist", {"gists": 2}, 1)])
 def test_attention_distillation_enters_every_methods_loss(base_dir, name, kw, r):
     m, batch = _with_aid(base_dir, name, **kw)
     with_aid, n, _ = m(batch, [r])
