@@ -108,14 +108,6 @@ def draw_ratio(choices, seed, step, salt):
     return random.Random(f"ata/{salt}/{seed}/{step}").choice(choices)
 
 
-def _left_pad(rows, value, multiple=64):  # lengths bucketed for --compile
-    T = -(-max(len(r) for r in rows) // multiple) * multiple
-    out = torch.full((len(rows), T), value, dtype=torch.long)
-    for b, r in enumerate(rows):
-        out[b, T - len(r):] = torch.tensor(r, dtype=torch.long)
-    return out
-
-
 class Probe(nn.Module):
     """zeta: attention pooling (query = the last input token) + MLP -> L^_rel (B,)."""
 
@@ -190,7 +182,7 @@ class ATA(nn.Module):
         if all_relevant and self.training and not self.cfg.no_selective:  # gold-only HotpotQA, one-chunk records
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
                           "--no_selective; for HotpotQA use --hotpot_distractors")
-        batch["enc_ids"] = _left_pad(enc, tok.pad_id)
+        batch["enc_ids"] = data.pad_rows(enc, tok.pad_id, 64, left=True)  # 64: lengths bucketed for --compile
         batch["enc_len"] = torch.tensor([len(e) for e in enc])
         batch["rel_ids"], batch["rel_labels"] = data.pad_rows(rel, tok.pad_id, 64), data.pad_rows(labels, -100, 64)
         batch["rel_len"] = torch.tensor(rel_len)

@@ -868,13 +868,14 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
 # -----------------------------------------------------------------------------
 # 5. Batching
 
-def pad_rows(rows, value, multiple):
-    """(B, T) LongTensor of right-padded rows, T rounded up to a multiple."""
+def pad_rows(rows, value, multiple, left=False):
+    """(B, T) LongTensor of right-padded rows (left-padded if left), T rounded up to a multiple."""
     T = max([1] + [len(r) for r in rows])
     T = -(-T // multiple) * multiple
     out = torch.full((len(rows), T), value, dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        start = T - len(r) if left else 0
+        out[i, start:start + len(r)] = torch.tensor(r, dtype=torch.long)
     return out
 
 
