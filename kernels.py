@@ -231,7 +231,7 @@ def scored_attention(q, k, v, dense, scale, score_mod):
 # -----------------------------------------------------------------------------
 # chunked losses straight from hidden states (SPEC §5)
 
-CHUNK = 1024  # tokens per chunk: 1024 x 152k fp32 logits = 620 MB; at most 3 such buffers alive (KD)
+CHUNK = 512  # tokens per chunk: 512 x 152k fp32 logits = 310 MB; at most 3 such buffers alive (KD)
 
 
 class _ChunkedLoss(torch.autograd.Function):

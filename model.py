@@ -614,13 +614,13 @@ class Transformer(nn.Module):
         cache_valid = valid if memory is None else torch.cat([memory.mask, valid], dim=1)
         next_pos = pos[:, -1] + 1
         out, done = [[] for _ in range(B)], [False] * B
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             tok = logits[:, -1].argmax(-1)  # (B,)
             for b, t in enumerate(tok.tolist()):
                 done[b] = done[b] or t in eos
                 if not done[b]:
                     out[b].append(t)
-            if all(done):
+            if all(done) or step == max_new_tokens - 1:  # no forward for a token never returned
                 break
             cache = Memory(kv=kv, mask=cache_valid, next_pos=next_pos)
             logits, kv = self(tok[:, None], memory=cache, return_kv=True)

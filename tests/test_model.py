@@ -486,6 +486,13 @@ def test_generate_cache_equals_no_cache_and_hf(ckpt, llama, gemma, family):
     assert got == ref
     # stops at EOS: declare the 5th generated token an EOS id
     assert llama.generate([prompt], 30, eos_ids=[got[4]])[0] == got[:got.index(got[4])]
+    # n tokens cost n forwards (the prefill gives the first): no forward for a token never returned
+    calls = []
+    hook = llama.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert llama.generate([prompt], 1, eos_ids=[])[0] == got[:1] and len(calls) == 1
+    finally:
+        hook.remove()
 
 
 def test_generate_batched_left_padding(llama):
