@@ -242,8 +242,17 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):
-        with torch.autocast(h.device.type, enabled=False):  # fp32 even inside the caller's autocast
-            return _ChunkedLoss._run(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap)
+        # fp32 even inside the caller's autocast. When every input is 16-bit (bf16 models on
+        # CUDA), TF32 tensor cores give the logits exactly (a bf16 value is a TF32 value, the
+        # sum is fp32) and the gradients, rounded to bf16 at the end, lose nothing visible.
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = all(
+            x.dtype in (torch.bfloat16, torch.float16) for x in (h, w, teacher_h, teacher_w) if x is not None)
+        try:
+            with torch.autocast(h.device.type, enabled=False):
+                return _ChunkedLoss._run(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
 
     @staticmethod
     def _run(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):

@@ -233,3 +233,18 @@ def test_losses_stay_fp32_under_autocast():
     g, = torch.autograd.grad(ce, h)
     g_naive, = torch.autograd.grad(naive_ce, h)
     assert torch.allclose(g, g_naive, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_losses_use_tf32_only_for_16_bit_inputs(monkeypatch):
+    """TF32 (CUDA matmuls) inside the loss when h, w and the teacher are all bf16, where it is
+    exact for the logits; plain fp32 when any input is fp32; the caller's setting restored."""
+    seen, run = [], kernels._ChunkedLoss._run
+    monkeypatch.setattr(kernels._ChunkedLoss, "_run",
+                        staticmethod(lambda *a: seen.append(torch.backends.cuda.matmul.allow_tf32) or run(*a)))
+    h, w, labels = rand(N_B, N_T, D, seed=0), rand(V, D, seed=1), labels_with_ignores()
+    before = torch.backends.cuda.matmul.allow_tf32
+    kernels.chunked_ce(h.bfloat16(), w.bfloat16(), labels)
+    kernels.chunked_kd(h.bfloat16(), w.bfloat16(), h.bfloat16(), w.bfloat16(), labels)
+    kernels.chunked_ce(h, w, labels)
+    kernels.chunked_kd(h.bfloat16(), w.bfloat16(), h, w, labels)  # an fp32 teacher: fp32 throughout
+    assert seen == [True, True, False, False] and torch.backends.cuda.matmul.allow_tf32 == before
