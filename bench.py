@@ -6,10 +6,9 @@
     python bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
     (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
 
-Peak memory is torch.cuda.max_memory_allocated; on CPU the loss benchmark runs each variant
-in a fresh subprocess and reports the growth of its peak RSS (ru_maxrss) over the inputs.
-Real shapes are random-init models with the checkpoints' config.json values (SHAPES):
-speed and memory depend on shapes only. BENCHMARKS.md has the numbers and the hardware.
+Peak memory is torch.cuda.max_memory_allocated; on CPU the loss benchmark runs each variant in
+a fresh subprocess and reports the growth of its peak RSS over the inputs. Real shapes (SHAPES) are
+random-init models with the checkpoints' config.json values: speed and memory depend on shapes only.
 """
 import argparse
 import os
@@ -36,12 +35,10 @@ parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else
 parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
 parser.add_argument("--burn_in", type=int, default=2, help="untimed iterations first")
 parser.add_argument("--iters", type=int, default=5, help="timed iterations")
-# loss
-parser.add_argument("--loss_vocab", type=int, default=152064, help="Qwen2.5's vocab")
-parser.add_argument("--tokens", type=int, default=2048)
-parser.add_argument("--dim", type=int, default=256)
-parser.add_argument("--only", default="", help="internal: run one loss variant (chunked | naive) and print")
-# train / attention / ttft
+parser.add_argument("--loss_vocab", type=int, default=152064, help="loss: vocabulary size (Qwen2.5's)")
+parser.add_argument("--tokens", type=int, default=2048, help="loss: rows of hidden states")
+parser.add_argument("--dim", type=int, default=256, help="loss: their width")
+parser.add_argument("--only", default="", help="loss, internal: run one variant (chunked | naive) and print")
 parser.add_argument("--tiny", action="store_true", help="train, ttft: the tiny shape and short contexts (CPU, seconds)")
 parser.add_argument("--shapes", default="llama-3.2-1b,qwen3-1.7b,llama-3.1-8b", help="train, ttft: keys of SHAPES")
 parser.add_argument("--context", type=int, default=1024, help="train: context tokens per example")
@@ -51,20 +48,17 @@ parser.add_argument("--no_hf", action="store_true", help="train: skip the transf
 parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
 args = parser.parse_args(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests: defaults
 device = torch.device(args.device)
+cuda = device.type == "cuda"
 if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors: more threads only spin-wait
     torch.set_num_threads(args.threads or 1)
 TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
-
-
-def sync():
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timeit(step, burn_in, iters):
     """Median seconds per step() after burn_in untimed calls (the median: shared machines are noisy)."""
     for _ in range(burn_in):
         step()
+    sync = torch.cuda.synchronize if cuda else lambda: None
     times = []
     for _ in range(max(1, iters)):
         sync()
@@ -77,13 +71,13 @@ def timeit(step, burn_in, iters):
 
 def peak_memory_mb():
     """max_memory_allocated on CUDA; elsewhere this process's peak RSS (Linux: ru_maxrss in KiB)."""
-    if device.type == "cuda":
+    if cuda:
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def reset_memory():
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
@@ -113,9 +107,9 @@ def bench_one_loss(variant):
 
 def bench_loss():
     print(f"KD loss: N={args.tokens} tokens, d={args.dim}, vocab {args.loss_vocab}, chunk {kernels.CHUNK}, {device}"
-          f" ({'max_memory_allocated' if device.type == 'cuda' else 'peak RSS, one subprocess per variant'})")
+          f" ({'max_memory_allocated' if cuda else 'peak RSS, one subprocess per variant'})")
     for variant in ("chunked", "naive"):
-        if device.type == "cuda":
+        if cuda:
             bench_one_loss(variant)
         else:
             subprocess.run([sys.executable, __file__, "loss", "--only", variant] + sys.argv[2:], check=True)
@@ -231,8 +225,7 @@ class FlopCounter:
         kernels._ChunkedLoss._run = staticmethod(counted)
 
     def layer(self, inp, out, p_layer):
-        x, prefix = inp[0], inp[4]
-        B, Q = x.shape[:2]
+        (B, Q), prefix = inp[0].shape[:2], inp[4]
         S = Q + (prefix[0].shape[2] if prefix is not None else 0)
         grad = out[0].requires_grad
         self.flops += B * Q * (2 * p_layer * (2 if grad else 1) + self.attn * S * (3 if grad else 1))
@@ -248,7 +241,7 @@ def optimizer_step(params, compute_loss):
     opt = torch.optim.AdamW(params, lr=1e-5)
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = compute_loss()
         loss.backward()
         opt.step()
@@ -257,23 +250,26 @@ def optimizer_step(params, compute_loss):
     return step
 
 
-def report(name, secs, n_tokens, flops):
-    peak = next((v for k, v in PEAK_BF16.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
+def time_row(name, step, n_tokens, flops):
+    """Times step() after one untimed call and prints the row; returns seconds per step."""
+    reset_memory()
+    secs = timeit(step, 1, args.iters)
+    peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
     mfu = f"{flops / secs / peak:6.1%}" if peak else "   n/a"
-    mem = f"{peak_memory_mb():8.0f} MB" if device.type == "cuda" else "     n/a"
+    mem = f"{peak_memory_mb():8.0f} MB" if cuda else "     n/a"
     print(f"  {name:22s} {secs * 1000:9.1f} ms/step {n_tokens / secs:10.0f} ctx tok/s  "
           f"{flops / 1e9:9.1f} GFLOP  MFU {mfu}  peak {mem}")
+    return secs
 
 
 def bench_train():
     tok = data.load_tokenizer(TINY_BASE)
     context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
     rows = [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
-    print(f"train: one AdamW step, B={B} x {context}-token contexts, {device}"
-          f" ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
-          f"{'bf16 weights + autocast' if device.type == 'cuda' else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''};"
-          f" median of {args.iters} after 1 untimed;"
-          f" peak = max_memory_allocated{' (n/a on CPU)' if device.type != 'cuda' else ''}")
+    hardware = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
+    print(f"train: one AdamW step, B={B} x {context}-token contexts, {device} ({hardware}), "
+          f"{'bf16 weights + autocast' if cuda else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''}; median"
+          f" of {args.iters} after 1 untimed; peak = max_memory_allocated{'' if cuda else ' (n/a on CPU)'}")
     for shape in ["tiny"] if args.tiny else args.shapes.split(","):
         print(f"{shape}:")
         for row in rows:
@@ -301,9 +297,7 @@ def train_row(shape, tok, row, B, context):
     finally:
         counter.close()
     base.grad_ckpt = args.grad_ckpt
-    reset_memory()
-    secs = timeit(step, 1, args.iters)
-    report(name, secs, n_tokens, counter.flops)
+    secs = time_row(name, step, n_tokens, counter.flops)
     hf_fn = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}.get(name)
     if hf_fn is None or args.no_hf:
         return
@@ -312,16 +306,13 @@ def train_row(shape, tok, row, B, context):
     params = [p for k, p in model.named_parameters() if "lora_" in k] + \
         [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
     step_hf = optimizer_step(params, lambda: hf_fn(model, m, batch, ratios, tok) / n)
-    reset_memory()
-    secs_hf = timeit(step_hf, 1, args.iters)
-    report(f"{name} (HF + peft)", secs_hf, n_tokens, counter.flops)
+    secs_hf = time_row(f"{name} (HF + peft)", step_hf, n_tokens, counter.flops)
     print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
 
 
-# The transformers + peft twins, written the way the papers' official code is: peft adapters
-# switched per pass, a 4-D mask tensor, pooling by reshape, the decoder over inputs_embeds,
-# full-vocabulary logits. They share our weights (assign=True) and must give our loss
-# (tests/test_perf.py): the speed ratio compares the same computation.
+# The transformers + peft twins, written as the papers' official code is (peft adapters switched
+# per pass, a 4-D mask, pooling by reshape, inputs_embeds, full-vocabulary logits), share our
+# weights and give our loss (tests/test_perf.py): the speed ratio compares the same computation.
 
 def hf_peft(ours):
     """A transformers model sharing `ours`' base weights, with ours' adapters as peft adapters."""
@@ -443,9 +434,8 @@ def hf_pic_ae(model, m, batch, ratios, tok):
 # attention: flex + BlockMask vs SDPA + dense mask, fwd + bwd; create_block_mask cost
 
 def attention_masks(T, dev):
-    """[(name, mask_mod, tokens)] of about T tokens: PIC's block-wise mask (context + 1/16 as
-    many memory tokens, r = 16) and sentence_gist's sentence mask (4 gists after every
-    20-token sentence)."""
+    """[(name, mask_mod, tokens)] of about T tokens: PIC's block-wise mask (r = 16: L context + L/16
+    memory tokens) and sentence_gist's sentence mask (4 gists after every 20-token sentence)."""
     import pic
     import sentence_gist
     L = T * 16 // 17
@@ -465,25 +455,23 @@ def bench_attention():
             new_block = lambda: kernels.Mask(mask_mod, 1, Tm, Tm, device).block()  # noqa: E731
             first_s, block_s = timeit(new_block, 0, 1), timeit(new_block, 0, 3)  # the first compiles (CUDA)
             mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
-            block, dense_s = mask.block(), timeit(mask.dense, 0, 1)
-            n_blocks = block.kv_indices.shape[-2] * block.kv_indices.shape[-1]
-            used = block.kv_num_blocks.sum() + (block.full_kv_num_blocks.sum() if block.full_kv_num_blocks is not None else 0)
+            empty, dense_s = mask.block().sparsity(), timeit(mask.dense, 0, 1)  # sparsity: % of blocks skipped
             print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {block_s * 1000:8.1f} ms/batch "
                   f"(first call {first_s * 1000:.0f} ms), dense mask {dense_s * 1000:.1f} ms, "
-                  f"{1 - float(used) / n_blocks:.0%} of 128x128 blocks empty")
-            if device.type != "cuda":
+                  f"{empty:.0f}% of 128x128 blocks empty")
+            if not cuda:
                 print(f"{'':14s} flex vs SDPA fwd+bwd: skipped (CUDA only: torch {torch.__version__} has no flex backward on CPU)")
                 continue
             g = torch.Generator(device=device).manual_seed(0)
             q, k, v = (torch.randn(1, h, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
                        for h in (H, Hkv, Hkv))
+
+            def step():
+                kernels.attention(q, k, v, mask).sum().backward()
+                q.grad = k.grad = v.grad = None
             ms = {}
             for backend in ("flex", "dense"):
                 kernels.BACKEND = backend
-
-                def step():
-                    kernels.attention(q, k, v, mask).sum().backward()
-                    q.grad = k.grad = v.grad = None
                 reset_memory()
                 ms[backend] = timeit(step, args.burn_in, args.iters) * 1000
                 print(f"{'':14s} {backend:5s} fwd+bwd {ms[backend]:8.2f} ms   peak {peak_memory_mb():8.0f} MB")
@@ -517,7 +505,5 @@ def bench_ttft():
 
 
 if __name__ == "__main__":
-    if args.only:
-        bench_one_loss(args.only)
-    else:
-        {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft}[args.what]()
+    benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft}
+    bench_one_loss(args.only) if args.only else benches[args.what]()
