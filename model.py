@@ -2,13 +2,9 @@
 greedy generation (SPEC §2.1-2.3).
 
 Families: Llama 2/3/3.1/3.2 (rope scaling ``llama3`` or ``linear``), Mistral, Qwen2/2.5
-(q/k/v bias), Qwen3 (q_norm/k_norm, explicit ``head_dim``), Gemma 2; tied or untied LM
-head. Gemma 2 is the Llama layout with config-driven differences (HF modeling_gemma2.py):
-embeddings times sqrt(d) in the model dtype, RMSNorm with (1 + weight), four norms per
-layer, GELU-tanh gated MLP, scores scaled by query_pre_attn_scalar^-0.5 and soft-capped
-(cap * tanh(s / cap)), soft-capped final logits, a tied head. Module names are the HF
-checkpoint's (``model.layers.N.self_attn.q_proj``): loading is a key-for-key copy and
-adapters save in PEFT's key format.
+(q/k/v bias), Qwen3 (q_norm/k_norm, explicit ``head_dim``), Gemma 2 (as HF modeling_gemma2.py:
+scaled embeddings, (1 + weight) norms, four per layer, GELU-tanh, soft-capped scores and logits).
+Module names are the HF checkpoint's: loading is a key-for-key copy and adapters save in PEFT's format.
 
 One ``forward`` serves encoders (bidirectional or custom masks), decoders (a ``Memory`` as
 prefix embeddings or prefix K/V) and teachers (plain causal):
@@ -18,11 +14,10 @@ prefix embeddings or prefix K/V) and teachers (plain causal):
     h, kv = model(embeds=e, return_kv=True, output="hidden")
     logits = model(ids, memory=Memory(...))               # memory, then the tokens
 
-Sliding-window layers (Mistral; Qwen2/3 with use_sliding_window, from max_window_layers on;
-every other Gemma 2 layer; or the config's ``layer_types``) AND the forward's mask with
-``kernels.sliding_window``. As in HF the window counts key slots of [memory, tokens]
-(padding and invalid memory slots included), not position ids: once memory + prompt exceed
-the window, those layers no longer see the first memory slots (full-attention layers do).
+Sliding-window layers (the config's ``layer_types``, or HF's defaults per family) AND the
+forward's mask with ``kernels.sliding_window``. As in HF the window counts key slots of
+[memory, tokens] (padding and invalid slots included), not position ids: once memory +
+prompt exceed it, those layers no longer see the first memory slots.
 
 Legend: B batch, T tokens, C memory slots, d width, H/Hkv heads, hd head dim, V vocab.
 """
@@ -31,6 +26,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -47,10 +43,10 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 GEMMA2_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256,
                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
                        hidden_activation="gelu_pytorch_tanh")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def id_list(ids):
-    """An eos id or list of ids (None: none) as a list."""
+def id_list(ids):  # an eos id or list of ids (None: none) as a list
     return [ids] if isinstance(ids, int) else list(ids or [])
 
 
@@ -87,16 +83,15 @@ class ModelConfig:
         self.query_pre_attn_scalar = self.query_pre_attn_scalar or self.head_dim
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unknown hidden activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
-        if self.layer_types is None:  # HF's defaults per family
-            n = self.num_hidden_layers
-            slides = [i % 2 == 0 for i in range(n)] if self.model_type == "gemma2" else [True] * n
-            self.layer_types = ["sliding_attention" if self.sliding_window and s else "full_attention" for s in slides]
+        if self.layer_types is None:  # HF's defaults: all layers slide, every other one in Gemma 2
+            gemma = self.model_type == "gemma2"
+            self.layer_types = ["sliding_attention" if self.sliding_window and (i % 2 == 0 or not gemma)
+                                else "full_attention" for i in range(self.num_hidden_layers)]
         self.eos_token_id = id_list(self.eos_token_id)
 
     @classmethod
     def from_json(cls, path):
-        with open(path) as f:
-            raw = json.load(f)
+        raw = json.loads(Path(path).read_text())
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{path}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -104,11 +99,10 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"{path}: unknown rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if model_type == "gemma2":
-            raw = {**GEMMA2_DEFAULTS, **raw}
-            raw["hidden_act"] = raw["hidden_activation"]  # HF's Gemma 2 reads this key only
-        known = {f.name for f in fields(cls)}
-        cfg = {k: v for k, v in raw.items() if k in known and v is not None}
+        if model_type == "gemma2":  # HF's Gemma 2 reads hidden_activation only
+            raw = dict(GEMMA2_DEFAULTS, **raw)
+            raw["hidden_act"] = raw["hidden_activation"]
+        cfg = {f.name: raw[f.name] for f in fields(cls) if raw.get(f.name) is not None}
         cfg["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         cfg["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
         cfg.setdefault("tie_word_embeddings", False)  # HF's default when the key is absent
@@ -140,9 +134,8 @@ class ModelConfig:
 
 @dataclass
 class Memory:
-    """Embedding memory (prepended to the decoder's input embeddings) or K/V memory (used
-    as prefix K/V); ``mask`` (B, C) marks valid slots; ``next_pos`` (B,) is the position
-    id of whatever follows the memory."""
+    """Embedding memory (prepended to the decoder's input embeddings) or K/V memory (used as
+    prefix K/V); ``next_pos`` is the position id of whatever follows the memory."""
     embeds: torch.Tensor = None        # (B, C, d)
     kv: list = None                    # [(k, v)] per layer, each (B, Hkv, C, hd)
     mask: torch.Tensor = None          # (B, C) bool
@@ -159,8 +152,7 @@ class Memory:
     def n_slots(self):
         return self.mask.shape[1]
 
-    def slots(self):
-        """(B,) number of valid slots per example."""
+    def slots(self):  # (B,) valid slots per example
         return self.mask.sum(-1)
 
     def bytes_per_slot(self):
@@ -168,17 +160,14 @@ class Memory:
             return self.embeds.shape[-1] * self.embeds.element_size()
         return sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k, _ in self.kv)
 
-    def nbytes(self):
-        """(B,) bytes of the valid slots of each example."""
+    def nbytes(self):  # (B,) bytes of the valid slots of each example
         return self.slots() * self.bytes_per_slot()
 
     def tensors(self):
-        t = {"mask": self.mask, "next_pos": self.next_pos}
-        if self.embeds is not None:
-            t["embeds"] = self.embeds
+        t = {"mask": self.mask, "next_pos": self.next_pos, "embeds": self.embeds}
         for i, (k, v) in enumerate(self.kv or []):
             t[f"k.{i}"], t[f"v.{i}"] = k, v
-        return t
+        return {name: x for name, x in t.items() if x is not None}
 
     def save(self, path):
         save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}, path)
@@ -186,20 +175,17 @@ class Memory:
     @classmethod
     def load(cls, path, device="cpu"):
         t = load_file(path, device=str(device))
-        n = sum(1 for k in t if k.startswith("k."))
-        kv = [(t[f"k.{i}"], t[f"v.{i}"]) for i in range(n)] or None
+        kv = [(t[f"k.{i}"], t[f"v.{i}"]) for i in range(sum(k.startswith("k.") for k in t))] or None
         return cls(embeds=t.get("embeds"), kv=kv, mask=t["mask"], next_pos=t["next_pos"])
 
     def to(self, dtype):
         kv = [(k.to(dtype), v.to(dtype)) for k, v in self.kv] if self.kv else None
-        embeds = self.embeds.to(dtype) if self.embeds is not None else None
-        return Memory(embeds, kv, self.mask, self.next_pos)
+        return Memory(None if self.embeds is None else self.embeds.to(dtype), kv, self.mask, self.next_pos)
 
 
 def behind_prefix(model, prefix, embeds, mask):
-    """Embedding memory (B, C, d) behind the sequence prefix (BOS, a chat header; a list of
-    ids): the decoder reads [prefix, memory, prompt] as the teacher reads [prefix, context,
-    prompt], since BOS is the attention sink of real checkpoints. Prefix slots count as memory."""
+    """Embedding memory (B, C, d) behind the prefix ids (BOS, a chat header; BOS is the attention sink
+    of real checkpoints), as the teacher reads [prefix, context, prompt]. Prefix slots count as memory."""
     ids = torch.as_tensor(prefix, dtype=torch.long, device=embeds.device)[None].expand(len(embeds), -1)
     e = model.model.embed_tokens(ids).to(embeds.dtype)  # (B, P, d)
     return Memory(embeds=torch.cat([e, embeds], 1), mask=torch.cat([torch.ones_like(ids, dtype=torch.bool), mask], 1))
@@ -214,19 +200,16 @@ def behind_prefix(model, prefix, embeds, mask):
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear that owns ``weight``/``bias`` (checkpoint keys load unchanged) plus
-    named adapters ``lora_A[name]`` (r, in), ``lora_B[name]`` (out, r)."""
+    """nn.Linear (checkpoint keys load unchanged) plus named adapters lora_A[name] (r, in), lora_B[name] (out, r)."""
 
     def __init__(self, in_features, out_features, bias=False):
         super().__init__(in_features, out_features, bias=bias)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
-        self.scaling, self.dropout = {}, {}
-        self.active = None
+        self.scaling, self.dropout, self.active = {}, {}, None  # per adapter; the adapter in use
 
     def add_adapter(self, name, r, alpha, dropout):
         A = torch.empty(r, self.in_features, device=self.weight.device, dtype=torch.float32)
-        nn.init.kaiming_uniform_(A, a=math.sqrt(5))
-        self.lora_A[name] = nn.Parameter(A)
+        self.lora_A[name] = nn.Parameter(nn.init.kaiming_uniform_(A, a=math.sqrt(5)))
         self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, r, device=A.device))
         self.scaling[name], self.dropout[name] = alpha / r, dropout
 
@@ -238,11 +221,6 @@ class LoRALinear(nn.Linear):
         A, B = self.lora_A[name], self.lora_B[name]
         x = F.dropout(x, self.dropout[name], self.training)
         return y + (x.to(A.dtype) @ A.T @ B.T * self.scaling[name]).to(y.dtype)
-
-    def merge(self, name):
-        with torch.no_grad():
-            self.weight += (self.lora_B[name] @ self.lora_A[name] * self.scaling[name]).to(self.weight.dtype)
-        del self.lora_A[name], self.lora_B[name]
 
 
 @contextmanager
@@ -331,12 +309,10 @@ class Attention(nn.Module):
         self.v_proj = LoRALinear(d, Hkv * hd, bias=qkv_bias)
         self.o_proj = LoRALinear(H * hd, d, bias=cfg.attention_bias)
         if cfg.model_type == "qwen3":
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         self.H, self.Hkv, self.hd = H, Hkv, hd
         self.scale = cfg.query_pre_attn_scalar ** -0.5
-        cap = cfg.attn_logit_softcapping
-        self.score_mod = kernels.softcap(cap) if cap else None
+        self.score_mod = kernels.softcap(cfg.attn_logit_softcapping) if cfg.attn_logit_softcapping else None
 
     def forward(self, x, cos, sin, mask, prefix_kv):
         B, T, _ = x.shape
@@ -347,16 +323,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
-        if prefix_kv is not None:
-            k = torch.cat([prefix_kv[0].to(k.dtype), k], dim=2)  # (B, Hkv, P + T, hd)
-            v = torch.cat([prefix_kv[1].to(v.dtype), v], dim=2)
+        if prefix_kv is not None:  # (B, Hkv, P + T, hd)
+            k, v = (torch.cat([p.to(t.dtype), t], dim=2) for p, t in zip(prefix_kv, (k, v)))
         y = kernels.attention(q, k, v, mask, self.scale, self.score_mod)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
 def keep_attention_inputs(model, layers):
-    """{layer: (x, cos, sin, mask, prefix_kv)}: what the attention of each of `layers` was
-    last called with, refreshed by every forward pass (read it right after that pass)."""
+    """{layer: (x, cos, sin, mask, prefix_kv)}: the inputs of each of `layers`' attention in the last forward."""
     kept = {}
     for i in layers:
         model.model.layers[i].self_attn.register_forward_pre_hook(lambda m, args, i=i: kept.__setitem__(i, args))
@@ -364,16 +338,14 @@ def keep_attention_inputs(model, layers):
 
 
 def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
-    """(N, C + T) fp32 log attention probabilities of head 0 of `attn` from the queries
-    (rows, pos) onto every key of their sequence, under the causal mask (and keys_valid
-    (B, C + T)). The first C keys are memory: the layer's prefix K/V, or the first n_memory
-    rows of x (embedding memory); pos counts the tokens after them. inputs: the layer's
-    (keep_attention_inputs). SDPA returns no weights, so head 0's q and k are recomputed."""
+    """(N, C + T) fp32 log attention probabilities of head 0 of `attn` from the queries (rows, pos)
+    onto every key of their sequence, under the causal mask (and keys_valid (B, C + T)). The first
+    C keys are memory: the layer's prefix K/V, or the first n_memory rows of x; pos counts the
+    tokens after them. inputs: from keep_attention_inputs. SDPA returns no weights: q, k are recomputed."""
     x, cos, sin = (t.float() for t in inputs[:3])  # (B, T, d), (B, 1, T, hd) x 2
     prefix = inputs[4]  # the layer's prefix K/V, or None
     at = pos if prefix is not None else pos + n_memory  # the query's row of x
-    hd = attn.hd
-    q, k = attn.q_proj(x[rows, at])[:, :hd], attn.k_proj(x)[..., :hd]  # head 0 and its kv head
+    q, k = attn.q_proj(x[rows, at])[:, :attn.hd], attn.k_proj(x)[..., :attn.hd]  # head 0 and its kv head
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = apply_rope(q, cos[rows, 0, at], sin[rows, 0, at])  # (N, hd)
@@ -403,9 +375,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Llama: x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). Gemma 2 (four
-    norms): x + post_attention_layernorm(attn(norm(x))), then
-    x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+    """Llama: x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). Gemma 2 (four norms):
+    x + post_attention_layernorm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
     def __init__(self, cfg, layer):
         super().__init__()
@@ -440,43 +411,30 @@ def checkpointed(layer, *args):
     return checkpoint(run, *args, use_reentrant=False)
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        gemma = cfg.model_type == "gemma2"
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size ** 0.5 if gemma else None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
-
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        gemma = cfg.model_type == "gemma2"
+        self.model = nn.Module()  # the checkpoint's "model." prefix
+        self.model.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size ** 0.5 if gemma else None)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.adapter_configs = {}
-        self._inv_freq = None
+        self.adapter_configs, self._inv_freq = {}, None
         self.grad_ckpt = False  # recompute each layer in the backward (train.py --grad_ckpt): memory for compute
 
     # --- loading ----------------------------------------------------------------
-
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
-        """An HF checkpoint dir: config.json + model.safetensors or a sharded
-        model.safetensors.index.json (safetensors only: nothing is unpickled); generation
-        stops at generation_config.json's eos ids when it has them."""
+        """An HF checkpoint dir: config.json + model.safetensors or a sharded index (safetensors only:
+        nothing is unpickled); generation stops at generation_config.json's eos ids when it has them."""
         cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
         gen = os.path.join(path, "generation_config.json")
-        if os.path.exists(gen):
-            with open(gen) as f:
-                eos = json.load(f).get("eos_token_id")
-            cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos)
+        eos = json.loads(Path(gen).read_text()).get("eos_token_id") if os.path.exists(gen) else None
+        cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos)
         with torch.device("meta"):
             model = cls(cfg)
         model.load_base_weights(read_safetensors(path, device), dtype=dtype)
@@ -484,16 +442,13 @@ class Transformer(nn.Module):
 
     def load_base_weights(self, state, dtype=None):
         """Key-for-key copy with one-line errors for missing/unexpected/mis-shaped tensors."""
-        own = {k: v for k, v in self.state_dict(keep_vars=True).items() if "lora_" not in k}
-        if self.config.tie_word_embeddings:
-            own.pop("lm_head.weight", None)
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-        missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
-        shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
-                  if k in state and state[k].shape != own[k].shape]
-        for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)):
+        tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        own = {k: v for k, v in self.state_dict(keep_vars=True).items() if "lora_" not in k and k not in tied}
+        state = {k: v for k, v in state.items() if k not in tied and not k.endswith("rotary_emb.inv_freq")}
+        problems = {"missing": [k for k in own if k not in state], "unexpected": [k for k in state if k not in own],
+                    "mis-shaped": [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+                                   if k in state and state[k].shape != own[k].shape]}
+        for what, keys in problems.items():
             if keys:
                 more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
                 raise ValueError(f"checkpoint has {len(keys)} {what} tensors: {', '.join(keys[:5])}{more}")
@@ -506,15 +461,12 @@ class Transformer(nn.Module):
     def save_pretrained(self, path):
         """HF layout (config.json + model.safetensors), base weights only."""
         os.makedirs(path, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "lora_" not in k}
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
+        tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "lora_" not in k and k not in tied}
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(self.config.to_json(), f, indent=2)
+        Path(path, "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
 
     # --- forward ----------------------------------------------------------------
-
     def rope(self, pos):
         if self._inv_freq is None or self._inv_freq.device != pos.device:
             self._inv_freq = rope_inv_freq(self.config, pos.device)
@@ -524,47 +476,38 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids=None, embeds=None, pos=None, mask=None, memory=None,
                 valid=None, return_kv=False, output="logits"):
-        """input_ids (B, T) and/or embeds (B, T0, d): the sequence is [embeds, tokens].
-        pos (B, T) position ids of the sequence (default: after the memory, or from 0).
-        mask: a mask_mod(b, h, q_idx, kv_idx) over this forward's keys (None = causal).
-        memory: a ``Memory`` (embeddings are prepended; K/V is a prefix every query sees
-        where memory.mask is True). valid (B, T) marks real tokens (left padding).
-        Returns logits (B, T, V) or final hidden states (output="hidden") of the sequence
-        (memory embedding slots excluded), and with return_kv the per-layer (k, v) of every
-        key (prefix included)."""
-        x = [] if embeds is None else [embeds]
-        if input_ids is not None:
-            x.append(self.model.embed_tokens(input_ids))
-        x = torch.cat(x, dim=1) if len(x) > 1 else x[0]
+        """input_ids (B, T) and/or embeds (B, T0, d): the sequence is [embeds, tokens]. pos (B, T): its
+        position ids (default: after the memory, or from 0). mask: a mask_mod(b, h, q_idx, kv_idx) over
+        this forward's keys (None = causal). memory: a ``Memory`` (embeddings are prepended; K/V is a
+        prefix every query sees where memory.mask is True). valid (B, T) marks real tokens (left padding).
+        Returns logits (B, T, V) or final hidden states (output="hidden") of the sequence (memory
+        embedding slots excluded), and with return_kv the per-layer (k, v) of every key (prefix included)."""
+        x = None if input_ids is None else self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x = embeds if x is None else torch.cat([embeds, x], dim=1)
         B, T, _ = x.shape
         if pos is None:
-            start = memory.next_pos if memory is not None else torch.zeros(B, dtype=torch.long, device=x.device)
-            pos = start[:, None] + torch.arange(T, device=x.device)
-        prefix, n_mem = None, 0
+            pos = torch.arange(T, device=x.device).expand(B, T) + (0 if memory is None else memory.next_pos[:, None])
+        prefix = None if memory is None else memory.kv  # K/V memory; None for embedding memory
+        n_mem = 0
         if memory is not None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid
-            valid = torch.cat([memory.mask, valid], dim=1)
+            valid = torch.cat([memory.mask, x.new_ones(B, T, dtype=torch.bool) if valid is None else valid], dim=1)
             if memory.embeds is not None:
                 n_mem = memory.embeds.shape[1]
                 x = torch.cat([memory.embeds.to(x.dtype), x], dim=1)
-                mem_pos = (memory.mask.long().cumsum(1) - 1).clamp(min=0)  # valid slots 0, 1, ...; holes skipped
-                pos = torch.cat([mem_pos, pos], dim=1)
-            else:
-                prefix = memory.kv
-        Q = x.shape[1]
+                pos = torch.cat([(memory.mask.long().cumsum(1) - 1).clamp(min=0), pos], dim=1)  # holes skipped
         P = prefix[0][0].shape[2] if prefix else 0  # the keys are [prefix K/V, x]
-        S = P + Q
+        Q, S = x.shape[1], P + x.shape[1]
         assert mask is None or n_mem == 0, "custom masks with embedding memory: prepend the embeds yourself"
         if mask is not None and prefix is not None:
             mask = kernels.with_prefix(mask, P, valid[:, :P])
         elif mask is None and valid is not None:
             mask = kernels.causal_after_prefix(P, valid)
-        attn_mask = None if mask is None else kernels.Mask(mask, B, Q, S, x.device)
-        masks = (attn_mask, attn_mask)  # (full-attention layers, sliding-window layers)
+        masks = [None if mask is None else kernels.Mask(mask, B, Q, S, x.device)] * 2  # (full, sliding) layers
         if self.config.sliding_window:
             window = kernels.sliding_window(self.config.sliding_window, torch.full((), P, device=x.device))
             within = kernels.and_masks(kernels.causal if mask is None else mask, window)
-            masks = (attn_mask, kernels.Mask(within, B, Q, S, x.device))
+            masks[1] = kernels.Mask(within, B, Q, S, x.device)
         cos, sin = (t.to(x.dtype) for t in self.rope(pos))
         kvs = []
         for i, layer in enumerate(self.model.layers):
@@ -586,33 +529,28 @@ class Transformer(nn.Module):
         return kernels.chunked_ce(h, self.lm_head.weight, labels, weights, self.config.final_logit_softcapping)
 
     def kd(self, h, teacher_h):
-        """kernels.chunked_kd of selected rows h (N, d) against teacher_h (N, d), this model's
-        head for both (the teacher is the same base, its adapter off): (sum, n tokens)."""
+        """kernels.chunked_kd of rows h (N, d) against teacher_h (N, d), this model's head for both
+        (the teacher is the same base, its adapter off): (sum, n tokens)."""
         w = self.lm_head.weight
         return kernels.chunked_kd(h, w, teacher_h, w, softcap=self.config.final_logit_softcapping)
 
     # --- generation -------------------------------------------------------------
-
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, memory=None, eos_ids=None):
-        """Greedy decoding with a KV cache. prompts: (B, T) ids or a list of id lists
-        (left-padded internally). memory: an optional ``Memory`` per batch. Stops at
-        ``eos_ids`` (default: the checkpoint's). Returns a list of generated id lists
-        (EOS excluded)."""
+        """Greedy decoding with a KV cache. prompts: (B, T) ids or a list of id lists (left-padded
+        internally). memory: an optional ``Memory`` per batch. Stops at ``eos_ids`` (default: the
+        checkpoint's). Returns a list of generated id lists (EOS excluded)."""
         if torch.is_tensor(prompts):
             prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
         eos = set(self.config.eos_token_id if eos_ids is None else eos_ids)
         device = self.lm_head.weight.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        valid = torch.arange(T, device=device) >= T - lengths[:, None]  # (B, T): the prompts, left-padded
-        start = memory.next_pos if memory is not None else torch.zeros(B, dtype=torch.long, device=device)
-        pos = start[:, None] + (valid.cumsum(1) - 1).clamp(min=0)
+        valid = torch.tensor([[False] * (T - len(p)) + [True] * len(p) for p in prompts], device=device)  # left-padded
+        pos = (valid.cumsum(1) - 1).clamp(min=0) + (0 if memory is None else memory.next_pos[:, None])
         plain = memory is None and bool(valid.all())  # no padding, no memory: plain causal
         logits, kv = self(ids, pos=pos, memory=memory, valid=None if plain else valid, return_kv=True)
-        cache_valid = valid if memory is None else torch.cat([memory.mask, valid], dim=1)
-        next_pos = pos[:, -1] + 1
+        cache_valid = valid if memory is None else torch.cat([memory.mask, valid], dim=1)  # (B, C + T)
         out, done = [[] for _ in range(B)], [False] * B
         for step in range(max_new_tokens):
             tok = logits[:, -1].argmax(-1)  # (B,)
@@ -622,14 +560,11 @@ class Transformer(nn.Module):
                     out[b].append(t)
             if all(done) or step == max_new_tokens - 1:  # no forward for a token never returned
                 break
-            cache = Memory(kv=kv, mask=cache_valid, next_pos=next_pos)
+            cache = Memory(kv=kv, mask=F.pad(cache_valid, (0, step), value=True), next_pos=pos[:, -1] + 1 + step)
             logits, kv = self(tok[:, None], memory=cache, return_kv=True)
-            cache_valid = F.pad(cache_valid, (0, 1), value=True)
-            next_pos = next_pos + 1
         return out
 
     # --- LoRA -------------------------------------------------------------------
-
     def lora_modules(self):
         return {n: m for n, m in self.named_modules() if isinstance(m, LoRALinear)}
 
@@ -666,12 +601,10 @@ class Transformer(nn.Module):
         peft_cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c["r"], "lora_alpha": c["alpha"],
                     "lora_dropout": c["dropout"], "target_modules": c["targets"], "bias": "none",
                     "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
-        with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump(peft_cfg, f, indent=2)
+        Path(path, "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2))
 
     def load_adapter(self, path, name):
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            c = json.load(f)
+        c = json.loads(Path(path, "adapter_config.json").read_text())
         self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
         mods = self.lora_modules()
         for key, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
@@ -686,15 +619,16 @@ class Transformer(nn.Module):
         """Fold W + (alpha/r) B A into W (export); the adapter is removed."""
         for m in self.lora_modules().values():
             if name in m.lora_A:
-                m.merge(name)
+                with torch.no_grad():
+                    m.weight += (m.lora_B[name] @ m.lora_A[name] * m.scaling[name]).to(m.weight.dtype)
+                del m.lora_A[name], m.lora_B[name]
         self.adapter_configs.pop(name)
 
 
 def compile_forward(model, backend="inductor"):
-    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). K/V
-    memory is padded (invalid slots, never seen) to a multiple of kernels.BLOCK slots, so
-    memories of 1..128 slots share one shape-specialised graph; not with return_kv, whose
-    length would change."""
+    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). K/V memory
+    is padded (invalid slots, never seen) to a multiple of kernels.BLOCK slots, so memories of
+    1..128 slots share one graph; not with return_kv, whose length would change."""
     compiled = torch.compile(model.forward, dynamic=False, backend=backend)
 
     def forward(*args, memory=None, return_kv=False, **kw):
@@ -713,8 +647,8 @@ def read_safetensors(path, device="cpu"):
     if os.path.exists(single):
         files = [single]
     elif os.path.exists(index):
-        with open(index) as f:
-            files = [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+        shards = json.loads(Path(index).read_text())["weight_map"].values()
+        files = [os.path.join(path, s) for s in sorted(set(shards))]
         for s in files:
             if not os.path.exists(s):
                 raise ValueError(f"{index}: shard file {os.path.basename(s)} is missing")
