@@ -1,21 +1,16 @@
-"""Data for nanocompress: tokenizers, prompt formats, dataset readers, the synthetic
-benchmark and batching (SPEC §2.6, §2.7).
-
-1. Tokenizers: `load_tokenizer(path)` reads an HF checkpoint dir or a tokenizer file (a
-   byte-level BPE tokenizer.json (Llama 3, Qwen2, GPT-2, SmolLM) becomes a tiktoken
-   Encoding; a tokenizer.model is a tiktoken ranks file or a sentencepiece model), all
-   behind one `Tokenizer`.
-2. Prompt formats: `format_qa` -> token spans `prefix | context | prompt | answer`, so a
-   method can compress the context alone; `chat_format` reads an instruct checkpoint's format.
-3. Readers: SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, text -> `{"id", "context", "question",
-   "answers", "relevant", "chunks"}` dicts. Errors in user files are ValueError("file:line:
-   what is wrong"); for JSON files (not JSONL) "line" is the 1-based record index.
-4. The synthetic benchmark: biographies of invented people, and the default tokenizer.
+"""Data for nanocompress (SPEC §2.6, §2.7):
+1. Tokenizers: `load_tokenizer` reads an HF checkpoint dir or a tokenizer file (a byte-level BPE
+   tokenizer.json becomes a tiktoken Encoding; tokenizer.model: tiktoken ranks or sentencepiece).
+2. Prompt formats: `format_qa` -> token spans `prefix | context | prompt | answer`.
+3. Readers: SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, text. Errors in user files are
+   ValueError("file:line: what is wrong"); for JSON files (not JSONL) "line" is the record index.
+4. The synthetic benchmark (biographies of invented people) and the default tokenizer.
 5. Batching: `collate_qa`, `collate_lm` -> padded LongTensors.
 """
 import base64
 import gzip
 import io
+import itertools
 import json
 import math
 import random
@@ -78,24 +73,19 @@ def bpe_merge(ranks, piece):
 
 
 class Tokenizer:
-    """One interface over a tiktoken Encoding or a sentencepiece processor.
-
-    encode() matches special-token strings in the text only with allow_special=True (then
-    every added token, as HF does); a tokenizer.json's non-special added tokens always
-    match, as in HF. start=False encodes text that continues earlier text: sentencepiece
-    then adds no dummy-prefix space.
-    """
+    """One interface over a tiktoken Encoding or a sentencepiece processor. encode() matches
+    special-token strings in the text only with allow_special=True (then every added token, as
+    HF does); a tokenizer.json's non-special added tokens always match, as in HF. start=False
+    encodes text that continues earlier text: sentencepiece then adds no dummy-prefix space."""
 
     def __init__(self, kind, model, specials, bos_id, eos_ids, pad_id=None, nfc=False, always=(), lacking=None):
-        self.kind = kind              # "tiktoken" | "sentencepiece"
-        self.model = model
+        self.kind, self.model = kind, model  # kind: "tiktoken" | "sentencepiece"
         self.specials = dict(specials)  # token text -> id, for special and added tokens
         self.always = set(always)     # added tokens that are matched in text even when not allowed
         self.nfc = nfc                # NFC-normalise text first (Qwen)
         self.lacking = lacking        # (split regex, ranks, lacking bytes, unk id, fuse_unk): see _encode_lacking
         self.chat_template = None     # the checkpoint's: its text, "" = it has none (base), None = no config read
-        self.bos_id = bos_id
-        self.eos_ids = list(eos_ids)
+        self.bos_id, self.eos_ids = bos_id, list(eos_ids)
         self.pad_id = pad_id          # None until load_tokenizer falls back to eos
         if kind == "tiktoken":
             self.vocab_size = model.max_token_value + 1
@@ -122,22 +112,21 @@ class Tokenizer:
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (self.eos_ids[:1] if eos else [])
 
     def _encode_lacking(self, text):
-        """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes
-        they saw). After the regex split, a byte the vocab lacks becomes the unk token (one per
-        run of them with fuse_unk) or, with no unk token, is dropped, and its neighbours then
-        merge as if adjacent (tokenizers' BPE::merge_word). tiktoken needs all 256 bytes, so
-        the pieces are merged here in Python (bpe_merge, tiktoken's rule)."""
+        """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes they saw). After the
+        regex split, a byte the vocab lacks becomes the unk token (one per run of them with fuse_unk) or, with no
+        unk token, is dropped, and its neighbours then merge as if adjacent (tokenizers' BPE::merge_word). tiktoken
+        needs all 256 bytes, so the pieces are merged here in Python (bpe_merge, tiktoken's rule)."""
         pattern, ranks, lacks, unk, fuse = self.lacking
         ids = []
         for piece in pattern.findall(text):
-            run, after_unk = [], False
+            run, prev = [], None
             for byte in piece.encode("utf-8"):
                 if byte not in lacks:
                     run.append(byte)
-                    after_unk = False
-                elif unk is not None and not (fuse and after_unk):
+                elif unk is not None and not (fuse and prev in lacks):
                     ids += bpe_merge(ranks, bytes(run)) + [unk]
-                    run, after_unk = [], True
+                    run = []
+                prev = byte
             ids += bpe_merge(ranks, bytes(run))
         return ids
 
@@ -145,23 +134,18 @@ class Tokenizer:
         if start or not self._dummy:
             return self.model.encode(text)
         # HF's legacy=False trick: encode a marker first, so the text gets no dummy prefix.
-        ids = self.model.encode("<unk>" + text)
-        n = len(self._marker)
+        ids, n = self.model.encode("<unk>" + text), len(self._marker)
         return ids[n:] if ids[:n] == self._marker else self.model.encode(text)
 
     def decode(self, ids):
         ids = [int(i) for i in ids]
         if self.kind == "tiktoken":
             return self.model.decode(ids)
-        # sentencepiece decodes its own pieces; added tokens (ids >= its size) are spliced in
-        n, text, run = self.model.get_piece_size(), "", []
+        # sentencepiece decodes runs of its own pieces; added tokens (ids >= its size) are spliced in
+        n = self.model.get_piece_size()
         names = {i: s for s, i in self.specials.items() if i >= n}
-        for i in ids + [None]:
-            if i is not None and 0 <= i < n:
-                run.append(i)
-            else:
-                text, run = text + self.model.decode(run) + names.get(i, ""), []
-        return text
+        return "".join(self.model.decode(list(run)) if own else "".join(names.get(i, "") for i in run)
+                       for own, run in itertools.groupby(ids, lambda i: 0 <= i < n))
 
     def special(self, name):
         """Id of a special or added token given by its text, e.g. "<|im_start|>"."""
@@ -185,18 +169,15 @@ class Tokenizer:
             if i >= n:
                 return ""
             if m.is_byte(i):  # <0xAB>
-                b = int(m.id_to_piece(i)[3:5], 16)
-                return chr(b) if b < 0x80 else "\ufffd"
+                return bytes([int(m.id_to_piece(i)[3:5], 16)]).decode("utf-8", "replace")
             return m.id_to_piece(i).replace("\u2581", " ")
         return [text(i) for i in range(self.vocab_size)]
 
 
 def load_tokenizer(path):
-    """Tokenizer from an HF checkpoint dir, a tokenizer.json or a tokenizer.model file.
-
-    In a dir a byte-level BPE tokenizer.json wins, else tokenizer.model. bos/eos/pad
-    come from tokenizer_config.json, generation_config.json and config.json next to it.
-    """
+    """Tokenizer from an HF checkpoint dir (a byte-level BPE tokenizer.json wins, else
+    tokenizer.model), a tokenizer.json or a tokenizer.model file. bos/eos/pad come from
+    tokenizer_config.json, generation_config.json and config.json next to it."""
     path = Path(path)
     tj, tm = path / "tokenizer.json", path / "tokenizer.model"
     if not path.exists():
@@ -204,9 +185,8 @@ def load_tokenizer(path):
     if path.is_dir() and not (tj.exists() or tm.exists()):
         raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
     try:
-        file = path
-        if path.is_dir():
-            file = tj if tj.exists() and (not tm.exists() or _is_byte_level(_load_json(tj))) else tm
+        json_wins = tj.exists() and (not tm.exists() or _is_byte_level(_load_json(tj)))
+        file = path if not path.is_dir() else tj if json_wins else tm
         tok = _from_tokenizer_json(file) if file.suffix == ".json" else _from_model_file(file)
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # a JSON file of another shape
         raise ValueError(f"{path}: unsupported tokenizer: unexpected file structure ({type(e).__name__}: "
@@ -240,9 +220,8 @@ def _from_tokenizer_json(path):
     if lacks and model.get("byte_fallback"):
         raise ValueError(f"{path}: unsupported tokenizer: found byte_fallback on a byte-level vocab that lacks "
                          f"{len(lacks)} of the 256 single bytes; {UNSUPPORTED}")
-    # tiktoken merges by the rank of the merged token; that is HF's merge order when the
-    # merged tokens' ids never decrease along the merges list (true for files written by
-    # `tokenizers` trainers and for Llama 3 / Qwen2, converted from tiktoken).
+    # tiktoken merges by the rank of the merged token; that is HF's merge order when the merged tokens' ids never
+    # decrease along the merges list (true for `tokenizers` trainers' files and Llama 3 / Qwen2, from tiktoken).
     last = -1
     for m in model.get("merges", []):
         a, b = m.split(" ") if isinstance(m, str) else m
@@ -291,8 +270,7 @@ def _pretokenizer(path, spec):
 
 
 def _from_model_file(path):
-    head = path.read_bytes()[:100].split(b"\n")[0]
-    if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", head):  # tiktoken ranks file: "base64 rank" lines
+    if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", path.read_bytes()[:100].split(b"\n")[0]):  # tiktoken: "base64 rank" lines
         lines = [line.split() for line in path.read_text(encoding="ascii").splitlines() if line]
         ranks = {base64.b64decode(b64): int(rank) for b64, rank in lines}
         if len(ranks) not in TIKTOKEN_FILES:
@@ -316,16 +294,13 @@ def _apply_checkpoint_config(tok, folder):
     tcfg, gcfg, cfg = (_load_json(folder / name) if (folder / name).exists() else {}
                        for name in ("tokenizer_config.json", "generation_config.json", "config.json"))
 
-    def ids(v):
-        return [] if v is None else [v] if isinstance(v, int) else list(v)
-
-    def token_id(v, name):
-        text = v.get("content") if isinstance(v, dict) else v
+    def token_id(key):  # tokenizer_config.json's bos_token etc.: a token text or {"content": text}
+        text = tcfg[key].get("content") if isinstance(tcfg[key], dict) else tcfg[key]
         if text in tok.specials:
             return tok.specials[text]
         if tok.kind == "sentencepiece" and tok.model.piece_to_id(text) != tok.model.unk_id():
             return tok.model.piece_to_id(text)
-        raise ValueError(f"{folder / 'tokenizer_config.json'}: {name} {text!r} is not a token of this tokenizer")
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: {key} {text!r} is not a token of this tokenizer")
 
     if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
         for t in _load_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
@@ -337,17 +312,17 @@ def _apply_checkpoint_config(tok, folder):
             template = next((t["template"] for t in template if t.get("name") == "default"), "")
         jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
         tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
-        tok.bos_id = token_id(tcfg["bos_token"], "bos_token") if tcfg.get("bos_token") else None
-        if tcfg.get("add_bos_token") is False:
-            tok.bos_id = None
+        bos = token_id("bos_token") if tcfg.get("bos_token") else None
+        tok.bos_id = None if tcfg.get("add_bos_token") is False else bos
     elif "bos_token_id" in cfg:
         tok.bos_id = cfg["bos_token_id"]
-    eos = [token_id(tcfg["eos_token"], "eos_token")] if tcfg.get("eos_token") else []
-    eos += ids(gcfg.get("eos_token_id")) + ids(cfg.get("eos_token_id"))
+    eos = [token_id("eos_token")] if tcfg.get("eos_token") else []
+    for v in (gcfg.get("eos_token_id"), cfg.get("eos_token_id")):
+        eos += [] if v is None else [v] if isinstance(v, int) else list(v)
     if eos:
         tok.eos_ids = list(dict.fromkeys(eos))
     if tcfg.get("pad_token"):
-        tok.pad_id = token_id(tcfg["pad_token"], "pad_token")
+        tok.pad_id = token_id("pad_token")
     if tok.pad_id is None:
         tok.pad_id = tok.eos_ids[0] if tok.eos_ids else 0
 
@@ -366,9 +341,8 @@ def own_tokenizer(path, tok, vocab_size):
 # -----------------------------------------------------------------------------
 # 2. Prompt formats
 
-# Plain extractive-QA wordings in the spirit of meanpool_multi_ratio A.1
-# ("<C>\n Extract the answer from the text above. \n Question: <Q>\n Answer: <A>").
-# Each follows the context; ANSWER_CUE ends the prompt in the plain format.
+# Plain extractive-QA wordings in the spirit of meanpool_multi_ratio A.1 ("<C>\n Extract the answer from the text
+# above. \n Question: <Q>\n Answer: <A>"). Each follows the context; ANSWER_CUE ends the prompt in the plain format.
 QA_TEMPLATES = [
     "\nQuestion: {question}",
     "\nExtract the answer from the text above.\nQuestion: {question}",
@@ -428,15 +402,12 @@ def encode_chunks(tok, context, chunks=None, start=True):
 
 
 def format_qa(tok, context, question, answer, template=None, rng=None, chunks=None, format="plain"):
-    """Token spans of one QA example: {bos, prefix, context, prompt, answer, chunk_spans}.
-
-    A model reads prefix + context + prompt + answer: `prefix` is `bos` ([] or [bos_id]) and,
-    for chat formats, the user-turn header; `prompt` ends with the answer cue ("\\nAnswer:" or
-    the assistant header); `answer` ends with the first eos id (chat: the turn-end token).
-    template: an index into QA_TEMPLATES or a string with {question}; None draws one with rng,
-    or takes 0 without rng. format: "plain", "llama3", "chatml", "gemma", or "auto"
-    (chat_format(tok), else plain). Chat formats add no system turn (Gemma has none).
-    """
+    """Token spans of one QA example: {bos, prefix, context, prompt, answer, chunk_spans}. A model reads prefix +
+    context + prompt + answer: `prefix` is `bos` ([] or [bos_id]) and, for chat formats, the user-turn header;
+    `prompt` ends with the answer cue ("\\nAnswer:" or the assistant header); `answer` ends with the first eos id
+    (chat: the turn-end token). template: an index into QA_TEMPLATES or a string with {question}; None draws one
+    with rng, or takes 0 without rng. format: "plain", "llama3", "chatml", "gemma", or "auto" (chat_format(tok),
+    else plain). Chat formats add no system turn (Gemma has none)."""
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
     text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
@@ -465,10 +436,9 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 
 # -----------------------------------------------------------------------------
 # 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}
-# chunks: the context's natural units (sentences, paragraphs, passages), in order, or None;
-# relevant: the chunks that hold the answer, or None. Every reader takes skip_bad (count
-# malformed records instead of raising) and stats (a dict it updates: "records",
-# "skipped_bad", "unanswerable", "no_answer").
+# chunks: the context's natural units (sentences, paragraphs, passages), in order, or None; relevant: the chunks
+# that hold the answer, or None. Every reader takes skip_bad (count malformed records instead of raising) and stats
+# (a dict it updates: "records", "skipped_bad", "unanswerable", "no_answer").
 
 def _record(id, context, question, answers, relevant=None, chunks=None):
     return {"id": str(id or ""), "context": context, "question": question, "answers": list(answers),
@@ -489,19 +459,21 @@ def _field(rec, key, kind, what=None):
 
 
 def _count(stats, key):
-    stats[key] = stats.get(key, 0) + 1
+    if stats is not None:
+        stats[key] = stats.get(key, 0) + 1
 
 
 def _parsed(path, items, parse, skip_bad, stats):
-    """Records from parse(raw) for each (line, raw) item. A ValueError from parse becomes
-    "path:line: what is wrong", or is counted as skipped_bad with skip_bad=True. Records
-    without an id get "file:line"."""
-    for line, raw in items:
+    """Records from parse(raw) for each (line, raw) item; items=None: each non-empty line of
+    a JSONL(.gz) file, JSON-decoded. A ValueError from parse becomes "path:line: what is wrong",
+    or is counted as skipped_bad with skip_bad=True. Records without an id get "file:line"."""
+    for line, raw in _jsonl(path) if items is None else items:
         try:
-            records = parse(raw)
+            records = parse(json.loads(raw) if items is None else raw)
         except ValueError as e:
             if not skip_bad:
-                raise ValueError(f"{path}:{line}: {e}") from None
+                why = f"invalid JSON: {e.msg}" if isinstance(e, json.JSONDecodeError) else e
+                raise ValueError(f"{path}:{line}: {why}") from None
             _count(stats, "skipped_bad")
             continue
         for k, r in enumerate(records):
@@ -532,26 +504,15 @@ def _load_json(path):
 
 
 def _jsonl(path):
-    """(line number, text) of each non-empty line of a JSONL(.gz) file; parsers json.loads it."""
+    """(line number, text) of each non-empty line of a JSONL(.gz) file."""
     with _open_text(path) as f:
         yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
 
 
-def _loads(line):
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON: {e.msg}") from None
-
-
 def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
-    """SQuAD v1.1 / v2.0 JSON (or a .zip holding it). One record per question.
-
-    chunks = the context's sentences; relevant = the sentence holding the first answer.
-    v2 unanswerable questions are skipped and counted, or kept with answers=[].
-    Error "line" = 1-based index of the question in the file.
-    """
-    stats = {} if stats is None else stats
+    """SQuAD v1.1 / v2.0 JSON (or a .zip holding it), one record per question. chunks = the
+    context's sentences; relevant = the sentence holding the first answer. v2 unanswerable
+    questions are skipped and counted, or kept with answers=[]. Error "line" = question index."""
     doc = _load_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
@@ -575,20 +536,18 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
 
 def read_mrqa(path, skip_bad=False, stats=None):
     """MRQA shared-task JSONL(.gz): an optional {"header"} line, then {"context", "qas"} per line."""
-    def parse(line):
-        obj = _loads(line)
+    def parse(obj):
         if isinstance(obj, dict) and "header" in obj:
             return []
         context = _field(obj, "context", str)
         return [_record(qa.get("qid") or qa.get("id"), context, _field(qa, "question", str),
                         _field(qa, "answers", list, str)) for qa in _field(obj, "qas", list)]
-    return _parsed(path, _jsonl(path), parse, skip_bad, {} if stats is None else stats)
+    return _parsed(path, None, parse, skip_bad, stats)
 
 
 def read_hotpot(path, distractors=False, skip_bad=False, stats=None):
-    """HotpotQA JSON list. chunks = "Title: sentences" paragraphs, the gold ones (titles in
-    supporting_facts) or all ten with distractors=True; relevant = the gold paragraphs.
-    Error "line" = 1-based index of the record."""
+    """HotpotQA JSON list. chunks = "Title: sentences" paragraphs, the gold ones (titles in supporting_facts) or all
+    ten with distractors=True; relevant = the gold paragraphs. Error "line" = 1-based index of the record."""
     recs = _load_json(path)
     if not isinstance(recs, list):
         raise ValueError(f"{path}:1: not a HotpotQA file (expected a JSON list)")
@@ -607,25 +566,21 @@ def read_hotpot(path, distractors=False, skip_bad=False, stats=None):
         relevant = [p for t, p in paras if t in gold]
         chunks = [p for _, p in paras] if distractors else relevant
         return [_record(rec.get("_id"), "\n".join(chunks), question, [answer], relevant, chunks)]
-    return _parsed(path, enumerate(recs, 1), parse, skip_bad, {} if stats is None else stats)
+    return _parsed(path, enumerate(recs, 1), parse, skip_bad, stats)
 
 
 def read_msmarco(path, skip_bad=False, stats=None):
-    """MS MARCO v2.1: the official columnar JSON ({"query": {"0": ...}, "passages": ...}; error
-    "line" = 1-based record index) or JSONL records {"query", "passages": [{"passage_text",
-    "is_selected"}], "answers"}. chunks = passages, relevant = the selected ones; records
-    answered "No Answer Present." are skipped and counted."""
-    stats = {} if stats is None else stats
-    if ".jsonl" in Path(path).name:
-        items = _jsonl(path)
-    else:
+    """MS MARCO v2.1: the official columnar JSON ({"query": {"0": ...}, "passages": ...}; error "line" = 1-based
+    record index) or JSONL records {"query", "passages": [{"passage_text", "is_selected"}], "answers"}. chunks =
+    passages, relevant = the selected ones; records answered "No Answer Present." are skipped and counted."""
+    items = None  # JSONL
+    if ".jsonl" not in Path(path).name:
         cols = _load_json(path)
         if not isinstance(cols, dict) or not isinstance(cols.get("query"), dict):
             raise ValueError(f"{path}:1: not an MS MARCO file (no 'query' column)")
         items = enumerate(({c: v[k] for c, v in cols.items() if isinstance(v, dict) and k in v} for k in cols["query"]), 1)
 
     def parse(rec):
-        rec = _loads(rec) if isinstance(rec, str) else rec
         question, answers = _field(rec, "query", str), _field(rec, "answers", list, str)
         passages = _field(rec, "passages", list)
         chunks = [_field(p, "passage_text", str) for p in passages]
@@ -640,36 +595,32 @@ def read_msmarco(path, skip_bad=False, stats=None):
 def read_jsonl(path, skip_bad=False, stats=None):
     """Generic JSONL(.gz): {"context", "question", "answers": [str], "relevant"?: [str],
     "chunks"?: [str] (substrings of the context, in order), "id"?}."""
-    def parse(line):
-        rec = _loads(line)
+    def parse(rec):
         context, question = _field(rec, "context", str), _field(rec, "question", str)
         answers = _field(rec, "answers", list, str)
         if not answers:
             raise ValueError("field 'answers' is empty")
-        relevant = _field(rec, "relevant", list, str) if rec.get("relevant") is not None else None
-        chunks = _field(rec, "chunks", list, str) if rec.get("chunks") is not None else None
+        relevant, chunks = (_field(rec, k, list, str) if rec.get(k) is not None else None for k in ("relevant", "chunks"))
         chunk_ends(context, chunks or [])
         if relevant and chunks and not set(relevant) <= set(chunks):
             raise ValueError("'relevant' entries must be chunks")
         return [_record(rec.get("id"), context, question, answers, relevant, chunks)]
-    return _parsed(path, _jsonl(path), parse, skip_bad, {} if stats is None else stats)
+    return _parsed(path, None, parse, skip_bad, stats)
 
 
 def read_text(path, skip_bad=False, stats=None):
     """Strings for LM training: paragraphs (split at blank lines) of a plain-text file, or
     the "text" field of each line of a JSONL(.gz) file."""
     if ".jsonl" in Path(path).name:
-        parse = lambda line: [_field(_loads(line), "text", str)]  # noqa: E731
-        return _parsed(path, _jsonl(path), parse, skip_bad, {} if stats is None else stats)
+        return _parsed(path, None, lambda rec: [_field(rec, "text", str)], skip_bad, stats)
     with _open_text(path) as f:
         return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
 
 
 def read_dataset(path, distractors=False, **kw):
-    """Pick the reader from the file: .zip / JSON with "data" -> SQuAD; JSON list with
-    "supporting_facts" -> HotpotQA (distractors: keep all ten paragraphs); JSON(L) with
-    "passages" -> MS MARCO; JSONL whose first line has "header" or "qas" -> MRQA; other
-    JSONL -> generic. kw: skip_bad, stats."""
+    """Pick the reader from the file: .zip / JSON with "data" -> SQuAD; JSON list with "supporting_facts" ->
+    HotpotQA (distractors: keep all ten paragraphs); JSON(L) with "passages" -> MS MARCO; JSONL whose first line has
+    "header" or "qas" -> MRQA; other JSONL -> generic. kw: skip_bad, stats."""
     path = Path(path)
     if path.suffix == ".zip":
         return read_squad(path, **kw)
@@ -678,9 +629,8 @@ def read_dataset(path, distractors=False, **kw):
             first = json.loads(next(_jsonl(path), (1, "{}"))[1])
         except json.JSONDecodeError:
             first = {}  # read_jsonl reports it with its line number
-        if isinstance(first, dict) and ("header" in first or "qas" in first):
-            return read_mrqa(path, **kw)
-        return read_msmarco(path, **kw) if isinstance(first, dict) and "passages" in first else read_jsonl(path, **kw)
+        keys = set(first) if isinstance(first, dict) else set()
+        return (read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl)(path, **kw)
     doc = _load_json(path)
     if isinstance(doc, dict) and "data" in doc:
         return read_squad(path, **kw)
@@ -696,27 +646,23 @@ def read_dataset(path, distractors=False, **kw):
 # long digit strings (a small tokenizer splits them into digits); each attribute has many
 # values, drawn uniformly, so the answer cannot be guessed without the context.
 
-FIRST_NAMES = """Ada Alan Alma Amir Anna Arlo Aurora Basil Bianca Boris Carmen Cedric Clara Dario Delia
-Dmitri Edith Elias Elsa Emil Farah Felix Flora Gideon Greta Hana Hugo Ilse Ines Ivan Jonas Juno Kai Kira
-Lars Leona Linus Lucia Magnus Maren Milo Mira Nadia Nico Nora Olaf Olive Oscar Petra Quinn Rafael Rosa
-Silas Sofia Tariq Thea Tobias Una Vera Viktor Wanda Yusuf Zara Zeno""".split()
-LAST_NAMES = """Abbott Alvarez Baker Bauer Becker Castillo Chen Dubois Eriksen Fischer Fontaine Garcia Gupta
-Hansen Hartmann Ito Jansen Kaur Keller Kowalski Larsen Lindqvist Lopez Marino Moreau Murphy Nakamura Novak
-Okafor Olsen Patel Petrov Quinlan Reyes Rossi Russo Sato Schmidt Silva Sokolov Suzuki Tanaka Torres Varga
-Vogel Walsh Weber Wright Yamamoto Zielinski Brennan Delgado Holm Ivanova Kim Mendes Nilsen Park Romero
-Stone Tran Ward Young""".split()
+FIRST_NAMES = """Ada Alan Alma Amir Anna Arlo Aurora Basil Bianca Boris Carmen Cedric Clara Dario Delia Dmitri Edith
+Elias Elsa Emil Farah Felix Flora Gideon Greta Hana Hugo Ilse Ines Ivan Jonas Juno Kai Kira Lars Leona Linus Lucia
+Magnus Maren Milo Mira Nadia Nico Nora Olaf Olive Oscar Petra Quinn Rafael Rosa Silas Sofia Tariq Thea Tobias Una Vera
+Viktor Wanda Yusuf Zara Zeno""".split()
+LAST_NAMES = """Abbott Alvarez Baker Bauer Becker Castillo Chen Dubois Eriksen Fischer Fontaine Garcia Gupta Hansen
+Hartmann Ito Jansen Kaur Keller Kowalski Larsen Lindqvist Lopez Marino Moreau Murphy Nakamura Novak Okafor Olsen Patel
+Petrov Quinlan Reyes Rossi Russo Sato Schmidt Silva Sokolov Suzuki Tanaka Torres Varga Vogel Walsh Weber Wright
+Yamamoto Zielinski Brennan Delgado Holm Ivanova Kim Mendes Nilsen Park Romero Stone Tran Ward Young""".split()
 MONTHS = "January February March April May June July August September October November December".split()
-CITIES = """Amsterdam Athens Austin Bangkok Barcelona Berlin Bogota Boston Brisbane Cairo Chicago Denver
-Dublin Geneva Glasgow Hamburg Havana Helsinki Istanbul Jakarta Kyoto Lagos Lima Lisbon London Lyon Madrid
-Manila Marseille Melbourne Miami Milan Montreal Mumbai Munich Nairobi Naples Oslo Ottawa Paris Porto Prague
-Quito Riga Rome Santiago Seattle Seoul Seville Sydney Taipei Tallinn Tokyo Toronto Tunis Valencia Vienna
-Warsaw Zagreb Zurich""".split()
-COMPANY = ["Acme", "Bluebird", "Copperleaf", "Driftwood", "Evergreen", "Foxglove", "Granite", "Harbor",
-           "Ironwood", "Juniper", "Kestrel", "Lighthouse", "Maple", "Northwind", "Orchid", "Pinecrest",
-           "Quartz", "Redwood", "Silverline", "Tidewater", "Umber", "Violet", "Willow", "Zephyr"]
-UNIVERSITY = ["Ashford", "Bellmont", "Carrow", "Dunmore", "Elmhurst", "Fairhaven", "Glenwood", "Hollis",
-              "Kingsley", "Lakeside", "Marlow", "Norwood", "Oakridge", "Preston", "Ravenscroft", "Stanmore",
-              "Thornbury", "Westbrook"]
+CITIES = """Amsterdam Athens Austin Bangkok Barcelona Berlin Bogota Boston Brisbane Cairo Chicago Denver Dublin Geneva
+Glasgow Hamburg Havana Helsinki Istanbul Jakarta Kyoto Lagos Lima Lisbon London Lyon Madrid Manila Marseille Melbourne
+Miami Milan Montreal Mumbai Munich Nairobi Naples Oslo Ottawa Paris Porto Prague Quito Riga Rome Santiago Seattle
+Seoul Seville Sydney Taipei Tallinn Tokyo Toronto Tunis Valencia Vienna Warsaw Zagreb Zurich""".split()
+COMPANY = """Acme Bluebird Copperleaf Driftwood Evergreen Foxglove Granite Harbor Ironwood Juniper Kestrel Lighthouse
+Maple Northwind Orchid Pinecrest Quartz Redwood Silverline Tidewater Umber Violet Willow Zephyr""".split()
+UNIVERSITY = """Ashford Bellmont Carrow Dunmore Elmhurst Fairhaven Glenwood Hollis Kingsley Lakeside Marlow Norwood
+Oakridge Preston Ravenscroft Stanmore Thornbury Westbrook""".split()
 
 ATTRIBUTES = {  # name -> (values, sentence templates, question templates)
     "birthday": (
@@ -741,10 +687,10 @@ ATTRIBUTES = {  # name -> (values, sentence templates, question templates)
          "{name} is an alumnus of {value}.", "As a student, {name} attended {value}."],
         ["Where did {name} study?", "Which school did {name} graduate from?", "What university did {name} attend?"]),
     "profession": (
-        """accountant actor architect baker biologist carpenter chef chemist dentist designer economist
-        editor electrician engineer farmer firefighter florist geologist historian journalist judge lawyer
-        librarian mechanic musician nurse optician painter pharmacist photographer physicist pilot plumber
-        poet professor programmer sculptor surgeon tailor teacher translator veterinarian writer""".split(),
+        """accountant actor architect baker biologist carpenter chef chemist dentist designer economist editor
+        electrician engineer farmer firefighter florist geologist historian journalist judge lawyer librarian mechanic
+        musician nurse optician painter pharmacist photographer physicist pilot plumber poet professor programmer
+        sculptor surgeon tailor teacher translator veterinarian writer""".split(),
         ["{name} works as {a_value}.", "By profession, {name} is {a_value}.", "{name} earns a living as {a_value}.",
          "{name} trained to be {a_value}.", "The job of {name} is {a_value}."],
         ["What does {name} do for a living?", "What is the profession of {name}?", "What job does {name} have?"]),
@@ -758,16 +704,15 @@ ATTRIBUTES = {  # name -> (values, sentence templates, question templates)
          "{name} took up {value} as a hobby."],
         ["What hobby does {name} enjoy?", "What is the favourite hobby of {name}?", "How does {name} spend free time?"]),
     "colour": (
-        """amber beige black blue bronze coral crimson cyan gold green grey indigo ivory lavender lilac
-        magenta maroon mint navy olive orange peach pink purple red rust scarlet silver teal turquoise
-        violet white yellow""".split(),
+        """amber beige black blue bronze coral crimson cyan gold green grey indigo ivory lavender lilac magenta maroon
+        mint navy olive orange peach pink purple red rust scarlet silver teal turquoise violet white yellow""".split(),
         ["The favourite colour of {name} is {value}.", "{name} loves the colour {value}.",
          "{name} likes {value} more than any other colour.", "{name} always picks {value} clothes.",
          "No colour pleases {name} more than {value}."],
         ["What is the favourite colour of {name}?", "Which colour does {name} like best?"]),
     "pet": (
-        """beagle budgie canary cat chameleon chinchilla cockatoo corgi dalmatian donkey ferret gecko goat
-        goldfish hamster hedgehog iguana lizard parrot pony poodle rabbit snake spaniel terrier tortoise""".split(),
+        """beagle budgie canary cat chameleon chinchilla cockatoo corgi dalmatian donkey ferret gecko goat goldfish
+        hamster hedgehog iguana lizard parrot pony poodle rabbit snake spaniel terrier tortoise""".split(),
         ["{name} has a pet {value}.", "{name} owns {a_value}.", "{name} takes care of {a_value}.",
          "At home, {name} keeps {a_value}.", "The pet of {name} is {a_value}."],
         ["What pet does {name} have?", "What animal does {name} own?", "What kind of pet does {name} keep?"]),
@@ -843,13 +788,10 @@ def synthetic_corpus(seed, n_chars):
 
 
 def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
-    """Train the embedded default tokenizer (sentencepiece BPE) on synthetic_corpus;
-    out_path: a .model file or a directory (then DIR/tokenizer.model).
-
-    Deterministic: fixed input order, one thread, no sampling. Byte fallback covers any
-    character; no dummy-prefix space and identity normalisation, so text round-trips
-    exactly and spans tokenized separately concatenate cleanly.
-    """
+    """Train the default tokenizer (sentencepiece BPE) on synthetic_corpus into out_path: a .model
+    file or a directory (then DIR/tokenizer.model). Deterministic: fixed input order, one thread,
+    no sampling. Byte fallback covers any character; no dummy-prefix space and identity
+    normalisation, so text round-trips exactly and spans tokenized apart concatenate cleanly."""
     out = Path(out_path)
     out = out if out.suffix == ".model" else out / "tokenizer.model"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -858,9 +800,8 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
         character_coverage=1.0, byte_fallback=True, split_digits=False, num_threads=1, user_defined_symbols=["."],
-        add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False,
-        minloglevel=2)
+        add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0,
+        bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2)
     out.write_bytes(buf.getvalue())
     return load_tokenizer(out)
 
@@ -870,8 +811,7 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
 
 def pad_rows(rows, value, multiple, left=False):
     """(B, T) LongTensor of right-padded rows (left-padded if left), T rounded up to a multiple."""
-    T = max([1] + [len(r) for r in rows])
-    T = -(-T // multiple) * multiple
+    T = -(-max([1, *map(len, rows)]) // multiple) * multiple
     out = torch.full((len(rows), T), value, dtype=torch.long)
     for i, r in enumerate(rows):
         start = T - len(r) if left else 0
@@ -887,22 +827,16 @@ def _answer_labels(n_before, answer):
 
 
 def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_multiple=64, stats=None, format="plain"):
-    """Tensors for a batch of QA records (spans as in format_qa, to which format, rng and a
-    record's "template" key go).
-
-    context (B, L); qa (B, T) = prompt + answer; full (B, S) = prefix + context + prompt +
-    answer; noctx = prefix + prompt + answer (the no-context baseline); each with `_len` (B,)
-    and, but context, `_labels`: -100 except where the next token is an answer token.
-    prompt_len, answer_len (B,). Pads are tok.pad_id; lengths round up to pad_multiple. The
-    context keeps its first max_context tokens, the answer its first max_answer (counted in
-    stats as "truncated_context", "truncated_answer"). chunk_spans: per example the (start,
-    end) of each chunk in `context`; relevant_idx: the relevant chunks (all when the record
-    has no "relevant"). prefix, bos: the shared sequence start. answers, questions, ids,
-    records: the raw values.
-    """
-    stats = {} if stats is None else stats
+    """Tensors for a batch of QA records (spans as in format_qa, to which format, rng and a record's "template" key
+    go). context (B, L); qa (B, T) = prompt + answer; full (B, S) = prefix + context + prompt + answer; noctx =
+    prefix + prompt + answer (the no-context baseline); each with `_len` (B,) and, but context, `_labels`: -100
+    except where the next token is an answer token. prompt_len, answer_len (B,). Pads are tok.pad_id; lengths round
+    up to pad_multiple. The context keeps its first max_context tokens, the answer its first max_answer (counted in
+    stats as "truncated_context", "truncated_answer"). chunk_spans: per example the (start, end) of each chunk in
+    `context`; relevant_idx: the relevant chunks (all when the record has no "relevant"). prefix, bos: the shared
+    sequence start. answers, questions, ids, records: the raw values."""
     rows = {k: [] for k in ("context", "qa", "qa_labels", "full", "full_labels", "noctx", "noctx_labels")}
-    spans_all, rel_all, prompt_len, answer_len, prefix = [], [], [], [], []
+    spans_all, rel_all, prefix = [], [], []
     for r in records:
         answer = r["answers"][0] if r["answers"] else ""  # unanswerable (kept on request): just eos
         f = format_qa(tok, r["context"], r["question"], answer, r.get("template"), rng, r.get("chunks"), format)
@@ -920,12 +854,11 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
         for k, before in (("qa", []), ("full", prefix + ctx), ("noctx", prefix)):
             rows[k].append(before + prompt + ans)
             rows[k + "_labels"].append(_answer_labels(len(before) + len(prompt), ans))
-        prompt_len.append(len(prompt))
-        answer_len.append(len(ans))
     batch = {k: pad_rows(v, -100 if k.endswith("_labels") else tok.pad_id, pad_multiple) for k, v in rows.items()}
     batch.update({k + "_len": torch.tensor([len(x) for x in rows[k]], dtype=torch.long)
                   for k in ("context", "qa", "full", "noctx")})
-    batch.update(prompt_len=torch.tensor(prompt_len, dtype=torch.long), answer_len=torch.tensor(answer_len, dtype=torch.long),
+    answer_len = (batch["qa_labels"] != -100).sum(1)  # qa = prompt + answer, the labelled tokens
+    batch.update(prompt_len=batch["qa_len"] - answer_len, answer_len=answer_len,
                  chunk_spans=spans_all, relevant_idx=rel_all, prefix=prefix, bos=[tok.bos_id] if tok.bos_id is not None else [],
                  answers=[r["answers"] for r in records], questions=[r["question"] for r in records],
                  ids=[r["id"] for r in records], records=list(records))
