@@ -1,5 +1,5 @@
-"""Evaluation (SPEC §4): EM / F1, teacher-normalised F1, achieved compression ratio,
-memory size and answering time, for one or many run dirs; and a one-shot mode.
+"""Evaluation (SPEC §4): EM / F1, teacher-normalised F1, achieved compression ratio, memory size
+and answering time, for one or many run dirs; and a one-shot mode.
 
     python eval.py out/meanpool                       # one run, its ratios, + teacher rows
     python eval.py out/meanpool out/pic --ratio 4,16  # one table over several runs
@@ -7,10 +7,10 @@ memory size and answering time, for one or many run dirs; and a one-shot mode.
     python eval.py out/pic --memory doc.mem --question "Where ...?"
     python eval.py --compare out/meanpool/metrics.json out/pic/metrics.json [--row_a @16 --row_b @16]
 
-Rows: the teacher with full context, the teacher with no context, then method@ratio, each
-with per-question scores and 95% bootstrap intervals of EM and F1. Teacher-normalised F1 =
-(F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1). Results go to
-<run>/metrics.json; --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
+Rows: the teacher with full context, the teacher with no context, then method@ratio, each with
+per-question scores and 95% bootstrap intervals of EM and F1. Teacher-normalised F1 = (F1 - F1_noctx) /
+(F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1). Results go to <run>/metrics.json; --out writes
+the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
 import collections
 import glob
@@ -75,9 +75,8 @@ def f1_score(prediction, gold):
 
 
 def qa_metrics(predictions, answers, ids=None):
-    """predictions: list of strings; answers: list of lists of gold strings ->
-    {"em", "f1"} in percent, max over gold answers per question. With question ids, also
-    95% bootstrap intervals "em_ci", "f1_ci" and "scores": {"em": {id: em}, "f1": {id: f1}}."""
+    """predictions: strings; answers: lists of gold strings -> {"em", "f1"} in percent, max over the golds of a
+    question. With question ids, also 95% bootstrap intervals "em_ci", "f1_ci" and "scores": {"em": {id: em}, ...}."""
     if not predictions:
         return {"em": 0.0, "f1": 0.0}
     em = [100 * max(float(normalize_answer(p) == normalize_answer(g)) for g in golds)
@@ -98,9 +97,8 @@ def bootstrap_ci(values, n=2000, seed=0):
 
 
 def paired_diff_ci(scores_a, scores_b, n=2000, seed=0):
-    """Scores {question id: value} of two rows -> their means "a", "b" over the ids both
-    have, "diff" = a - b and its paired-bootstrap 95% interval "ci" (questions resampled
-    together), "n" shared ids. ValueError when they share none."""
+    """Scores {question id: value} of two rows -> their means "a", "b" over the "n" ids both have,
+    "diff" = a - b and its paired-bootstrap 95% interval "ci". ValueError when they share none."""
     ids = sorted(scores_a.keys() & scores_b.keys())
     if not ids:
         raise ValueError(f"the two rows share no question ids ({len(scores_a)} and {len(scores_b)} questions)")
@@ -128,10 +126,9 @@ def batches_of(records, tok, cfg, size, prepare=None):
 
 
 @torch.no_grad()
-def answer(method, batch, ratio, max_new_tokens):
-    """Greedy answers from a method's compressed context: (list of id lists, Memory).
-    Each method says how its decoder reads a Memory in `answer_from_memory`."""
-    memory = method.compress(batch, ratio)
+def answer(method, batch, ratio, max_new_tokens, memory=None):
+    """Greedy answers (id lists) from `memory`, else from the batch's context compressed; and the Memory."""
+    memory = method.compress(batch, ratio) if memory is None else memory
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
     return method.answer_from_memory(memory, prompts, max_new_tokens), memory
 
@@ -151,7 +148,6 @@ def timed(fn):
 
 
 def scored(preds, records, secs):
-    """qa_metrics of the predictions for records, and the answering speed."""
     return {**qa_metrics(preds, [r["answers"] for r in records], [r["id"] for r in records]),
             "examples_per_s": len(preds) / secs, "n": len(preds)}
 
@@ -163,8 +159,7 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
     for name, key in (("teacher", "full"), ("no-context", "noctx")):
         preds, secs = [], 0.0
         for b in batches_of(records, tok, cfg, ecfg.batch_size):
-            labels = b[f"{key}_labels"]
-            first = (labels != -100).float().argmax(1)  # the last prompt token predicts the first answer token
+            first = (b[f"{key}_labels"] != -100).float().argmax(1)  # the last prompt token predicts the answer
             prompts = [b[key][i, :first[i] + 1].tolist() for i in range(len(first))]
             with base.adapter(None):
                 outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens))
@@ -188,7 +183,7 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
             stats["memory_bytes"] += memory.nbytes().tolist()
             for k, v in getattr(memory, "stats", {}).items():
                 stats[k] += list(v)
-        examples = [{"pred": p, "gold": rec["answers"]} for p, rec in list(zip(preds, records))[:5]]
+        examples = [{"pred": p, "gold": rec["answers"]} for p, rec in zip(preds[:5], records)]
         rows.append({"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs),
                      **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples})
     return rows
@@ -214,13 +209,11 @@ def sibling_teacher_rows(run_dir, key):
             continue
         if res.get("teacher_key") == key:
             return {"teacher": res["teacher"], "no-context": res["no_context"]}
-    return None
 
 
 def run_label(run_dir, mcfg):
-    """Method name plus the flags given on its command line: the trained ratios and the
-    method's own, and the first stage's objective for a second stage (e.g.
-    "pic (ratio=16, mask=causal)", "ata (after rel)")."""
+    """Method name plus the flags given on its command line (the trained ratios, the method's own) and
+    the first stage's objective for a second stage: "pic (ratio=16, mask=causal)", "ata (after rel)"."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
     flags += [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
@@ -277,8 +270,7 @@ def with_ci(row, key):
 
 
 def table(results):
-    """One markdown table: teacher and no-context rows (from the first run), then one row
-    per run x ratio. EM and F1 carry their 95% bootstrap interval."""
+    """One markdown table: the first run's teacher and no-context rows, then a row per run x ratio."""
     head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | examples/s | method-specific |"
     lines = [head, "|" + "---|" * 8]
     for r in [results[0]["teacher"], results[0]["no_context"]] + [r for res in results for r in res["rows"]]:
@@ -323,8 +315,7 @@ def plot(results, path):
 # comparing two results files
 
 def rows_of(path):
-    """{name: row} of a metrics.json or a combined --out JSON; a method row is named
-    "method@ratio"."""
+    """{name: row} of a metrics.json or a combined --out JSON; a method row is named "method@ratio"."""
     try:
         results = json.load(open(path))
         rows = {}
@@ -342,8 +333,8 @@ def compare(path_a, path_b, row_a="", row_b=""):
     """One line per pair of rows (same requested ratio, or the only row picked on each
     side): both F1s on the shared questions, A - B with its paired 95% CI, a verdict."""
     a, b = rows_of(path_a), rows_of(path_b)
-    pick = lambda rows, sel: [n for n in rows if (sel in n if sel else "ratio_requested" in rows[n])]
-    na, nb = pick(a, row_a), pick(b, row_b)
+    na = [n for n in a if (row_a in n if row_a else "ratio_requested" in a[n])]
+    nb = [n for n in b if (row_b in n if row_b else "ratio_requested" in b[n])]
     pairs = [(x, y) for x in na for y in nb
              if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")]
     if not pairs:
@@ -367,23 +358,18 @@ def compare(path_a, path_b, row_a="", row_b=""):
 # one-shot: answer a question about a text file
 
 @torch.no_grad()
-def one_shot(ecfg, device):
-    cfg, mcfg, tok, base, method = runs.load_run(ecfg.runs.split()[0], device)
+def one_shot(ecfg, run_dir, device):
+    if not ecfg.context and not ecfg.memory:
+        raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
+    cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
     record = {"id": "one-shot", "context": open(ecfg.context).read() if ecfg.context else "",
               "question": ecfg.question or "What is this text about?", "answers": [""]}
     batch = runs.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
-    t0 = time.time()
-    if ecfg.memory:
-        memory = Memory.load(ecfg.memory, device)
-        outs = method.answer_from_memory(memory, [batch["qa"][0, :batch["prompt_len"][0]].tolist()],
-                                         ecfg.max_new_tokens)
-    elif not ecfg.context:
-        raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
-    elif batch["context_len"][0] > cfg.max_context:
+    if not ecfg.memory and batch["context_len"][0] > cfg.max_context:
         raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
-    else:
-        outs, memory = answer(method, batch, runs.ratios_of(ecfg.ratio or cfg.ratio)[0], ecfg.max_new_tokens)
-    dt = time.time() - t0
+    memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
+    ratio = runs.ratios_of(ecfg.ratio or cfg.ratio)[0]
+    (outs, memory), dt = timed(lambda: answer(method, batch, ratio, ecfg.max_new_tokens, memory))
     print(f"answer: {decode(tok, outs)[0]}")
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
@@ -403,10 +389,9 @@ def main(argv):
     run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
-    ecfg.runs = " ".join(run_dirs)
     device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ecfg.context or ecfg.memory or ecfg.question:
-        return one_shot(ecfg, device)
+        return one_shot(ecfg, run_dirs[0], device)
     results = [evaluate_run(r, ecfg, device) for r in run_dirs]
     print(table(results))
     if ecfg.out:

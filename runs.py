@@ -67,10 +67,9 @@ USAGE = "python train.py --method NAME [--flag value ...]"
 
 
 def parse_args(argv, *configs, positional=None, usage=USAGE):
-    """--key=value or --key value over the fields of several dataclasses; bools are switches
-    (--compile); bare arguments are joined into the field named `positional`.
-    Returns (instances, set of explicit keys)."""
-    known = {f.name: (c, f) for c in configs for f in fields(c)}
+    """--key=value or --key value over the fields of several dataclasses; bools are switches (--compile);
+    bare arguments are joined into the field named `positional`. Returns (instances, set of explicit keys)."""
+    known = {f.name: (c, f.type) for c in configs for f in fields(c)}
     values, explicit, args = {}, set(), list(argv)
     while args:
         arg = args.pop(0)
@@ -86,28 +85,19 @@ def parse_args(argv, *configs, positional=None, usage=USAGE):
         key = key.replace("-", "_")
         if key not in known:
             raise SystemExit(f"error: unknown flag --{key}; see python train.py --help")
-        f = known[key][1]
-        if not eq and f.type in (bool, "bool"):
-            val = "true"
-        elif not eq:
-            if not args:
-                raise SystemExit(f"error: flag --{key} needs a value")
-            val = args.pop(0)
-        values[key] = _convert(key, f, val)
+        typ = known[key][1]
+        if not eq and not args and typ is not bool:
+            raise SystemExit(f"error: flag --{key} needs a value")
+        if not eq:  # --flag value, or a bare switch
+            val = "true" if typ is bool else args.pop(0)
+        if typ is bool and val.lower() not in ("true", "false", "1", "0"):
+            raise SystemExit(f"error: --{key} is a switch; got {val!r}")
+        try:
+            values[key] = val.lower() in ("true", "1") if typ is bool else typ(val)
+        except ValueError:
+            raise SystemExit(f"error: --{key} expects {typ.__name__}, got {val!r}")
         explicit.add(key)
     return [c(**{k: v for k, v in values.items() if known[k][0] is c}) for c in configs], explicit
-
-
-def _convert(key, f, val):
-    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(f.type, f.type)
-    if typ is bool:
-        if val.lower() not in ("true", "false", "1", "0"):
-            raise SystemExit(f"error: --{key} is a switch; got {val!r}")
-        return val.lower() in ("true", "1")
-    try:
-        return typ(val)
-    except ValueError:
-        raise SystemExit(f"error: --{key} expects {typ.__name__}, got {val!r}")
 
 
 def print_help(configs, usage=USAGE):
@@ -117,8 +107,7 @@ def print_help(configs, usage=USAGE):
         print(f"{c.__name__} ({os.path.basename(inspect.getsourcefile(c))}):")
         src = inspect.getsource(c).splitlines()
         for f in fields(c):
-            line = next((l for l in src if l.strip().startswith(f"{f.name}:")), "")
-            note = line.split("#", 1)[1].strip() if "#" in line else ""
+            note = next((l.partition("#")[2].strip() for l in src if l.strip().startswith(f"{f.name}:")), "")
             print(f"  --{f.name:<18} {str(f.default)!r:<14} {note}")
 
 
@@ -142,9 +131,8 @@ class TeacherConfig:
 
 
 class Teacher(torch.nn.Module):
-    """`--method teacher`: `sft` of a real checkpoint with a `teacher` LoRA adapter on
-    full-context QA (meanpool_multi_ratio §5.1: the teacher is finetuned first, then
-    frozen). Compressors merge it into the base with --teacher."""
+    """`--method teacher`: `sft` of a real checkpoint with a `teacher` LoRA adapter on full-context QA
+    (meanpool_multi_ratio §5.1: finetuned first, then frozen). Compressors merge it into the base with --teacher."""
     objectives = ("sft",)
     TINY = dict(max_iters=200, batch_size=16, lr=1e-3)
 
@@ -191,7 +179,6 @@ def load_base(cfg, device, dtype):
 
 
 def build(cfg, mcfg, device, dtype):
-    """(tokenizer, base, method) on `device`."""
     tok, base = load_base(cfg, device, dtype)
     base.requires_grad_(cfg.method == "base")
     method = method_registry()[cfg.method](base, mcfg, tok, cfg)
@@ -207,8 +194,7 @@ def build(cfg, mcfg, device, dtype):
 
 
 def first_stage(init_from, method):
-    """run.json of the run dir `init_from` when it is an earlier stage of the same method
-    (e.g. pic ae+lm before qa), else None."""
+    """run.json of the run dir `init_from` when it is an earlier stage of the same method, else None."""
     path = os.path.join(init_from, "run.json")
     if not init_from or not os.path.exists(path):
         return None
@@ -217,10 +203,9 @@ def first_stage(init_from, method):
 
 
 def inherit_first_stage(cfg, mcfg, explicit, cls):
-    """A second stage runs under the first stage's method config: its tensors were shaped and
-    trained under it (a pic memory table of --max_mem rows, an encoder pretrained with --mask
-    causal). A flag given with another value is a one-line error, except the stage's own
-    (cls.STAGE_FLAGS: gist's --stage)."""
+    """A second stage runs under the first stage's method config, which shaped and trained its tensors (a
+    pic memory table of --max_mem rows, an encoder pretrained with --mask causal). A flag given with another
+    value is a one-line error, except the stage's own (cls.STAGE_FLAGS: gist's --stage)."""
     first = first_stage(cfg.init_from, cfg.method)
     for key, val in (first["method"] if first else {}).items():
         if key in getattr(cls, "STAGE_FLAGS", ()) or not hasattr(mcfg, key):
@@ -269,16 +254,11 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def trainable_state(method):
-    return {n: p for n, p in method.named_parameters() if p.requires_grad}
-
-
 def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
-    """ckpt-<step>.safetensors (trainable tensors) and optim-<step>.safetensors (AdamW state,
-    torch RNG), then run.json naming them: its rename is the commit point, so a kill at any
-    moment leaves the previous checkpoint whole. Older files go after."""
+    """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch RNG), then run.json
+    naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after."""
     os.makedirs(out_dir, exist_ok=True)
-    params = {n: p.detach().contiguous().cpu() for n, p in trainable_state(method).items()}
+    params = {n: p.detach().contiguous().cpu() for n, p in method.named_parameters() if p.requires_grad}
     opt_state = opt.state_dict()  # its param_groups and state name the parameters 0, 1, ... in group order
     optim = {f"{i}::{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()}
     optim["rng::torch"] = torch.get_rng_state()
@@ -286,7 +266,10 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
     atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
     atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(optim, p))
     if cfg.method == "base":  # the base run dir is also an HF checkpoint dir
-        atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_hf_weights(method.base, p))
+        hf = {k: v.detach().contiguous().cpu() for k, v in method.base.state_dict().items() if "lora_" not in k}
+        if method.base.config.tie_word_embeddings:
+            hf.pop("lm_head.weight", None)
+        atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_file(hf, p, metadata={"format": "pt"}))
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
@@ -297,17 +280,10 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
             os.remove(os.path.join(out_dir, f))
 
 
-def save_hf_weights(model, path):
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if "lora_" not in k}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, path, metadata={"format": "pt"})
-
-
 def load_checkpoint(out_dir, method, opt=None):
     """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
     state = json.load(open(os.path.join(out_dir, "run.json")))
-    params = trainable_state(method) if opt is not None else dict(method.named_parameters())
+    params = {n: p for n, p in method.named_parameters() if p.requires_grad or opt is None}  # --resume: trainable only
     tensors = load_file(os.path.join(out_dir, state["files"]["ckpt"]))
     unknown = [k for k in tensors if k not in params]
     if unknown:
