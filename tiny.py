@@ -1,20 +1,17 @@
 """The embedded default: a tiny base that runs on a CPU, and the aids it needs beyond the papers.
-
 Everything here concerns the tiny base (`tiny_base/`, or any `--method base` run dir) and
 data.py's synthetic benchmark; nothing here runs on a real checkpoint.
 
-- `tiny_base/` ships with the repo: what `python train.py --method base --out_dir
-  tiny_base` writes. If it is deleted, the first run that needs it trains it again.
+- `tiny_base/` ships with the repo (`python train.py --method base --out_dir tiny_base`);
+  if it is deleted, the first run that needs it trains it again.
 - `Base` (`--method base`): that model's objective and curriculum (SPEC §2.6).
-- Aids, the same for every compression method, on the tiny base only; `--no_aids`
-  switches them all off (the papers' recipes alone):
+- Aids, the same for every compression method, on the tiny base only (`--no_aids`: the papers' recipes alone):
   1. `compressor_curriculum`: short contexts first, then a ramp to the eval set's mix.
-  2. `AttentionDistillation`: the decoder's head 0 learns where the teacher looks, over
-     the memory slots that hold each context token under the paper's layout (SLOTS), for
-     the layouts that fix it (`distills_attention`).
+  2. `AttentionDistillation`: the decoder's head 0 learns where the teacher looks, over the memory
+     slots that hold each context token (SLOTS), where the paper's layout fixes them (`distills_attention`).
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
-  4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it; a
-     real LLM reads soft memory frozen, a tiny base trained from scratch does not.
+  4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it (a real LLM
+     reads soft memory frozen, a tiny base trained from scratch does not).
 """
 import json
 import math
@@ -58,7 +55,6 @@ def needs_training(init_from):
 # -----------------------------------------------------------------------------
 # the tiny base: `--method base`
 
-
 @dataclass
 class BaseConfig:
     context_weight: float = 0.3   # loss weight of non-answer tokens (SPEC §2.6: the base learns QA faster)
@@ -71,24 +67,19 @@ class BaseConfig:
 
 
 class Base(torch.nn.Module):
-    """`--method base`: the tiny Llama-config model trained from scratch on synthetic
-    contexts followed by question-answer pairs (SPEC §2.6): CE on every token, answers
-    weighted 1 and the rest ``context_weight``.
-
-    Attention supervision (``attn_weight``; ours, not from a paper), since CE alone finds
-    the circuit that picks the asked person only after >10^5 examples: -log of the
-    attention mass one head puts on the right keys (collate_base's targets). Head 0 of
-    layer 0 binds (answer cues and the asked value -> the asked person's last name); head 0
-    of the last layer points (each answer position -> the context token to copy next)."""
+    """`--method base`: the tiny Llama-config model trained from scratch on synthetic contexts
+    followed by question-answer pairs (SPEC §2.6): CE on every token, answers weighted 1 and the
+    rest ``context_weight``. Plus attention supervision (``attn_weight``; ours, as CE alone finds
+    the circuit that picks the asked person only after >10^5 examples): -log of the attention mass
+    head 0 puts on collate_base's keys, binding in layer 0 and pointing in the last layer."""
     objectives = ("lm",)
     TINY = dict(max_iters=2000, batch_size=16, lr=3e-3, weight_decay=0.1)
 
     @staticmethod
     def curriculum(frac):
-        """At fraction frac of the run: (min, max) people, (min, max) attributes, examples
-        per batch slot, ramp in [0, 1] (while < 1, everyone shares the same attributes, so
-        each is a distractor). The short stages draw 4 examples a slot: the name match is
-        learned in examples, not steps."""
+        """At fraction frac of the run: (min, max) people, (min, max) attributes, examples per batch
+        slot, ramp in [0, 1] (while < 1, everyone shares the same attributes: each is a distractor).
+        The short stages draw 4 examples a slot: the name match is learned in examples, not steps."""
         if frac < 0.15:
             return (1, 1), (1, 1), 4, 0.0  # the copy: one person, one sentence
         if frac < 0.55:
@@ -98,13 +89,11 @@ class Base(torch.nn.Module):
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
-        self.base, self.cfg = base, cfg
-        last = base.config.num_hidden_layers - 1
-        self.layer_inputs = keep_attention_inputs(base, (0, last) if cfg.attn_weight > 0 else ())
+        self.base, self.cfg, self.last = base, cfg, base.config.num_hidden_layers - 1
+        self.layer_inputs = keep_attention_inputs(base, (0, self.last) if cfg.attn_weight > 0 else ())
 
     def head_nll(self, layer, rows, pos, target):
-        """Mean -log attention mass of head 0 of `layer`, from query (rows, pos) onto the
-        keys in target (N, T) bool, under the causal mask."""
+        """Mean -log attention mass of head 0 of `layer` from queries (rows, pos) onto target (N, T) bool."""
         attn = self.base.model.layers[layer].self_attn
         logp = head_log_attention(attn, self.layer_inputs[layer], rows, pos)
         return -logp.masked_fill(~target, -1e9).logsumexp(-1).mean()
@@ -114,9 +103,8 @@ class Base(torch.nn.Module):
         loss, _ = self.base.ce(h, batch["labels"], batch["weights"])
         n = batch["weights"][batch["labels"] != -100].sum()
         if self.cfg.attn_weight > 0 and len(batch["bind_rows"]) and len(batch["point_rows"]):
-            last = self.base.config.num_hidden_layers - 1
             aux = self.head_nll(0, batch["bind_rows"], batch["bind_pos"], batch["bind_keys"]) + \
-                self.head_nll(last, batch["point_rows"], batch["point_pos"], batch["point_keys"])
+                self.head_nll(self.last, batch["point_rows"], batch["point_pos"], batch["point_keys"])
             loss = loss + self.cfg.attn_weight * n * aux  # the caller divides by n
         return loss, n, {}
 
@@ -143,13 +131,12 @@ def init_base(out_dir, bc, seed):
 
 
 def collate_base(examples, tok, context_weight):
-    """[BOS] context, then (prompt, answer) for every qa pair: next-token labels, answer
-    tokens weighted 1, everything else context_weight. Each example's "template" words its
-    first question; the others rotate through the templates. With "qa_people" (synthetic
-    records), also the targets of Base's attention losses: bind_* (queries: each answer cue
-    and the asked value in the context; keys: the asked person's last name in their
-    biography or the question) and point_* (queries: the answer cue and each answer token;
-    keys: the next answer token in the asked person's biography)."""
+    """[BOS] context, then (prompt, answer) for every qa pair (the example's "template" words the
+    first, the others rotate): next-token labels, answer tokens weighted 1, the rest context_weight.
+    With "qa_people" (synthetic records), also Base's attention targets: bind_* (queries: each answer
+    cue and the asked value in the context; keys: the asked person's last name in their biography or
+    the question) and point_* (queries: the answer cue and each answer token; keys: the next answer
+    token in the asked person's biography)."""
     seqs, weights, bind, point = [], [], [], []
     for b, ex in enumerate(examples):
         ids, w = [], []
@@ -181,24 +168,21 @@ def collate_base(examples, tok, context_weight):
              "weights": torch.tensor([w[1:] + [0.0] * (T + 1 - len(w)) for w in weights])}
     for name, queries in (("bind", bind), ("point", point)):
         queries = [qk for qk in queries if qk[2]]  # a value before its name has no key
-        keys = torch.zeros(len(queries), T, dtype=torch.bool)
-        for r, (_, _, js) in enumerate(queries):
-            keys[r, js] = True
         batch[f"{name}_rows"] = torch.tensor([qk[0] for qk in queries], dtype=torch.long)
         batch[f"{name}_pos"] = torch.tensor([qk[1] for qk in queries], dtype=torch.long)
-        batch[f"{name}_keys"] = keys
+        batch[f"{name}_keys"] = keys = torch.zeros(len(queries), T, dtype=torch.bool)
+        for r, (_, _, js) in enumerate(queries):
+            keys[r, js] = True
     return batch
 
 
 # -----------------------------------------------------------------------------
 # the compressors' synthetic batches: curriculum (aid 1), several questions (aid 3)
 
-
 def compressor_curriculum(frac):
-    """Aid 1, as Base.curriculum: (min, max) people, (min, max) attributes, examples per
-    slot, ramp at fraction frac of the run. Short contexts first (1-2 people, 1-3
-    attributes, 2 per slot, to 30 %), where reading a value back out of memory is learned;
-    then a ramp to the eval set's mix (half with distractor attributes) at 70 %."""
+    """Aid 1, as Base.curriculum: short contexts first (1-2 people, 1-3 attributes, 2 per slot, to
+    30 %), where reading a value back out of memory is learned; then a ramp to the eval set's mix
+    (half with distractor attributes) at 70 %."""
     if frac < 0.3:
         return (1, 2), (1, 3), 2, 0.0
     ramp = min(1.0, (frac - 0.3) / 0.4)
@@ -225,9 +209,8 @@ QUESTIONS = {"MeanPool": 4, "PIC": 4, "SAC": 4}
 
 
 def add_questions(batch, items, tok):
-    """Aid 3: every QA pair of an item after the first is appended to its `qa` and `full`
-    rows, as the base was trained (collate_base), so one encoder pass over a context
-    teaches several answers (for methods that compress without seeing the question)."""
+    """Aid 3: every QA pair of an item after the first is appended to its `qa` and `full` rows, as
+    the base was trained (collate_base), so one encoder pass over a context teaches several answers."""
     for key in ("qa", "full"):
         rows, labels = [], []
         for b, ex in enumerate(items):
@@ -247,7 +230,6 @@ def add_questions(batch, items, tok):
 # -----------------------------------------------------------------------------
 # aid 2: attention distillation
 
-
 ATTN_KD = 1.0  # weight of the attention-distillation term
 
 
@@ -262,9 +244,8 @@ def window_slots(batch, memory, r):
 
 def anchor_slots(batch, memory, r):
     """SAC: the nearest anchor (memory = the prefix slots, then the anchors in order)."""
-    anchors = memory.anchors
-    P, i = memory.mask.shape[1] - max(len(g) for g in anchors), torch.arange(batch["context"].shape[1])
-    return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in anchors])
+    P, i = memory.mask.shape[1] - max(len(g) for g in memory.anchors), torch.arange(batch["context"].shape[1])
+    return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in memory.anchors])
 
 
 def gist_keys(L, context_len, width, n_gists):
@@ -284,25 +265,24 @@ SLOTS = {"MeanPool": window_slots, "PIC": window_slots, "SAC": anchor_slots,
 
 
 def distills_attention(method):
-    """Aid 2 applies where the paper's layout fixes which memory slot holds which context
-    token: not to compression tokens that read the whole context (ATA; PIC under --mask
-    causal or bidir, --mem single included), which hold whatever they learn to. Crediting
-    their slot t with chunk t imposes PIC's block-wise layout on the ablations that remove
-    it (bidirectional tokens, 700 steps at 4x: 5.0 F1 with it, 10.0 without)."""
+    """Aid 2 applies where the paper's layout fixes which memory slot holds which context token: not
+    to compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
+    single included), which hold whatever they learn to. Crediting their slot t with chunk t imposes
+    PIC's block-wise layout on the ablations that remove it (bidirectional tokens, 700 steps at 4x:
+    5.0 F1 with it, 10.0 without)."""
     name = type(method).__name__
     return name in SLOTS and not (name == "PIC" and method.cfg.mask != "blockwise")
 
 
 class AttentionDistillation:
-    """Aid 2 (ours, not in any paper): the tiny base's head 0 of its last layer points each
-    answer position at the context token to copy next (Base); that attention mass, summed
-    over the context tokens each memory slot holds (SLOTS), is the target of the decoder's
-    head 0 over the memory slots:
+    """Aid 2 (ours, not in any paper): the tiny base's head 0 of its last layer points each answer
+    position at the context token to copy next (Base); that attention mass, summed over the context
+    tokens each memory slot holds (SLOTS), is the target of the decoder's head 0 over the slots:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
-    with n the method's token count, so the term is per answer token like KD/CE. Without
-    it the decoder sits on the answer prior for thousands of examples. Supervising the
-    writers as well (a gist's head 0 one layer below the last, toward what the teacher
-    reads in its sentence) made sentence_gist worse (F1 4.0 against 11.0 at 300 steps)."""
+    with n the method's token count, so the term is per answer token like KD/CE. Without it the
+    decoder sits on the answer prior for thousands of examples. Supervising the writers as well (a
+    gist's head 0 one layer below the last, toward what the teacher reads in its sentence) made
+    sentence_gist worse (F1 4.0 against 11.0 at 300 steps)."""
 
     def __init__(self, method, weight):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
@@ -325,10 +305,9 @@ class AttentionDistillation:
         return h[rows, pos], p * in_context  # the prompt follows a short context in `full`: not memory
 
     def loss(self, teacher_attn, keys, rows, pos, keys_valid, n_memory=0):
-        """ATTN_KD * CE(teacher mass per key, the student's head 0), mean over the queries
-        (rows, pos) of the student pass just run (its last layer's inputs are read).
-        keys (B, L) or (B, L, G) long: the student key(s) holding each context token (mass
-        split evenly over G; -1 = none); keys_valid (B, S) and n_memory as head_log_attention."""
+        """ATTN_KD * CE(teacher mass per key, the student's head 0), mean over the queries (rows, pos)
+        of the student pass just run. keys (B, L) or (B, L, G) long: the student key(s) holding each
+        context token (mass split evenly over G; -1 = none); keys_valid (B, S), n_memory as head_log_attention."""
         S = keys_valid.shape[1]
         k = keys[rows] if keys.dim() == 3 else keys[rows][..., None]  # (N, L, G)
         mass = (teacher_attn / k.shape[-1])[..., None].expand_as(k)
@@ -347,8 +326,7 @@ class AttentionDistillation:
         return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.mask.shape[1])
 
     def layout_loss(self, teacher_attn, L, batch):
-        """`loss` for sentence_gist's one pass over layout L: an answer sees the sink, the
-        gists and its own open sentence."""
+        """`loss` for sentence_gist's pass over layout L: an answer sees the sink, the gists, its open sentence."""
         rows, pos = (L["labels"] != -100).nonzero(as_tuple=True)
         seen = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))
         keys = gist_keys(L, batch["context_len"], batch["context"].shape[1], self.n_gists)
@@ -358,10 +336,8 @@ class AttentionDistillation:
 # -----------------------------------------------------------------------------
 # aid 4: a trainable decoder for the methods whose paper freezes it
 
-
 def add_decoder_adapter(method):
-    """Aid 4: a LoRA adapter `decoder` (the method's own rank and alpha) on the decoder
-    that reads the memory, for the methods whose paper keeps it frozen."""
+    """Aid 4: a LoRA adapter `decoder` (the method's own rank and alpha) on the frozen decoder."""
     if type(method).__name__ in ("PIC", "SAC", "ATA") and method.dec_adapter is None:
         decoder = getattr(method, "dec", method.base)  # pic may hold a separate decoder
         decoder.add_adapter("decoder", method.cfg.lora_r or 16, method.cfg.lora_alpha)

@@ -52,10 +52,9 @@ class Batches:
             stats = {}
             if self.text and cfg.data.endswith((".txt", ".text", ".jsonl")):  # text or {"text"} lines
                 self.records = list(data.read_text(cfg.data))
-            else:
-                self.records = list(read_records(cfg.data, cfg, stats))
-                if self.text:
-                    self.records = [r["context"] for r in self.records]
+            else:  # QA records (their contexts for a text objective)
+                records = read_records(cfg.data, cfg, stats)
+                self.records = [r["context"] for r in records] if self.text else list(records)
             if stats.get("skipped_bad") or stats.get("unanswerable"):
                 print(f"{cfg.data}: {stats}")
             if not self.records:
@@ -111,20 +110,18 @@ class Batches:
 # the loop
 
 def lr_at(step, cfg, schedule="cosine"):
-    """1) linear warmup, 2) cosine decay to lr * min_lr_frac, or linear decay to 0 for a
-    method whose `lr_schedule` is "linear" (sentence_gist's stage-3 cool-down)."""
+    """Linear warmup, then cosine decay to lr * min_lr_frac (or, schedule "linear", linearly to 0)."""
     warmup = cfg.warmup_iters or max(1, int(cfg.warmup_frac * cfg.max_iters))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, cfg.max_iters - warmup)
+    t = min(1.0, (step - warmup) / max(1, cfg.max_iters - warmup))
     if schedule == "linear":
-        return cfg.lr * (1 - min(1.0, t))
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+        return cfg.lr * (1 - t)
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def configure(argv):
-    """(cfg, mcfg, explicit flags, method class, ratios) from the command line, in two
-    passes: --method decides which method config's flags exist."""
+    """(cfg, mcfg, explicit flags, method class, ratios) from argv; --method decides which flags exist."""
     methods = method_registry()
     name = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
                  for i, a in enumerate(argv) if a.split("=")[0] == "--method"), TrainConfig.method)
@@ -176,13 +173,6 @@ def prepare_base(cfg, mcfg, master, ddp):
               "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
     if ddp:
         dist.barrier()
-
-
-def adamw(params, cfg):
-    """AdamW (betas 0.9, 0.95); weight decay on matrices only."""
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
@@ -249,16 +239,17 @@ def main(argv):
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable
     params = [p for p in method.parameters() if p.requires_grad]
-    opt = adamw(params, cfg)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # decay on matrices only
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     step = load_checkpoint(cfg.out_dir, method, opt) if cfg.resume else 0
     if master and cfg.resume:
         print(f"resuming {cfg.out_dir} from step {step}")
     # 3) compile, DDP wrap, data
     if cfg.compile:
         base.forward = compile_forward(base)  # K/V memory bucketed: one graph per length bucket
-    model = method
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(method, device_ids=[device] if device.type == "cuda" else None)
+    ddp_ids = [device] if device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
     batches, val = Batches(cfg, tok, method, rank, world), Batches(cfg, tok, method, rank, world)
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
