@@ -60,7 +60,8 @@ class Batches:
             if not self.records:
                 raise SystemExit(f"error: --data {cfg.data!r} holds no usable records ({stats})")
         self.synth = data.Synthetic(seed=cfg.seed, split="train")
-        self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if tiny.aided(cfg) else 1
+        synthetic = self.records is None  # aid 3 needs the synthetic items' extra QA pairs
+        self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if tiny.aided(cfg) and synthetic else 1
         self.stats = {}
 
     def raw(self, step, n):

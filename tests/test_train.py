@@ -209,3 +209,13 @@ def test_eval_does_not_import_train():
     out = subprocess.run([sys.executable, "-c", "import sys, eval; print('train' in sys.modules)"],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_tiny_base_trains_on_user_qa_records(tmp_path):
+    """The shipped tiny base with --data: aid 3 (extra QA pairs per context) needs synthetic items,
+    so QA records train with one question each (was a KeyError 'qas' for meanpool, pic, sac)."""
+    squad = squad_file(tmp_path / "squad.json")
+    for method in ("meanpool", "pic", "sac"):
+        in_process(["--method", method, "--data", squad, "--max_iters", 1,
+                    "--batch_size", 2, "--out_dir", tmp_path / method, "--eval_examples", 0, "--quiet"])
+        assert len(open(tmp_path / method / "log.jsonl").readlines()) == 1, method
