@@ -458,12 +458,16 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         return self
 
+    def base_state(self):
+        """The checkpoint's tensors (no adapters; a tied head once, as embed_tokens), on the CPU."""
+        tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
+                if "lora_" not in k and k not in tied}
+
     def save_pretrained(self, path):
         """HF layout (config.json + model.safetensors), base weights only."""
         os.makedirs(path, exist_ok=True)
-        tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "lora_" not in k and k not in tied}
-        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_file(self.base_state(), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         Path(path, "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
 
     # --- forward ----------------------------------------------------------------

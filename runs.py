@@ -266,9 +266,7 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
     atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
     atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(optim, p))
     if cfg.method == "base":  # the base run dir is also an HF checkpoint dir
-        hf = {k: v.detach().contiguous().cpu() for k, v in method.base.state_dict().items() if "lora_" not in k}
-        if method.base.config.tie_word_embeddings:
-            hf.pop("lm_head.weight", None)
+        hf = method.base.base_state()
         atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_file(hf, p, metadata={"format": "pt"}))
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
