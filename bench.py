@@ -1,10 +1,11 @@
 """Benchmarks, nanoGPT style: burn-in, then timed iterations between synchronize calls.
 
     python bench.py loss         # time and peak memory: chunked_kd vs naive_kd at vocab 152k
-    python bench.py train        # one optimizer step of every method at real shapes, vs HF + peft
+    python bench.py train        # one optimizer step of every method at real shapes
     python bench.py attention    # flex + BlockMask vs SDPA + dense mask, fwd+bwd, 4K and 8K (CUDA)
     python bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
     (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
+    python scripts/hf_twins.py   # train's meanpool kd and pic ae+lm rows vs transformers + peft
 
 Peak memory is torch.cuda.max_memory_allocated; on CPU the loss benchmark runs each variant in
 a fresh subprocess and reports the growth of its peak RSS over the inputs. Real shapes (SHAPES) are
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +44,20 @@ parser.add_argument("--shapes", default="llama-3.2-1b,qwen3-1.7b,llama-3.1-8b", 
 parser.add_argument("--context", type=int, default=1024, help="train: context tokens per example")
 parser.add_argument("--train_batch", type=int, default=8, help="train: examples per step")
 parser.add_argument("--methods", default="", help="train: comma list of rows to run (default all)")
-parser.add_argument("--no_hf", action="store_true", help="train: skip the transformers + peft rows")
 parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
-args = parser.parse_args(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests: defaults
-device = torch.device(args.device)
-cuda = device.type == "cuda"
-if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors: more threads only spin-wait
-    torch.set_num_threads(args.threads or 1)
+
+
+def configure(argv):
+    """The module's settings from the command line argv: args, device, cuda."""
+    global args, device, cuda
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors: more threads only spin-wait
+        torch.set_num_threads(args.threads or 1)
+
+
+configure(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests and scripts: defaults
 TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
 
 
@@ -161,7 +168,7 @@ def random_model(shape, tok, dev=None, dtype=None):
 
 
 # -----------------------------------------------------------------------------
-# train: one optimizer step of each method's main objective, vs transformers + peft
+# train: one optimizer step of each method's main objective
 
 ROWS = [  # (row, method, objective, ratios): the methods' main objectives at their papers' ratios
     ("meanpool kd", "meanpool", "kd", "4,8,16"),
@@ -262,15 +269,21 @@ def time_row(name, step, n_tokens, flops):
     return secs
 
 
-def bench_train():
-    tok = data.load_tokenizer(TINY_BASE)
+def train_shapes():
+    """(shapes, B, context) of `train`, its header printed."""
     context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
-    rows = [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
     hardware = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device} ({hardware}), "
           f"{'bf16 weights + autocast' if cuda else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''}; median"
           f" of {args.iters} after 1 untimed; peak = max_memory_allocated{'' if cuda else ' (n/a on CPU)'}")
-    for shape in ["tiny"] if args.tiny else args.shapes.split(","):
+    return ["tiny"] if args.tiny else args.shapes.split(","), B, context
+
+
+def bench_train():
+    tok = data.load_tokenizer(TINY_BASE)
+    shapes, B, context = train_shapes()
+    rows = [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
+    for shape in shapes:
         print(f"{shape}:")
         for row in rows:
             try:
@@ -281,7 +294,8 @@ def bench_train():
 
 
 def train_row(shape, tok, row, B, context):
-    """Our step and, for meanpool kd and pic ae+lm, the transformers + peft twin's."""
+    """Times our step of one row at one shape and prints it -> (base, method module, batch,
+    seconds per step, FLOPs per step, context tokens per step)."""
     name, method, objective, ratio = row
     base = random_model(shape, tok)
     m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
@@ -297,137 +311,7 @@ def train_row(shape, tok, row, B, context):
     finally:
         counter.close()
     base.grad_ckpt = args.grad_ckpt
-    secs = time_row(name, step, n_tokens, counter.flops)
-    hf_fn = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}.get(name)
-    if hf_fn is None or args.no_hf:
-        return
-    model = hf_peft(base)  # no checkpointing: HF's recomputes under whichever adapter is active then
-    n = int((batch["qa_labels"] != -100).sum()) if method == "meanpool" else B  # ours' counts
-    params = [p for k, p in model.named_parameters() if "lora_" in k] + \
-        [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
-    step_hf = optimizer_step(params, lambda: hf_fn(model, m, batch, ratios, tok) / n)
-    secs_hf = time_row(f"{name} (HF + peft)", step_hf, n_tokens, counter.flops)
-    print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
-
-
-# The transformers + peft twins, written as the papers' official code is (peft adapters switched
-# per pass, a 4-D mask, pooling by reshape, inputs_embeds, full-vocabulary logits), share our
-# weights and give our loss (tests/test_perf.py): the speed ratio compares the same computation.
-
-def hf_peft(ours):
-    """A transformers model sharing `ours`' base weights, with ours' adapters as peft adapters."""
-    import peft
-    import transformers
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # peft calls a deprecated HF name
-    cfg = ours.config.to_json()
-    hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    dev, dtype = ours.lm_head.weight.device, ours.lm_head.weight.dtype
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
-    state = {k: v for k, v in ours.state_dict(keep_vars=True).items() if "lora_" not in k}
-    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
-    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
-    if ours.config.tie_word_embeddings:
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(dev)  # a buffer: not in the state dict
-    model = None
-    for name, c in ours.adapter_configs.items():
-        lc = peft.LoraConfig(r=c["r"], lora_alpha=c["alpha"], lora_dropout=c["dropout"], target_modules=c["targets"])
-        if model is None:
-            model = peft.get_peft_model(hf, lc, adapter_name=name)
-        else:
-            model.add_adapter(name, lc)
-        with torch.no_grad():
-            for path, (A, B) in ours.adapter_state(name).items():
-                mod = model.base_model.model.get_submodule(path)
-                mod.lora_A[name].weight.copy_(A)
-                mod.lora_B[name].weight.copy_(B)
-    return model
-
-
-def use(model, name):
-    """peft's set_adapter freezes the other adapters; both train here, as in ours."""
-    model.set_adapter(name)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.requires_grad_(True)
-
-
-def hf_decode(lm, prefix, z, slots, e):
-    """Logits of the decoder over [prefix, z, e] as inputs_embeds, as model.behind_prefix: z's
-    empty slots (slots False) are masked out and take no position."""
-    (B, T), dev = e.shape[:2], e.device
-    slots = torch.cat([torch.ones(B, prefix.shape[1], dtype=torch.bool, device=dev), slots], 1)
-    pos = torch.cat([(slots.long().cumsum(1) - 1).clamp(min=0),
-                     slots.sum(1, keepdim=True) + torch.arange(T, device=dev)], 1)
-    mask = torch.cat([slots, torch.ones(B, T, dtype=torch.bool, device=dev)], 1).long()
-    z = torch.cat([lm.model.embed_tokens(prefix).expand(B, -1, -1).to(z.dtype), z], 1)
-    return lm(inputs_embeds=torch.cat([z.to(e.dtype), e], 1), attention_mask=mask, position_ids=pos).logits
-
-
-def hf_meanpool_kd(model, m, batch, ratios, tok):
-    """Summed KL(teacher || student) over answer tokens and ratios, as meanpool.MeanPool."""
-    lm = model.base_model.model  # ForCausalLM with LoRA layers
-    ctx, lengths, qa = batch["context"], batch["context_len"], batch["qa"]
-    B, L = ctx.shape
-    real = torch.arange(L, device=ctx.device)[None] < lengths[:, None]  # (B, L)
-    use(model, "encoder")
-    h = lm.model(input_ids=ctx, attention_mask=real[:, None, None, :].expand(B, 1, L, L)).last_hidden_state
-    with torch.no_grad(), model.disable_adapter():
-        teacher = lm(input_ids=batch["full"]).logits[batch["full_labels"] != -100]  # (N, V)
-    logq = teacher.float().log_softmax(-1)
-    use(model, "decoder")
-    emb = lm.model.embed_tokens(qa)
-    prefix = torch.tensor(batch["prefix"], device=qa.device)[None]  # (1, P)
-    total = 0.0
-    for r in ratios:
-        C = -(-int(lengths.max()) // r)
-        hp = F.pad(h * real[..., None], (0, 0, 0, C * r - L))[:, :C * r].reshape(B, C, r, -1).sum(2)
-        cnt = F.pad(real.float(), (0, C * r - L))[:, :C * r].reshape(B, C, r).sum(2)  # (B, C)
-        z = hp / cnt.clamp(min=1)[..., None]
-        if m.proj is not None:
-            z = m.proj(z.to(m.proj.weight.dtype))
-        logits = hf_decode(lm, prefix, z, cnt > 0, emb)
-        logp = logits[:, prefix.shape[1] + C:][batch["qa_labels"] != -100].float().log_softmax(-1)
-        total = total + (logq.exp() * (logq - logp)).sum()
-    return total
-
-
-def hf_pic_ae(model, m, batch, ratios, tok):
-    """Eq. 6-8 as pic.PIC.ae_lm: sum over examples of 0.5 TC + 0.5 TR."""
-    import pic
-    lm = model.base_model.model
-    ids, lengths = batch["ids"], batch["lengths"].tolist()
-    dev, off = ids.device, int(tok.bos_id is not None)
-    texts = [ids[b, off:n].tolist() for b, n in enumerate(lengths)]
-    ks = [max(1, len(x) // 2) for x in texts]
-    rows = lambda cut, value=tok.pad_id: data.pad_rows([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)  # noqa: E731
-    context, clen = rows(lambda x, k: x[:k]), torch.tensor(ks, device=dev)
-    tr_in, tr_lab = rows(lambda x, k: x[:k - 1]), rows(lambda x, k: x[:k], -100)
-    tc_in, tc_lab = rows(lambda x, k: x[k - 1:-1]), rows(lambda x, k: x[k:], -100)
-    B, L = context.shape
-    total = 0.0
-    for r in ratios:
-        is_mem, chunk, valid, pos, _ = pic.layout(clen, L, r)
-        N = is_mem.shape[1] - L
-        emb = lm.model.embed_tokens(context)
-        x = torch.cat([emb, m.mem_embed[:N].to(emb.dtype)[None].expand(B, N, -1)], 1)
-        mask = kernels.dense_mask(pic.blockwise(is_mem, chunk, valid), B, L + N, L + N, dev)  # (B, 1, L+N, L+N)
-        use(model, "encoder")
-        h = lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state[:, L:]
-        z, mem = m.converter(h.to(m.converter[0].weight.dtype)), valid[:, L:]
-        with model.disable_adapter():
-            def ce(ids_, labels, extra=None):  # frozen decoder over [BOS, z, extra, ids_]: CE mean per example, summed
-                e = lm.model.embed_tokens(ids_)
-                e = torch.cat([extra.to(e.dtype), e], 1) if extra is not None else e
-                start = off + z.shape[1]
-                logits = hf_decode(lm, ids[:1, :off], z, mem, e)[:, start:start + labels.shape[1]]
-                loss = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
-                return (loss.sum(1) / (labels != -100).sum(1).clamp(min=1)).sum()
-            tr = ce(tr_in, tr_lab, m.ae[None, None].expand(B, 1, -1))
-            tc = ce(tc_in, tc_lab)
-        total = total + pic.LAMBDA * tc + (1 - pic.LAMBDA) * tr
-    return total
+    return base, m, batch, time_row(name, step, n_tokens, counter.flops), counter.flops, n_tokens
 
 
 # -----------------------------------------------------------------------------

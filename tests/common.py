@@ -6,7 +6,9 @@
   with a byte-level BPE ``tokenizer.json`` trained here (no download).
 - ``squad_file(path)``: a small SQuAD v1.1 file.
 - ``run(args)`` / ``torchrun(args)``: train.py / eval.py in a subprocess; raise on failure.
+- ``load_script(name)``: scripts/<name>.py as a module.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +24,14 @@ import data  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 _TOKENIZER_CACHE = {}
+
+
+def load_script(name):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def default_tokenizer(dir):

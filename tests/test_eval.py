@@ -1,6 +1,5 @@
 """eval.py: SQuAD metrics (hand cases and the official script's numbers), the table builder,
 bootstrap intervals and --compare."""
-import importlib.util
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import torch
 import data
 import eval as evaluate
 import runs
+from common import load_script
 from conftest import ASSETS, ROOT
 
 
@@ -217,13 +217,6 @@ def test_compare_bad_input_is_one_line(tmp_path):
         evaluate.main(["--compare", a])
 
 
-def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _suite_results(runs):
     """An eval.py --out list: {run dir name: {requested ratio: {id: f1}}} plus scalars."""
     def row(name, s, **kw):
@@ -239,7 +232,7 @@ def _suite_results(runs):
 
 
 def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
-    claims = _load_script("claims")
+    claims = load_script("claims")
     ids = [f"q{i}" for i in range(200)]
     high = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}           # F1 90
     low = {q: 20.0 * (i % 3) for i, q in enumerate(ids)}                  # F1 ~20
@@ -278,7 +271,7 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
 
 def test_claims_name_rows_of_the_suite():
     """Every row a claim names is a run of scripts/reproduce.sh (and trains that ratio)."""
-    claims = _load_script("claims")
+    claims = load_script("claims")
     script = (ROOT / "scripts" / "reproduce.sh").read_text()
     runs = set(re.findall(r"^\s*run (\S+)", script, re.M)) | set(re.findall(r" -- \\\n\s*(\S+)", script))  # run_after
     runs |= {f"gist-{g}" for g in (1, 2, 4, 8)} | {f"sac{v}-r{r}" for v in ("", "-causal", "-no_emb", "-random")
@@ -293,7 +286,7 @@ def test_claims_name_rows_of_the_suite():
 def test_results_md_is_generated_whole(tmp_path, base_dir):
     """The report: header (command, commit, machine, base tokens/s, wall time, seeds,
     steps, questions), the table with intervals, the claims; rerunning rewrites it."""
-    results_md = _load_script("results_md")
+    results_md = load_script("results_md")
     ids = [f"q{i}" for i in range(20)]
     runs = {"meanpool": {4: ({q: 100.0 * (i % 2) for i, q in enumerate(ids)}, {"n": 20})},
             "ctok-bidir": {4: ({q: 0.0 for q in ids}, {"n": 20})}}
@@ -327,7 +320,7 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
 def test_results_md_keeps_other_commands_sections(tmp_path):
     """--section puts a block into RESULTS.md (appended, then replaced in place), and the
     suite's regeneration of the file keeps it while dropping hand-written text."""
-    results_md = _load_script("results_md")
+    results_md = load_script("results_md")
     out, body = tmp_path / "RESULTS.md", tmp_path / "body.md"
     out.write_text("hand-written history\n")
     body.write_text("first table\n")

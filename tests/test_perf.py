@@ -1,9 +1,10 @@
-"""Issue 23 on CPU: --grad_ckpt changes memory, not numbers; bench.py's HF + peft
+"""Issue 23 on CPU: --grad_ckpt changes memory, not numbers; scripts/hf_twins.py's HF + peft
 reference steps compute the same losses as ours (so its speed ratio is a fair one)."""
 import torch
 
 import data
 import runs
+from common import ROOT, load_script
 from model import Transformer
 
 
@@ -63,12 +64,12 @@ def test_grad_ckpt_prefix_kv_model(base_dir):
 
 
 def test_hf_peft_twins_give_our_losses():
-    """bench.py's transformers + peft steps (meanpool kd, pic ae+lm) compute our loss on
-    the same weights and batch, and the same gradients on the shared trainable tensors."""
-    import bench
-    tok = data.load_tokenizer(str(bench.os.path.join(bench.os.path.dirname(bench.__file__), "tiny_base")))
-    for method, objective, ratio, hf_fn in (("meanpool", "kd", "4,8", bench.hf_meanpool_kd),
-                                            ("pic", "ae+lm", "16", bench.hf_pic_ae)):
+    """scripts/hf_twins.py's transformers + peft steps (meanpool kd, pic ae+lm) compute our
+    loss on the same weights and batch, and the same gradients on the shared trainable tensors."""
+    twins = load_script("hf_twins")
+    bench = twins.bench
+    tok = data.load_tokenizer(str(ROOT / "tiny_base"))
+    for (name, method, objective, _), ratio in ((bench.ROWS[0], "4,8"), (bench.ROWS[1], "16")):
         base = bench.random_model("tiny", tok, torch.device("cpu"), torch.float32)
         m, batch, n_tokens = bench.build_row(base, tok, method, objective, ratio, 2, 96)
         assert n_tokens > 2 * 48
@@ -77,7 +78,7 @@ def test_hf_peft_twins_give_our_losses():
         ours.backward()
         g_ours = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
         m.zero_grad()
-        theirs = hf_fn(bench.hf_peft(base), m, batch, ratios, tok)
+        theirs = twins.TWINS[name](twins.hf_peft(base), m, batch, ratios, tok)
         theirs.backward()
         torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5, msg=method)
         for n in ("proj.weight", "converter.0.weight", "mem_embed"):  # ours' own tensors, shared by both

