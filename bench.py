@@ -289,8 +289,12 @@ def bench_train():
             try:
                 train_row(shape, tok, row, B, context)
             except torch.cuda.OutOfMemoryError:
-                print(f"  {row[0]:22s} out of GPU memory at B={B}: try --grad_ckpt or a smaller --train_batch")
+                print(out_of_memory(row[0], B))
             reset_memory()
+
+
+def out_of_memory(name, B):
+    return f"  {name:22s} out of GPU memory at B={B}: try --grad_ckpt or a smaller --train_batch"
 
 
 def train_row(shape, tok, row, B, context):

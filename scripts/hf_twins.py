@@ -149,16 +149,24 @@ def main():
     for shape in shapes:
         print(f"{shape}:")
         for row in (r for r in bench.ROWS if r[0] in TWINS):
-            base, m, batch, secs, flops, n_tokens = bench.train_row(shape, tok, row, B, context)
-            model = hf_peft(base)
-            n = int((batch["qa_labels"] != -100).sum()) if row[1] == "meanpool" else B  # ours' counts
-            params = [p for k, p in model.named_parameters() if "lora_" in k] + \
-                [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
-            ratios = runs.ratios_of(row[3])
-            step = bench.optimizer_step(params, lambda: TWINS[row[0]](model, m, batch, ratios, tok) / n)
-            secs_hf = bench.time_row(f"{row[0]} (HF + peft)", step, n_tokens, flops)
-            print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
+            try:
+                twin_pair(shape, tok, row, B, context)
+            except torch.cuda.OutOfMemoryError:
+                print(bench.out_of_memory(row[0], B))
             bench.reset_memory()
+
+
+def twin_pair(shape, tok, row, B, context):
+    """Our row (bench.train_row), then its twin's on the same weights and batch, then the ratio."""
+    base, m, batch, secs, flops, n_tokens = bench.train_row(shape, tok, row, B, context)
+    model = hf_peft(base)
+    n = int((batch["qa_labels"] != -100).sum()) if row[1] == "meanpool" else B  # ours' counts
+    params = [p for k, p in model.named_parameters() if "lora_" in k] + \
+        [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
+    ratios = runs.ratios_of(row[3])
+    step = bench.optimizer_step(params, lambda: TWINS[row[0]](model, m, batch, ratios, tok) / n)
+    secs_hf = bench.time_row(f"{row[0]} (HF + peft)", step, n_tokens, flops)
+    print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")
 
 
 if __name__ == "__main__":
