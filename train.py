@@ -288,7 +288,8 @@ def main(argv):
         save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
     signal.signal(signal.SIGINT, old_handler)
-    if ddp:
+    if ddp:  # DDP's reducer holds the group: free it first, not in the interpreter's exit (gloo can abort there)
+        del model
         dist.barrier()
         dist.destroy_process_group()
     if master and batches.stats:
