@@ -270,7 +270,8 @@ def distills_attention(method):
     to compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
     single included), which hold whatever they learn to. Crediting their slot t with chunk t imposes
     PIC's block-wise layout on the ablations that remove it (bidirectional tokens, 700 steps at 4x:
-    5.0 F1 with it, 10.0 without)."""
+    5.0 F1 with it, 10.0 without); crediting every slot evenly changes nothing (the default's --mem
+    single --mask causal 7.8 F1 with it and without; ata 7.8 [5.0, 10.8] against 5.5 [3.0, 8.5])."""
     name = type(method).__name__
     return name in SLOTS and not (name == "PIC" and method.cfg.mask != "blockwise")
 
