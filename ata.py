@@ -42,8 +42,8 @@ Choices the paper leaves open, made here:
 - Objectives: `qa` (default; eq. 11 plus lam * Huber, so one command trains encoder and
   probe), `rel` (pretraining, eq. 8), `qa+rel` (both from one encoder pass: a one-stage
   stand-in for the paper's rel -> qa).
-- On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder); not attention
-  distillation: compression tokens that read the whole prompt hold no fixed chunk. Fig. 10's
+- On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
+  its output form: compression tokens that read the whole prompt hold no fixed chunk). Fig. 10's
   order is not what holds ATA back there (question after the context: 6.5 F1 against 5.5).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
@@ -132,6 +132,7 @@ class ATA(nn.Module):
     # Tables 4-5: constant lr after 300 warmup steps; §4.1.4: HotpotQA with its distractor paragraphs
     PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, ratio="10",
                  hotpot_distractors=True)
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, lora_r=16, lora_alpha=32, lora_dropout=0.0)  # + PAPER's
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
@@ -224,6 +225,7 @@ class ATA(nn.Module):
 
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
+        teacher_head = self.aid.teacher(batch)[1] if self.aid is not None and "qa" in self.run.objective else None
         h, kv = self.encode(batch)
         L_hat, L = self.length(batch, h), batch["rel_len"]
         probe = huber(L_hat, L, self.cfg.huber_delta)
@@ -238,6 +240,8 @@ class ATA(nn.Module):
             with self.base.adapter(self.dec_adapter):
                 h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
             loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])
+            if teacher_head is not None and obj == "qa":
+                loss = loss + m * self.aid.memory_loss(teacher_head, memory, batch, r)
             total, n = total + loss, n + m
             metrics.update({f"{obj}_ce": loss.item() / max(m, 1), f"k_{obj}": k.float().mean().item()})
         return total, n, metrics

@@ -38,7 +38,8 @@ Choices the paper leaves open, made here:
 - The kd teacher is the decoder with full context (prefer the decoder as --init_from).
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
 `--objective qa --init_from out/pic_pt` (which inherits the first's config). On the tiny
-base, tiny.py's aids apply (attention distillation under --mask blockwise, where m_t holds c_t).
+base, tiny.py's aids apply (attention distillation: per slot under --mask blockwise, where m_t
+holds c_t; its output form under causal and bidir).
 """
 import math
 from dataclasses import dataclass

@@ -7,8 +7,9 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
 - `Base` (`--method base`): that model's objective and curriculum (SPEC §2.6).
 - Aids, the same for every compression method, on the tiny base only (`--no_aids`: the papers' recipes alone):
   1. `compressor_curriculum`: short contexts first, then a ramp to the eval set's mix.
-  2. `AttentionDistillation`: the decoder's head 0 learns where the teacher looks, over the memory
-     slots that hold each context token (SLOTS), where the paper's layout fixes them (`distills_attention`).
+  2. `AttentionDistillation`: the decoder's head 0 learns from the teacher's: where it looks, over
+     the memory slots that hold each context token, where the paper's layout fixes them (SLOTS);
+     elsewhere (compression tokens that read the whole context) what it outputs.
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it (a real LLM
      reads soft memory frozen, a tiny base trained from scratch does not).
@@ -265,29 +266,36 @@ SLOTS = {"MeanPool": window_slots, "PIC": window_slots, "SAC": anchor_slots,
          "SentenceGist": None}  # sentence_gist reads its layout (layout_loss)
 
 
-def distills_attention(method):
-    """Aid 2 applies where the paper's layout fixes which memory slot holds which context token: not
-    to compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
-    single included), which hold whatever they learn to. Crediting their slot t with chunk t imposes
-    PIC's block-wise layout on the ablations that remove it (bidirectional tokens, 700 steps at 4x:
-    5.0 F1 with it, 10.0 without); crediting every slot evenly changes nothing (the default's --mem
-    single --mask causal 7.8 F1 with it and without; ata 7.8 [5.0, 10.8] against 5.5 [3.0, 8.5])."""
+def slots_of(method):
+    """The slot map of aid 2's attention form, or None for its output form: compression tokens that
+    read the whole context (ATA; PIC under --mask causal or bidir, --mem single included) hold
+    whatever they learn to. Crediting their slot t with chunk t imposes PIC's block-wise layout on
+    the ablations that remove it (bidirectional tokens, 700 steps at 4x: 5.0 F1 with it, 10.0
+    without); crediting every slot evenly changes nothing (--mem single --mask causal: 7.8 F1 with
+    it and without); the output form gives 34.5 there (ata: 6.5 against 5.5 without either)."""
     name = type(method).__name__
-    return name in SLOTS and not (name == "PIC" and method.cfg.mask != "blockwise")
+    return None if name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise") else SLOTS[name]
+
+
+def distills_attention(method):
+    """Aid 2 applies to every compression method (not to the teacher or the base)."""
+    return type(method).__name__ in SLOTS or type(method).__name__ == "ATA"
 
 
 class AttentionDistillation:
     """Aid 2 (ours, not in any paper): the tiny base's head 0 of its last layer points each answer
-    position at the context token to copy next (Base); that attention mass, summed over the context
-    tokens each memory slot holds (SLOTS), is the target of the decoder's head 0 over the slots:
+    position at the context token to copy next (Base). Where the layout fixes the slots, that
+    attention mass, summed over the context tokens each memory slot holds (SLOTS), is the target
+    of the decoder's head 0 over the slots; elsewhere the teacher head's output o = sum_j p_j v_j is:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
+        L += ATTN_KD * n * mean_N |o - o_teacher|^2 / mean_N |o_teacher|^2
     with n the method's token count, so the term is per answer token like KD/CE. Without it the
     decoder sits on the answer prior for thousands of examples. Supervising the writers as well (a
     gist's head 0 one layer below the last, toward what the teacher reads in its sentence) made
     sentence_gist worse (F1 4.0 against 11.0 at 300 steps)."""
 
     def __init__(self, method, weight):
-        self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
+        self.base, self.weight, self.slots = method.base, weight, slots_of(method)
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists = getattr(method.cfg, "gists", 0)
         self.last = self.base.config.num_hidden_layers - 1
@@ -295,16 +303,25 @@ class AttentionDistillation:
 
     @torch.no_grad()
     def teacher(self, batch):
-        """The frozen base on batch["full"]: (its hidden states at the answer-predicting
-        positions (N, d), head 0's attention from them onto the context tokens (N, L))."""
+        """The frozen base on batch["full"]: (its hidden states at the answer-predicting positions
+        (N, d), (head 0's attention from them onto the context tokens (N, L), its output (N, hd)))."""
         with self.base.adapter(None):
             h = self.base(batch["full"], output="hidden")
         rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
         p = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last], rows, pos).exp()
+        out = self.head_output(p, rows)
         start, L = len(batch["prefix"]), batch["context"].shape[1]
         p = F.pad(p[:, start:start + L], (0, max(0, start + L - p.shape[1])))
         in_context = torch.arange(L, device=p.device)[None] < batch["context_len"][rows, None]
-        return h[rows, pos], p * in_context  # the prompt follows a short context in `full`: not memory
+        return h[rows, pos], (p * in_context, out)  # the prompt follows a short context in `full`: not memory
+
+    def head_output(self, p, rows):
+        """(N, hd) head 0's output sum_j p_j v_j in the last forward, from its attention p (N, C + T)."""
+        attn, inputs = self.base.model.layers[self.last].self_attn, self.inputs[self.last]
+        v = attn.v_proj(inputs[0].float())[..., :attn.hd]  # (B, T, hd): head 0's kv head
+        if inputs[4] is not None:  # K/V memory: its values come first
+            v = torch.cat([inputs[4][1][:, 0].float(), v], 1)
+        return torch.einsum("ns,nsd->nd", p, v[rows])
 
     def loss(self, teacher_attn, keys, rows, pos, keys_valid, n_memory=0):
         """ATTN_KD * CE(teacher mass per key, the student's head 0), mean over the queries (rows, pos)
@@ -320,15 +337,23 @@ class AttentionDistillation:
                                       rows, pos, keys_valid, n_memory)
         return self.weight * -(target * logp).sum(-1).mean()
 
-    def memory_loss(self, teacher_attn, memory, batch, r):
-        """`loss` for a decoder that read [memory, qa] at ratio r."""
+    def memory_loss(self, teacher_head, memory, batch, r):
+        """Aid 2 for a decoder that read [memory, qa] at ratio r; teacher_head from `teacher`."""
         qa_labels = batch["qa_labels"]
         rows, pos = (qa_labels != -100).nonzero(as_tuple=True)
         keys_valid = torch.cat([memory.mask, torch.ones_like(qa_labels, dtype=torch.bool)], 1)  # (B, C + T)
-        return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.mask.shape[1])
+        teacher_attn, teacher_out = teacher_head
+        if self.slots is not None:
+            return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.mask.shape[1])
+        with self.base.adapter(self.adapter):
+            logp = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last],
+                                      rows, pos, keys_valid, memory.mask.shape[1])
+            out = self.head_output(logp.exp(), rows)
+        return self.weight * ((out - teacher_out).pow(2).sum(-1).mean() / teacher_out.pow(2).sum(-1).mean())
 
-    def layout_loss(self, teacher_attn, L, batch):
+    def layout_loss(self, teacher_head, L, batch):
         """`loss` for sentence_gist's pass over layout L: an answer sees the sink, the gists, its open sentence."""
+        teacher_attn = teacher_head[0]
         rows, pos = (L["labels"] != -100).nonzero(as_tuple=True)
         seen = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))
         keys = gist_keys(L, batch["context_len"], batch["context"].shape[1], self.n_gists)

@@ -128,7 +128,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     from model import apply_rope
     m, batch = _method(tmp_path)
     m.aid = tiny.AttentionDistillation(m, 1.0)
-    _, seen = m.aid.teacher(batch)  # (N, L)
+    _, (seen, _) = m.aid.teacher(batch)  # (N, L)
     rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
     lens = batch["context_len"][rows]
     assert (seen.sum(-1) > 0.01).all() and (seen.sum(-1) <= 1 + 1e-5).all()
@@ -139,7 +139,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     with torch.no_grad(), m.base.adapter("decoder"):
         memory = m.compress(batch, r)
         m.base(batch["qa"], memory=memory)
-        got = m.aid.memory_loss(onehot, memory, batch, r)
+        got = m.aid.memory_loss((onehot, None), memory, batch, r)
         att = m.base.model.layers[m.aid.last].self_attn
         x, cos, sin = m.aid.inputs[m.aid.last][:3]
         B, T, _ = x.shape
@@ -183,6 +183,7 @@ def test_a_run_on_another_tiny_base_trains_nothing_and_writes_nothing_in_the_rep
 
 
 def _with_aid(base_dir, name, **kw):
+    import ata
     import data
     import pic
     import sac
@@ -191,11 +192,11 @@ def _with_aid(base_dir, name, **kw):
     tok, base = data.load_tokenizer(base_dir), Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist}[name]
+    cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
     m = cls(base, cls.Config(**kw), tok, runs.TrainConfig(method=name, objective="qa"))
     m.aid = tiny.AttentionDistillation(m, 1.0)
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
-    return m, batch
+    return m, (m.prepare(batch) if name == "ata" else batch)
 
 
 def test_slots_follow_each_papers_layout(base_dir):
@@ -229,22 +230,53 @@ def test_slots_follow_each_papers_layout(base_dir):
         assert (keys[b, n:] == -1).all()
 
 
-def test_attention_distillation_only_where_the_layout_fixes_the_slots():
-    """Aid 2 is for layouts that say which slot holds which token: meanpool's windows, PIC's
-    block-wise chunks, SAC's anchors, a sentence's gists; not compression tokens that read
-    the whole context (PIC's causal and bidir masks, --mem single under them, ATA)."""
+def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots():
+    """Aid 2 applies to every compression method; per slot for layouts that say which slot holds
+    which token (meanpool's windows, PIC's block-wise chunks, SAC's anchors), its output form for
+    compression tokens that read the whole context (PIC's causal and bidir masks, --mem single
+    under them, ATA)."""
     def fake(name, **kw):  # a method's class name and config are all the rule reads
         cls = runs.method_registry()[name]
         return type(cls.__name__, (), {"cfg": runs.method_config(cls)(**kw)})()
-    assert all(tiny.distills_attention(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist"))
-    assert tiny.distills_attention(fake("pic", mem="single", mask="blockwise"))
-    assert not any(tiny.distills_attention(fake("pic", mask=mask, mem=mem))
-                   for mask in ("causal", "bidir") for mem in ("table", "single"))
-    assert not tiny.distills_attention(fake("ata")) and not tiny.distills_attention(fake("teacher"))
+    assert all(tiny.distills_attention(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist", "ata"))
+    assert not tiny.distills_attention(fake("teacher"))
+    assert tiny.slots_of(fake("meanpool")) is tiny.slots_of(fake("pic", mem="single")) is tiny.window_slots
+    assert tiny.slots_of(fake("sac")) is tiny.anchor_slots
+    assert tiny.slots_of(fake("ata")) is None
+    assert all(tiny.slots_of(fake("pic", mask=mask, mem=mem)) is None
+               for mask in ("causal", "bidir") for mem in ("table", "single"))
+
+
+@pytest.mark.parametrize("name,kw", [("pic", {"mask": "causal", "mem": "single"}), ("ata", {"lora_r": 4})])
+def test_output_form_is_head_0s_output_in_the_real_passes(base_dir, name, kw):
+    """Aid 2's output form, with embedding memory (pic) and K/V memory (ata): the teacher's and
+    the decoder's head-0 outputs are the first hd inputs of the last layer's o_proj in their real
+    passes, so the term is 0 against the decoder's own output and |o - o_t|^2 / |o_t|^2 (means
+    over the answer positions) against the teacher's."""
+    m, batch = _with_aid(base_dir, name, **kw)
+    attn = m.base.model.layers[m.aid.last].self_attn
+    seen = []
+    attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][..., :attn.hd]))
+    with torch.no_grad():
+        _, (_, teacher_out) = m.aid.teacher(batch)
+        rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
+        assert torch.allclose(teacher_out, seen[-1][rows, pos], atol=1e-5)
+        memory = m.compress(batch, 4)
+        with m.base.adapter(m.dec_adapter):
+            m.base(batch["qa"], memory=memory)
+        rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
+        at = pos + (memory.mask.shape[1] if memory.embeds is not None else 0)  # embedding memory: rows of x
+        out = seen[-1][rows, at]
+        assert len(out) == len(teacher_out)
+        zero = m.aid.memory_loss((None, out), memory, batch, 4)
+        got = m.aid.memory_loss((None, teacher_out), memory, batch, 4)
+    want = (out - teacher_out).pow(2).sum(-1).mean() / teacher_out.pow(2).sum(-1).mean()
+    assert zero.abs() < 1e-6 and torch.allclose(got, want, rtol=1e-4), (zero, got, want)
 
 
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sac", {"lora_r": 4, "lora_alpha": 8}, 4),
-                                       ("sentence_gist", {"gists": 2}, 1)])
+                                       ("sentence_gist", {"gists": 2}, 1),
+                                       ("pic", {"mask": "bidir", "mem": "single"}, 4), ("ata", {"lora_r": 4}, 10)])
 def test_attention_distillation_enters_every_methods_loss(base_dir, name, kw, r):
     m, batch = _with_aid(base_dir, name, **kw)
     with_aid, n, _ = m(batch, [r])
