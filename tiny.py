@@ -305,11 +305,11 @@ class AttentionDistillation:
     def teacher(self, batch):
         """The frozen base on batch["full"]: (its hidden states at the answer-predicting positions
         (N, d), (head 0's attention from them onto the context tokens (N, L), its output (N, hd)))."""
+        rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
         with self.base.adapter(None):
             h = self.base(batch["full"], output="hidden")
-        rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
-        p = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last], rows, pos).exp()
-        out = self.head_output(p, rows)
+            p = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last], rows, pos).exp()
+            out = self.head_output(p, rows)
         start, L = len(batch["prefix"]), batch["context"].shape[1]
         p = F.pad(p[:, start:start + L], (0, max(0, start + L - p.shape[1])))
         in_context = torch.arange(L, device=p.device)[None] < batch["context_len"][rows, None]
