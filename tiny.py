@@ -272,7 +272,7 @@ def slots_of(method):
     whatever they learn to. Crediting their slot t with chunk t imposes PIC's block-wise layout on
     the ablations that remove it (bidirectional tokens, 700 steps at 4x: 5.0 F1 with it, 10.0
     without); crediting every slot evenly changes nothing (--mem single --mask causal: 7.8 F1 with
-    it and without); the output form gives 34.5 there (ata: 6.5 against 5.5 without either)."""
+    it and without); the output form gives 26-35 there over three runs (ata: 4-7 against 5.5)."""
     name = type(method).__name__
     return None if name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise") else SLOTS[name]
 
