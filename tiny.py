@@ -263,23 +263,23 @@ def gist_keys(L, context_len, width, n_gists):
 
 
 SLOTS = {"MeanPool": window_slots, "PIC": window_slots, "SAC": anchor_slots,
-         "SentenceGist": None}  # sentence_gist reads its layout (layout_loss)
-
-
-def slots_of(method):
-    """The slot map of aid 2's attention form, or None for its output form: compression tokens that
-    read the whole context (ATA; PIC under --mask causal or bidir, --mem single included) hold
-    whatever they learn to. Crediting their slot t with chunk t imposes PIC's block-wise layout on
-    the ablations that remove it (bidirectional tokens, 700 steps at 4x: 5.0 F1 with it, 10.0
-    without); crediting every slot evenly changes nothing (--mem single --mask causal: 7.8 F1 with
-    it and without); the output form gives 26-35 there over three runs (ata: 4-7 against 5.5)."""
-    name = type(method).__name__
-    return None if name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise") else SLOTS[name]
+         "SentenceGist": None, "ATA": None}  # sentence_gist reads its layout (layout_loss); ATA: no slots
 
 
 def distills_attention(method):
     """Aid 2 applies to every compression method (not to the teacher or the base)."""
-    return type(method).__name__ in SLOTS or type(method).__name__ == "ATA"
+    return type(method).__name__ in SLOTS
+
+
+def reads_whole_context(method):
+    """Compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
+    single included) hold whatever they learn to: aid 2's output form, no slot map. Crediting their
+    slot t with chunk t imposes PIC's block-wise layout on the ablations that remove it
+    (bidirectional tokens, 700 steps at 4x: 5.0 F1 with it, 10.0 without); crediting every slot
+    evenly changes nothing (--mem single --mask causal: 7.8 F1 with it and without); the output
+    form gives 26-35 there over three runs (ata: 4-7 against 5.5)."""
+    name = type(method).__name__
+    return name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise")
 
 
 class AttentionDistillation:
@@ -295,7 +295,8 @@ class AttentionDistillation:
     sentence_gist worse (F1 4.0 against 11.0 at 300 steps)."""
 
     def __init__(self, method, weight):
-        self.base, self.weight, self.slots = method.base, weight, slots_of(method)
+        self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
+        self.by_output = reads_whole_context(method)
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists = getattr(method.cfg, "gists", 0)
         self.last = self.base.config.num_hidden_layers - 1
@@ -309,7 +310,7 @@ class AttentionDistillation:
         with self.base.adapter(None):
             h = self.base(batch["full"], output="hidden")
             p = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last], rows, pos).exp()
-            out = self.head_output(p, rows)
+            out = self.head_output(p, rows) if self.by_output else None
         start, L = len(batch["prefix"]), batch["context"].shape[1]
         p = F.pad(p[:, start:start + L], (0, max(0, start + L - p.shape[1])))
         in_context = torch.arange(L, device=p.device)[None] < batch["context_len"][rows, None]
@@ -332,10 +333,13 @@ class AttentionDistillation:
         mass = (teacher_attn / k.shape[-1])[..., None].expand_as(k)
         target = mass.new_zeros(len(rows), S + 1).scatter_add_(1, k.where(k >= 0, S).flatten(1), mass.flatten(1))
         target = target[:, :S] / target[:, :S].sum(-1, keepdim=True).clamp(min=1e-9)
+        return self.weight * -(target * self.student_log_attention(rows, pos, keys_valid, n_memory)).sum(-1).mean()
+
+    def student_log_attention(self, rows, pos, keys_valid, n_memory):
+        """head_log_attention of the student pass just run, under the adapter it decoded with."""
         with self.base.adapter(self.adapter):
-            logp = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last],
+            return head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last],
                                       rows, pos, keys_valid, n_memory)
-        return self.weight * -(target * logp).sum(-1).mean()
 
     def memory_loss(self, teacher_head, memory, batch, r):
         """Aid 2 for a decoder that read [memory, qa] at ratio r; teacher_head from `teacher`."""
@@ -343,12 +347,10 @@ class AttentionDistillation:
         rows, pos = (qa_labels != -100).nonzero(as_tuple=True)
         keys_valid = torch.cat([memory.mask, torch.ones_like(qa_labels, dtype=torch.bool)], 1)  # (B, C + T)
         teacher_attn, teacher_out = teacher_head
-        if self.slots is not None:
+        if not self.by_output:
             return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.mask.shape[1])
         with self.base.adapter(self.adapter):
-            logp = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last],
-                                      rows, pos, keys_valid, memory.mask.shape[1])
-            out = self.head_output(logp.exp(), rows)
+            out = self.head_output(self.student_log_attention(rows, pos, keys_valid, memory.mask.shape[1]).exp(), rows)
         return self.weight * ((out - teacher_out).pow(2).sum(-1).mean() / teacher_out.pow(2).sum(-1).mean())
 
     def layout_loss(self, teacher_head, L, batch):

@@ -240,10 +240,10 @@ def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots()
         return type(cls.__name__, (), {"cfg": runs.method_config(cls)(**kw)})()
     assert all(tiny.distills_attention(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist", "ata"))
     assert not tiny.distills_attention(fake("teacher"))
-    assert tiny.slots_of(fake("meanpool")) is tiny.slots_of(fake("pic", mem="single")) is tiny.window_slots
-    assert tiny.slots_of(fake("sac")) is tiny.anchor_slots
-    assert tiny.slots_of(fake("ata")) is None
-    assert all(tiny.slots_of(fake("pic", mask=mask, mem=mem)) is None
+    assert not any(tiny.reads_whole_context(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist"))
+    assert not tiny.reads_whole_context(fake("pic", mem="single", mask="blockwise"))
+    assert tiny.reads_whole_context(fake("ata"))
+    assert all(tiny.reads_whole_context(fake("pic", mask=mask, mem=mem))
                for mask in ("causal", "bidir") for mem in ("table", "single"))
 
 
