@@ -240,6 +240,7 @@ class FlopCounter:
     def close(self):
         for h in self.hooks:
             h.remove()
+        self.hooks = []
         kernels._ChunkedLoss._run = staticmethod(self.real_run)
 
 
@@ -291,6 +292,8 @@ def bench_train():
             except torch.cuda.OutOfMemoryError:
                 print(out_of_memory(row[0], B))
             reset_memory()
+            torch._dynamo.reset()  # each row compiles its own flex graphs, as one run does: six methods' mask_mods
+            # and K/V layouts in one process pass dynamo's recompile limit, and flex then runs unfused
 
 
 def out_of_memory(name, B):
@@ -305,16 +308,18 @@ def train_row(shape, tok, row, B, context):
     m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
     ratios = runs.ratios_of(ratio)
 
+    base.grad_ckpt = args.grad_ckpt
+    counter = FlopCounter(base)
+
     def ours():
         loss, n, _ = m(batch, ratios)
+        counter.close()  # the forward's shapes give every FLOP; the backward's recompute (--grad_ckpt) is not counted
         return loss / max(float(n), 1.0)
     step = optimizer_step([p for p in m.parameters() if p.requires_grad], ours)
-    counter = FlopCounter(base)
     try:
-        step()  # counted without --grad_ckpt: recomputation is not model FLOPs
+        step()  # the counted step: the same memory as the timed ones (a step without --grad_ckpt may not fit)
     finally:
         counter.close()
-    base.grad_ckpt = args.grad_ckpt
     return base, m, batch, time_row(name, step, n_tokens, counter.flops), counter.flops, n_tokens
 
 

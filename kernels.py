@@ -24,6 +24,7 @@ BACKEND = None  # the one override: None = pick by device; "dense" or "flex" for
 # serves a bucket of lengths. Ints a mask_mod closes over go in as 0-d tensors: dynamo
 # guards on a Python int's value and would recompile for every new one.
 BLOCK = 128
+GRAPHS = 64  # graphs one compiled function may hold: see compiled()
 _compiled_flex = _compiled_block_mask = None  # built once, on the first CUDA call
 
 
@@ -31,16 +32,27 @@ def bucket(n):
     return -(-n // BLOCK) * BLOCK
 
 
+def compiled(fn, backend="inductor"):
+    """torch.compile(fn, dynamic=False): one graph per query bucket x key bucket x mask_mod
+    (its code) x batch size. One run meets up to ~10 buckets (max_context 1024 plus memory
+    slots), 2-4 mask_mods and the train and eval batch sizes: 10-14 graphs per function for
+    meanpool and pic ae+lm over seven context lengths, past dynamo's default limit of 8, after
+    which flex runs unfused for the rest of the run (B*H*Q*S scores; 3x slower measured on an
+    H200). The limit is raised to GRAPHS."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
+    return torch.compile(fn, dynamic=False, backend=backend)
+
+
 def _flex(q, k, v, block_mask, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) padded to the block mask's bucketed sizes."""
     global _compiled_flex
     if _compiled_flex is None and q.device.type == "cuda":
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = compiled(flex_attention)
     fn = _compiled_flex or flex_attention  # CPU: eager, unless a test installs a compiled one
     Q, S = q.shape[2], k.shape[2]
     Qp, Sp = block_mask.seq_lengths
-    q = F.pad(q, (0, 0, 0, Qp - Q))
-    k, v = F.pad(k, (0, 0, 0, Sp - S)), F.pad(v, (0, 0, 0, Sp - S))
+    q = F.pad(q, (0, 0, 0, Qp - Q)).contiguous()  # contiguous: one layout, one graph (no pad keeps strides)
+    k, v = F.pad(k, (0, 0, 0, Sp - S)).contiguous(), F.pad(v, (0, 0, 0, Sp - S)).contiguous()
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)[:, :, :Q]
 
 
@@ -186,8 +198,8 @@ class Mask:
         global _compiled_block_mask
         if self._block is None:
             if _compiled_block_mask is None and self.device.type == "cuda":
-                _compiled_block_mask = torch.compile(create_block_mask, dynamic=False)
-            build = _compiled_block_mask if self.device.type == "cuda" else create_block_mask
+                _compiled_block_mask = compiled(create_block_mask)
+            build = _compiled_block_mask or create_block_mask  # CPU: eager, unless a test installs a compiled one
             self._block = build(padded(self.mask_mod, self.Q, self.S, self.device), self.B, None,
                                 bucket(self.Q), bucket(self.S), device=self.device)
         return self._block

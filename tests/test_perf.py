@@ -84,3 +84,24 @@ def test_hf_peft_twins_give_our_losses():
         for n in ("proj.weight", "converter.0.weight", "mem_embed"):  # ours' own tensors, shared by both
             if n in g_ours:
                 torch.testing.assert_close(dict(m.named_parameters())[n].grad, g_ours[n], rtol=1e-3, atol=1e-6, msg=n)
+
+
+
+def test_bench_counts_flops_in_a_step_like_the_timed_ones(monkeypatch):
+    """bench.py train counts a row's FLOPs in a step that runs as the timed ones do: under
+    --grad_ckpt its layers run checkpointed (pic ae+lm at Llama-3.1-8B fits an H200 only so;
+    counted without, the row ran out of memory), and the count is the same."""
+    import model
+    bench = load_script("hf_twins").bench
+    tok = data.load_tokenizer(str(ROOT / "tiny_base"))
+    checkpointed, at_close = [], []
+    real_checkpointed, real_close = model.checkpointed, bench.FlopCounter.close
+    monkeypatch.setattr(model, "checkpointed", lambda *a: checkpointed.append(1) or real_checkpointed(*a))
+    monkeypatch.setattr(bench.FlopCounter, "close", lambda self: at_close.append(len(checkpointed)) or real_close(self))
+    flops = {}
+    for ckpt in (False, True):
+        checkpointed.clear(), at_close.clear()
+        monkeypatch.setattr(bench.args, "grad_ckpt", ckpt)
+        *_, flops[ckpt], _ = bench.train_row("tiny", tok, bench.ROWS[1], 2, 96)
+        assert (at_close[0] > 0) is ckpt, at_close  # layers checkpointed before the count closed
+    assert flops[True] == flops[False] > 0, flops
