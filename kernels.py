@@ -51,7 +51,7 @@ def _flex(q, k, v, block_mask, scale=None, score_mod=None):
     fn = _compiled_flex or flex_attention  # CPU: eager, unless a test installs a compiled one
     Q, S = q.shape[2], k.shape[2]
     Qp, Sp = block_mask.seq_lengths
-    q = F.pad(q, (0, 0, 0, Qp - Q)).contiguous()  # contiguous: one layout, one graph (no pad keeps strides)
+    q = F.pad(q, (0, 0, 0, Qp - Q)).contiguous()  # one layout, one graph: a zero pad keeps the strides
     k, v = F.pad(k, (0, 0, 0, Sp - S)).contiguous(), F.pad(v, (0, 0, 0, Sp - S)).contiguous()
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)[:, :, :Q]
 
