@@ -36,7 +36,7 @@ from model import Memory
 @dataclass
 class EvalConfig:
     runs: str = ""             # run dirs (positional arguments, globs allowed)
-    ratio: str = ""            # "" = the ratios the run was trained with
+    ratio: str = ""            # "" = the run's --eval_ratio, else the ratios it was trained with
     split: str = "test"        # synthetic split (when the run trained on synthetic data)
     eval_data: str = ""        # QA file; "" = the run's --eval_data, else synthetic
     n: int = 0                 # examples (0 = the run's eval_examples)
@@ -241,7 +241,8 @@ def evaluate_run(run_dir, ecfg, device):
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
     t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
     teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
-    rows = method_rows(method, tok, records, cfg, ecfg, runs.ratios_of(ecfg.ratio or cfg.ratio), device)
+    ratios = runs.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
+    rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4)
     extra = heldout([r["context"] for r in records]) if heldout else {}

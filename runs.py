@@ -50,6 +50,7 @@ class TrainConfig:
     # --- logging / eval
     eval_interval: int = 0     # validation loss every N steps (0 = 4 times per run)
     eval_examples: int = 200   # held-out QA examples for the final EM/F1 (0: train only, e.g. a pretraining stage)
+    eval_ratio: str = ""       # ratios the evaluation reads ("" = --ratio): a model trained at 5 can be read at 5,15
     # --- system
     device: str = ""           # "" = cuda if available else cpu
     dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
@@ -111,13 +112,13 @@ def print_help(configs, usage=USAGE):
             print(f"  --{f.name:<18} {str(f.default)!r:<14} {note}")
 
 
-def ratios_of(spec):
+def ratios_of(spec, flag="ratio"):
     try:
         rs = [int(r) for r in str(spec).split(",") if r.strip()]
     except ValueError:
-        raise SystemExit(f"error: --ratio {spec!r} must be an integer or a comma list like 4,8,16")
+        raise SystemExit(f"error: --{flag} {spec!r} must be an integer or a comma list like 4,8,16")
     if not rs or any(r <= 0 for r in rs):
-        raise SystemExit(f"error: --ratio {spec!r}: every ratio must be a positive integer")
+        raise SystemExit(f"error: --{flag} {spec!r}: every ratio must be a positive integer")
     return rs
 
 
@@ -224,6 +225,8 @@ def apply_defaults(cfg, mcfg, explicit, cls):
     for key, val in {**paper, **small}.items():
         if key not in explicit:
             setattr(cfg if hasattr(cfg, key) else mcfg, key, val)
+    if "ratio" in explicit and "eval_ratio" not in explicit:
+        cfg.eval_ratio = ""  # a method's reading ratios go with its default --ratio
     cfg.max_iters = cfg.max_iters or 1000
     cfg.batch_size = cfg.batch_size or 16
     cfg.lr = cfg.lr or 1e-4

@@ -149,6 +149,29 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
 
 
+
+def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
+    """A run trained at one ratio is read at its --eval_ratio ("" = the trained ones), and an
+    explicit eval.py --ratio wins over both."""
+    tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
+    say = lambda prompts: [tok.encode("Paris") for _ in prompts]
+    base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(prompts))
+    read_at = []
+    memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
+    method = types.SimpleNamespace(compress=lambda batch, r: read_at.append(r) or memory(len(batch["qa"])),
+                                   answer_from_memory=lambda mem, prompts, k: say(prompts))
+    for name, eval_ratio, extra, expected in (("a", "", [], [5]), ("b", "5,15", [], [5, 15]),
+                                              ("c", "5,15", ["--ratio", "51"], [51])):
+        cfg = runs.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
+        monkeypatch.setattr(runs, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""}}))
+        read_at.clear()
+        evaluate.main([str(tmp_path / name)] + extra)
+        rows = json.load(open(tmp_path / name / "metrics.json"))["rows"]
+        assert [r["ratio_requested"] for r in rows] == expected and sorted(set(read_at)) == expected, name
+
+
 def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     """Runs beside each other with the same base and questions compute the teacher rows
     once; other questions (--n) or --recompute compute them again."""

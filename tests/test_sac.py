@@ -151,9 +151,14 @@ def test_paper_defaults_one_ratio_per_model_and_300_warmup_steps(base_dir):
     assert cfg.ratio == "15" and cfg.max_iters == 1000
     assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
     assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
+    assert cfg.eval_ratio == ""  # read at the trained ratio
     tiny_cfg = runs.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
     runs.apply_defaults(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
+    assert runs.ratios_of(tiny_cfg.eval_ratio) == [5, 15]  # the r = 5 model read at 15 too
+    tiny_cfg = runs.TrainConfig(method="sac", ratio="15")
+    runs.apply_defaults(tiny_cfg, sac.SACConfig(), {"ratio"}, sac.SAC)
+    assert tiny_cfg.eval_ratio == ""  # an explicit --ratio is read as trained
 
 
 def test_bidirectional_anchor_sees_later_tokens(base_dir):
