@@ -138,7 +138,8 @@ def configure(argv):
     apply_defaults(cfg, mcfg, explicit, cls)
     inherit_first_stage(cfg, mcfg, explicit, cls)
     ratios = ratios_of(cfg.ratio)  # a bad --ratio is a one-line error before any method's own checks
-    ratios_of(cfg.eval_ratio or cfg.ratio, "eval_ratio")  # and a bad --eval_ratio before training
+    if cfg.eval_ratio:
+        ratios_of(cfg.eval_ratio, "eval_ratio")  # and a bad --eval_ratio before training
     if cfg.prompt not in ("auto", "plain", *data.CHAT_FORMATS):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
     if hasattr(cls, "check_config"):
