@@ -45,7 +45,9 @@ Choices the paper leaves open, made here:
 - On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
   its output form: compression tokens that read the whole prompt hold no fixed chunk). Fig. 10's
   order is not what holds ATA back there (question after the context: 6.5 F1 against 5.5),
-  nor the step count (1500 steps: 6.8), nor the paper's rel -> qa stages (500 steps each: 6.0).
+  nor the step count (1500 steps: 6.8), nor the paper's rel -> qa stages (500 steps each: 6.0),
+  nor k (--ratio 2, k = k_max: 6.8), nor a BOS sink before the memory (6.5); trained and read
+  on one-fact contexts it reaches only 18.0, so the encoder writes little into c_1..c_k.
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
