@@ -71,7 +71,7 @@ class MeanPool(nn.Module):
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
     # tiny base, F1 at 3.8 / 7.4 / 13.7x: 700 steps 47.2 / 38.8 / 12.0; 1000 51.0 / 38.5 / 12.0 (9 min 23 s
     # on 2 AMD EPYC cores); 1400 60.5 / 51.2 / 14.2 (~13 min). 16x stays at ~0.12 of the teacher's gain
-    # (on contexts of one person and two facts too: 26.5 F1 at 16x, 55.0 at 4x, teacher 95.5).
+    # (on contexts of one person and two facts too: 31.0 F1 at 16x, 57.0 at 4x, teacher 95.5).
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
