@@ -149,7 +149,6 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
 
 
-
 def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
     """A run trained at one ratio is read at its --eval_ratio ("" = the trained ones), and an
     explicit eval.py --ratio wins over both."""
