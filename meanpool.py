@@ -69,9 +69,8 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base, F1 at 3.8 / 7.4 / 13.7x: 700 steps 47.2 / 38.8 / 12.0; 1000 51.0 / 38.5 / 12.0 (9 min 23 s
-    # on 2 AMD EPYC cores); 1400 60.5 / 51.2 / 14.2 (~13 min). 16x stays at ~0.12 of the teacher's gain
-    # (on contexts of one person and two facts too: 31.0 F1 at 16x, 57.0 at 4x, teacher 95.5).
+    # tiny base, F1 at 3.8 / 7.4 / 13.7x: 700 steps 47.2 / 38.8 / 12.0, 1400 60.5 / 51.2 / 14.2 (~13 min):
+    # 16x stays at ~0.12 of the teacher's gain, on one-person two-fact contexts too (31.0 against 95.5).
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 

@@ -272,11 +272,8 @@ def distills_attention(method):
 
 def reads_whole_context(method):
     """Compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
-    single included) hold whatever they learn to: aid 2's output form, no slot map. Crediting their
-    slot t with chunk t imposes PIC's block-wise layout on the ablations that remove it
-    (bidirectional tokens, 700 steps at 4x: 5.0 F1 with it, 10.0 without); crediting every slot
-    evenly changes nothing (--mem single --mask causal: 7.8 F1 with it and without); the output
-    form gives 26-35 there over three runs (ata: 4-7 against 5.5)."""
+    single included) hold whatever they learn to: aid 2's output form, no slot map (crediting slot t
+    with chunk t imposed PIC's layout on the ablations that remove it and halved their F1)."""
     name = type(method).__name__
     return name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise")
 
@@ -289,11 +286,8 @@ class AttentionDistillation:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
         L += ATTN_KD * n * mean_N |o - o_teacher|^2 / mean_N |o_teacher|^2
     with n the method's token count, so the term is per answer token like KD/CE. Without it the
-    decoder sits on the answer prior for thousands of examples. Supervising the writers as well (a
-    gist's head 0 one layer below the last, toward what the teacher reads in its sentence) made
-    sentence_gist worse (F1 4.0 against 11.0 at 300 steps); adding the output form to the slot form
-    moved nothing beyond noise (meanpool 50.2 / 44.0 / 13.0 against 47.2 / 38.8 / 12.0, pic --ratio
-    16 0.19 against 0.16 of the teacher's gain, sentence_gist 8.2 against 11.0)."""
+    decoder sits on the answer prior for thousands of examples; supervising the writers as well
+    (sentence_gist's gists, ATA's compression tokens) did not help, nor the output form on top of slots."""
 
     def __init__(self, method, weight):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
