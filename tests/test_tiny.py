@@ -128,7 +128,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     from model import apply_rope
     m, batch = _method(tmp_path)
     m.aid = tiny.AttentionDistillation(m, 1.0)
-    _, (seen, _) = m.aid.teacher(batch)  # (N, L)
+    _, (seen, *_) = m.aid.teacher(batch)  # (N, L)
     rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
     lens = batch["context_len"][rows]
     assert (seen.sum(-1) > 0.01).all() and (seen.sum(-1) <= 1 + 1e-5).all()
@@ -230,6 +230,34 @@ def test_slots_follow_each_papers_layout(base_dir):
         assert (keys[b, n:] == -1).all()
 
 
+def test_gist_kv_targets_pair_each_answers_gists_with_its_tokens(base_dir):
+    """sentence_gist's K/V target: the N_g gists paired with a QA pair close the sentence that holds
+    its answer and stand in a row; each target is an answer token in `full`; the loss is 0 where
+    the gists' attention inputs equal the teacher's at those tokens, and positive otherwise."""
+    from sentence_gist import GIST, TOKEN
+    m, batch = _with_aid(base_dir, "sentence_gist", gists=2)
+    rows = [(batch["prefix"], batch["context"][b, :n].tolist(), []) for b, n in enumerate(batch["context_len"])]
+    lay = m.layout(rows)
+    r, g, t = tiny.gist_answer_pairs(lay, batch, m.tok, 2)
+    n_qas = sum(len(rec["qas"]) for rec in batch["records"])
+    assert len(r) == 2 * n_qas  # every answer found
+    for i in range(0, len(r), 2):
+        b, qa = r[i], len([j for j in range(0, i, 2) if r[j] == r[i]])
+        answer = m.tok.encode(" " + batch["records"][b]["qas"][qa][1], start=False)
+        assert g[i + 1] == g[i] + 1 and (lay["kind"][b, g[i:i + 2]] == GIST).all()
+        assert [batch["full"][b, k].item() for k in t[i:i + 2]] == [answer[0], answer[min(1, len(answer) - 1)]]
+        tokens = (lay["kind"][b] == TOKEN).nonzero().flatten()  # the context's tokens come first
+        last = tokens[t[i] - len(batch["prefix"]) + len(answer) - 1]  # the answer's last token
+        assert lay["sentence"][b, g[i]] == lay["sentence"][b, last]
+    last_layer = m.aid.last
+    x_teacher = torch.randn(*batch["full"].shape, m.base.config.hidden_size)
+    x = torch.randn(len(rows), lay["kind"].shape[1], m.base.config.hidden_size)
+    m.aid.inputs[last_layer] = (x,)
+    assert m.aid.gist_kv_loss(x_teacher, lay, batch).item() > 0.1
+    x[r, g] = x_teacher[r, t]
+    assert m.aid.gist_kv_loss(x_teacher, lay, batch).item() == pytest.approx(0.0, abs=1e-6)
+
+
 def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots():
     """Aid 2 applies to every compression method; per slot for layouts that say which slot holds
     which token (meanpool's windows, PIC's block-wise chunks, SAC's anchors), its output form for
@@ -258,7 +286,7 @@ def test_output_form_is_head_0s_output_in_the_real_passes(base_dir, name, kw):
     seen = []
     attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][..., :attn.hd]))
     with torch.no_grad():
-        _, (_, teacher_out) = m.aid.teacher(batch)
+        _, (_, teacher_out, _) = m.aid.teacher(batch)
         rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
         assert torch.allclose(teacher_out, seen[-1][rows, pos], atol=1e-5)
         memory = m.compress(batch, 4)
