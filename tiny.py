@@ -376,9 +376,9 @@ class AttentionDistillation:
         rows, gists, targets = gist_answer_pairs(L, batch, self.tok, self.n_gists)
         if not rows:
             return 0.0
-        attn, x = self.base.model.layers[self.last].self_attn, self.inputs[self.last][0]
+        attn, x = self.base.model.layers[self.last].self_attn, self.inputs[self.last][0][rows, gists].float()
         with self.base.adapter(self.adapter):
-            kv = torch.cat([attn.k_proj(x[rows, gists].float()), attn.v_proj(x[rows, gists].float())], -1)
+            kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], -1)
         with torch.no_grad(), self.base.adapter(None):
             x_t = x_teacher[rows, targets].float()
             kv_teacher = torch.cat([attn.k_proj(x_t), attn.v_proj(x_t)], -1)
