@@ -27,7 +27,7 @@ import data
 import kernels
 import runs
 import train
-from model import Memory, ModelConfig, Transformer
+from model import Memory, ModelConfig, Transformer, compile_layers
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("what", choices=["loss", "train", "attention", "ttft"])
@@ -45,6 +45,10 @@ parser.add_argument("--context", type=int, default=1024, help="train: context to
 parser.add_argument("--train_batch", type=int, default=8, help="train: examples per step")
 parser.add_argument("--methods", default="", help="train: comma list of rows to run (default all)")
 parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
+parser.add_argument("--compile", action="store_true", help="train, ttft: model.compile_layers, as train.py --compile")
+parser.add_argument("--profile", action="store_true", help="train: after each row, its kernels by device time")
+parser.add_argument("--attn_batch", type=int, default=1, help="attention: sequences per call")
+parser.add_argument("--lengths", default="4096,8192", help="attention: about how many tokens a sequence has")
 
 
 def configure(argv):
@@ -275,18 +279,22 @@ def train_shapes():
     context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
     hardware = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device} ({hardware}), "
-          f"{'bf16 weights + autocast' if cuda else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''}; median"
+          f"{'bf16 weights + autocast' if cuda else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''}{', --compile' if args.compile else ''}; median"
           f" of {args.iters} after 1 untimed; peak = max_memory_allocated{'' if cuda else ' (n/a on CPU)'}")
     return ["tiny"] if args.tiny else args.shapes.split(","), B, context
+
+
+def selected_rows():
+    """The ROWS that --methods names (by row or method), all without it."""
+    return [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
 
 
 def bench_train():
     tok = data.load_tokenizer(TINY_BASE)
     shapes, B, context = train_shapes()
-    rows = [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
     for shape in shapes:
         print(f"{shape}:")
-        for row in rows:
+        for row in selected_rows():
             try:
                 train_row(shape, tok, row, B, context)
             except torch.cuda.OutOfMemoryError:
@@ -320,7 +328,22 @@ def train_row(shape, tok, row, B, context):
         step()  # the counted step: the same memory as the timed ones (a step without --grad_ckpt may not fit)
     finally:
         counter.close()
-    return base, m, batch, time_row(name, step, n_tokens, counter.flops), counter.flops, n_tokens
+    if args.compile:  # after the counted step, whose hooks would go into the graphs
+        compile_layers(base)
+    secs = time_row(name, step, n_tokens, counter.flops)
+    if args.profile:
+        profile(step)
+    return base, m, batch, secs, counter.flops, n_tokens
+
+
+def profile(step):
+    """Prints the 15 ops that took the most device time (CPU time on a CPU) in one step()."""
+    with torch.profiler.profile() as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 # -----------------------------------------------------------------------------
@@ -343,20 +366,21 @@ def attention_masks(T, dev):
 
 def bench_attention():
     H, Hkv, hd = 16, 8, 128  # Qwen3-1.7B's attention
-    for T in (4096, 8192):
+    B = args.attn_batch  # the rows share one mask (broadcast over the batch)
+    for T in map(int, args.lengths.split(",")):
         for name, mask_mod, Tm in attention_masks(T, device):
             new_block = lambda: kernels.Mask(mask_mod, 1, Tm, Tm, device).block()  # noqa: E731
             first_s, block_s = timeit(new_block, 0, 1), timeit(new_block, 0, 3)  # the first compiles (CUDA)
             mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
             empty, dense_s = mask.block().sparsity(), timeit(mask.dense, 0, 1)  # sparsity: % of blocks skipped
-            print(f"{name:14s} T={Tm:5d} {device}: create_block_mask {block_s * 1000:8.1f} ms/batch "
+            print(f"{name:14s} B={B} T={Tm:5d} {device}: create_block_mask {block_s * 1000:8.1f} ms/batch "
                   f"(first call {first_s * 1000:.0f} ms), dense mask {dense_s * 1000:.1f} ms, "
                   f"{empty:.0f}% of 128x128 blocks empty")
             if not cuda:
                 print(f"{'':14s} flex vs SDPA fwd+bwd: skipped (CUDA only: torch {torch.__version__} has no flex backward on CPU)")
                 continue
             g = torch.Generator(device=device).manual_seed(0)
-            q, k, v = (torch.randn(1, h, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+            q, k, v = (torch.randn(B, h, Tm, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
                        for h in (H, Hkv, Hkv))
 
             def step():
@@ -383,6 +407,8 @@ def bench_ttft():
           f"from a safetensors file, {device}; ideal speed-up (L+P)/(L/r+P) = {ideal:.2f}")
     for shape in ["tiny"] if args.tiny else args.shapes.split(","):
         base = random_model(shape, tok)
+        if args.compile:
+            compile_layers(base)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(10, tok.vocab_size, (1, L + P), generator=g).to(device)
         with tempfile.TemporaryDirectory() as d:

@@ -205,6 +205,7 @@ class Mask:
         return self._block
 
 
+@torch.compiler.disable  # model.compile_layers: the dispatch stays eager; flex compiles on its own
 def attention(q, k, v, mask=None, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S.
     scale: of q.k (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap).

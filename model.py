@@ -629,19 +629,16 @@ class Transformer(nn.Module):
         self.adapter_configs.pop(name)
 
 
-def compile_forward(model, backend="inductor"):
-    """torch.compile(model.forward, dynamic=False) for training (train.py --compile). K/V memory
-    is padded (invalid slots, never seen) to a multiple of kernels.BLOCK slots, so memories of
-    1..128 slots share one graph; not with return_kv, whose length would change."""
-    compiled = torch.compile(model.forward, dynamic=False, backend=backend)
-
-    def forward(*args, memory=None, return_kv=False, **kw):
-        if memory is not None and memory.kv is not None and not return_kv:
-            pad = kernels.bucket(memory.n_slots) - memory.n_slots
-            kv = [(F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))) for k, v in memory.kv]  # (B, Hkv, C', hd)
-            memory = Memory(kv=kv, mask=F.pad(memory.mask, (0, pad), value=False), next_pos=memory.next_pos)
-        return compiled(*args, memory=memory, return_kv=return_kv, **kw)
-    return forward
+def compile_layers(model, backend="inductor"):
+    """Regional torch.compile (train.py --compile): each decoder layer runs compiled, attention
+    excepted (kernels.attention is left to eager dispatch; on CUDA it calls its own compiled flex).
+    What fuses is the rest of a layer: norms, projections with their LoRA, RoPE, SwiGLU, residuals.
+    The layers share their graphs (same code; parameters are graph inputs), and shapes go dynamic
+    after the first recompile, so a run compiles a few graphs in seconds instead of a whole model
+    per length bucket."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, kernels.GRAPHS)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
 
 
 def read_safetensors(path, device="cpu"):

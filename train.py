@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import data
 import tiny
-from model import compile_forward
+from model import compile_layers
 from runs import (TrainConfig, apply_defaults, build, inherit_first_stage, load_checkpoint, method_config,
                   method_registry, parse_args, print_help, ratios_of, read_records, save_checkpoint, to_device)
 
@@ -250,7 +250,7 @@ def main(argv):
         print(f"resuming {cfg.out_dir} from step {step}")
     # 3) compile, DDP wrap, data
     if cfg.compile:
-        base.forward = compile_forward(base)  # K/V memory bucketed: one graph per length bucket
+        compile_layers(base)
     ddp_ids = [device] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
     batches, val = Batches(cfg, tok, method, rank, world), Batches(cfg, tok, method, rank, world)

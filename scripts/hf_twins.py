@@ -148,7 +148,7 @@ def main():
     shapes, B, context = bench.train_shapes()
     for shape in shapes:
         print(f"{shape}:")
-        for row in (r for r in bench.ROWS if r[0] in TWINS):
+        for row in (r for r in bench.selected_rows() if r[0] in TWINS):
             try:
                 twin_pair(shape, tok, row, B, context)
             except torch.cuda.OutOfMemoryError:

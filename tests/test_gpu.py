@@ -18,7 +18,7 @@ import data
 import kernels
 import runs
 from common import torchrun
-from model import Memory, compile_forward
+from model import Memory, compile_layers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::FutureWarning")]
 CUDA = torch.device("cuda")
@@ -73,7 +73,7 @@ def test_compile_loss_equals_eager(tok, row):
         base = bench.random_model("tiny", tok, CUDA, torch.float32)
         m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
         if compiled:
-            base.forward = compile_forward(base)  # as train.py --compile
+            compile_layers(base)  # as train.py --compile
         loss, n, _ = m(batch, runs.ratios_of(ratio))
         losses.append(loss.item() / n)
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
