@@ -278,8 +278,9 @@ def train_shapes():
     """(shapes, B, context) of `train`, its header printed."""
     context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
     hardware = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
+    flags = "".join(f", --{f}" for f in ("grad_ckpt", "compile") if getattr(args, f))
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device} ({hardware}), "
-          f"{'bf16 weights + autocast' if cuda else 'fp32'}{', --grad_ckpt' if args.grad_ckpt else ''}{', --compile' if args.compile else ''}; median"
+          f"{'bf16 weights + autocast' if cuda else 'fp32'}{flags}; median"
           f" of {args.iters} after 1 untimed; peak = max_memory_allocated{'' if cuda else ' (n/a on CPU)'}")
     return ["tiny"] if args.tiny else args.shapes.split(","), B, context
 
