@@ -31,7 +31,8 @@ Choices the paper leaves open (or that differ from it), made here:
       python train.py --method sentence_gist --init_from out/g2 --stage 3 --out_dir out/g3
 - Objectives: `lm` (the paper's; default on real checkpoints), `qa` (the tiny base's, scored
   by QA F1; tiny.py's aids apply). --ratio does not apply (it is achieved). Tiny base: aid 3's
-  four QA pairs and aid 2's K/V target, 500 steps: F1 51.8 (without the target 18.0; LoRA rank 64: 16.8).
+  four QA pairs and aid 2's K/V target, 500 steps at lr 3e-3: F1 58.8, 55.0, 59.2 for seeds 1337,
+  1, 2 (at 2e-3: 51.8, 13.5, 52.8; without the target 18.0; LoRA rank 64: 16.8).
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ class SentenceGist(nn.Module):
               3: dict(max_iters=2000, lr=5e-5, min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0)}
     STAGE_FLAGS = ("stage",)  # what a later stage may change
     PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
-    TINY = dict(objective="qa", gists=2, lr=2e-3, max_iters=500, batch_size=16, grad_clip=1.0, warmup_frac=0.1)  # N_g 2: ~4x
+    TINY = dict(objective="qa", gists=2, lr=3e-3, max_iters=500, batch_size=16, grad_clip=1.0, warmup_frac=0.1)  # N_g 2: ~4x
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = "gist"  # the one adapter: the model reads (and writes) gists with it
 
