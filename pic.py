@@ -119,9 +119,9 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny base, --seed 1337 / 1 / 2: 700 steps (of 4 or 4,16) learn for one or two seeds in three; 1400 of 4
-    # for all (F1 70.8 / 58.0 / 76.2 at 3.8x), read at 16x keeping 0.25 / 0.21 / 0.27 of the teacher's gain
-    # (trained at 16: 0.16-0.19).
+    # tiny base, --seed 1337 / 1 / 2: 1400 steps of 4 learn for all (F1 70.8 / 58.0 / 76.2 at 3.8x; 700: not all),
+    # read at 16x keeping 0.25 / 0.21 / 0.27 of the teacher's gain (trained at 16: 0.16-0.19; lr 3e-3: 0.38 /
+    # 0.14 / 0.34, and --mem single then learns for one seed in three, bidir worse: 16.8 against 26.8 F1).
     TINY = dict(lr=2e-3, max_iters=1400, batch_size=8, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
