@@ -19,8 +19,9 @@ Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_caus
 
 Choices the paper leaves open, made here:
 - Layout: memory tokens follow the *padded* context with unpadded position ids (context
-  i -> i, memory t -> L_b + t) and padding keys are masked, so an example gets the same
-  memory in any batch; the last chunk is partial (the paper assumes r | L).
+  i -> i, memory t -> L_b + t; at chunk t's centre, as EPL (arXiv:2409.14364), the tiny base's
+  bidir tokens gave 35.2 F1 at 4x against 26.8, causal 21.2 against 26.2, one seed) and padding
+  keys are masked, so an example gets the same memory in any batch; a last chunk may be partial.
 - Memory tokens are a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single`
   is meanpool §5.1's compression-token baseline whole (one learned token repeated, a `decoder`
   LoRA, a linear W at identity for the converter, `kd`), so Table 1 compares like with like; on
@@ -37,9 +38,8 @@ Choices the paper leaves open, made here:
 - Several ratios (--ratio 4,16) sum their losses, one encoder pass each; default 16.
 - The kd teacher is the decoder with full context (prefer the decoder as --init_from).
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
-`--objective qa --init_from out/pic_pt` (which inherits the first's config). On the tiny
-base, tiny.py's aids apply (attention distillation: per slot under --mask blockwise, where m_t
-holds c_t; its output form under causal and bidir).
+`--objective qa --init_from out/pic_pt` (which inherits the first's config). On the tiny base,
+tiny.py's aids apply (attention KD per slot under blockwise, m_t holding c_t; else its output form).
 """
 import math
 from dataclasses import dataclass
