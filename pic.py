@@ -21,7 +21,7 @@ Choices the paper leaves open, made here:
 - Layout: memory follows the *padded* context with unpadded position ids (context i -> i, memory
   t -> L_b + t), padding keys masked: an example's memory is the same in any batch. Ids at chunk
   t's centre (EPL, arXiv:2409.14364) made the tiny base's tokens learn for seeds 1, 2 (4x F1: bidir
-  82.2 / 79.8, causal 73.0; appended 7.5 / -, 13.5) but not 1337 (35.2, 21.2 vs 26.8, 26.2).
+  82.2 / 79.8, causal 73.0 / 78.0; appended 7.5 / 16.5, 13.5 / 23.0), not 1337 (35.2, 21.2).
 - Memory tokens are a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single`
   is meanpool §5.1's compression-token baseline whole (one learned token repeated, a `decoder`
   LoRA, a linear W at identity for the converter, `kd`), so Table 1 compares like with like; on
