@@ -4,7 +4,7 @@ compression-token masks it is compared with.
 Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_causal.txt),
 §3, Table 2, Table 4; the bidirectional variant is meanpool_multi_ratio §5.1.
 
-    sequence   Z = [c_1 .. c_N, m_1 .. m_N],  N = ceil(L / r)                        (eq. 4)
+    sequence   Z = [c_1 .. c_N, m_1 .. m_N],  N = ceil(L / r) (paper: r | L)         (eq. 4)
     mask       blockwise (PIC, eq. 5): context -> context causal; memory -> memory
                causal (t' <= t); memory t -> context only in chunk c_t
                causal (PCC / ICAE, Table 4 "Full Causal Mask"): m_t -> all context, m_<=t
