@@ -75,6 +75,14 @@ def test_padding_keys_are_never_seen():
     assert pos[1].tolist() == [0, 1, 2, 3, 4, 5, 4, 5] and n_mem.tolist() == [2, 2]
 
 
+def test_centre_positions_put_memory_t_at_chunk_t_middle_token():
+    # EPL: chunk {0,1,2} -> 1, chunk {3,4,5} -> 4; a partial last chunk {3} -> its last real token 3
+    pos = pic.layout(torch.tensor([6, 4]), 6, 3, centre=True)[3]
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 5, 1, 4], [0, 1, 2, 3, 4, 5, 1, 3]]
+    pos = pic.layout(torch.tensor([8]), 8, 4, centre=True)[3]  # even r: the left middle, (r - 1) // 2
+    assert pos[0, 8:].tolist() == [1, 5]
+
+
 # -----------------------------------------------------------------------------
 # receptive fields, through the encoder's outputs (L = 9, r = 3: three chunks, N = 3)
 
@@ -289,7 +297,7 @@ def test_two_stage_recipe_starts_qa_from_ae_lm(base_dir, tmp_path):
 def test_check_config_errors():
     cfg = runs.TrainConfig(ratio="1", max_context=600)
     for kw, message in ((dict(), "--max_mem 256"), (dict(mask="diag"), "--mask"), (dict(mem="two"), "--mem"),
-                        (dict(lora_r=0, max_mem=600), "needs a separate --encoder")):
+                        (dict(mem_pos="end"), "--mem_pos"), (dict(lora_r=0, max_mem=600), "needs a separate --encoder")):
         with pytest.raises(SystemExit, match=message):
             pic.PIC.check_config(cfg, pic.PICConfig(**kw))
     pic.PIC.check_config(cfg, pic.PICConfig(mem="single"))  # one token repeated has no table to outgrow
