@@ -356,6 +356,15 @@ def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
         assert cfg.objective == objective
 
 
+def test_compression_tokens_default_to_chunk_centres(base_dir, monkeypatch):
+    """--mem single defaults to EPL's layout, the memory table to PIC's; --mem_pos overrides either."""
+    seen, layout = [], pic.layout
+    monkeypatch.setattr(pic, "layout", lambda *a: seen.append(a[3]) or layout(*a))
+    for kw in (dict(mem="single"), dict(), dict(mem="single", mem_pos="after"), dict(mem_pos="centre")):
+        memory_states(make(base_dir, **kw)[0], torch.arange(5, 14)[None])
+    assert seen == [True, False, False, True]
+
+
 def test_ae_lm_pretrains_the_lengths_finetuning_compresses(base_dir, tmp_path):
     """ae+lm compresses the first half of a text: texts are cut at 2 x max_context, so
     memory rows up to ceil(max_context / r) are pretrained (issue 20.17)."""
