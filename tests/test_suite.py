@@ -36,3 +36,18 @@ def test_suite_smoke_runs_every_entry(tmp_path):
     assert count and int(count[1]) == len(verdicts) >= 25, report
     assert "no data" not in verdicts, [l for l in report.splitlines() if "no data" in l]
     assert "| meanpool_multi_ratio T1 | mean pooling > causal compression tokens, 16x |" in table  # printed too
+
+
+def test_seeds_runs_one_setting_per_seed_into_one_table(base_dir, tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "seeds"))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "1,2", "--method", "meanpool", "--init_from",
+                        str(base_dir), "--max_iters", "2", "--batch_size", "2", "--eval_examples", "4"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("| teacher |") == 2  # a table per seed: each seed draws its own questions
+    for s in (1, 2):
+        assert json.load(open(tmp_path / "seeds" / f"seed{s}" / "run.json"))["train"]["seed"] == s
+        assert f"== {tmp_path / 'seeds' / f'seed{s}'}" in p.stdout
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "3", "--method", "nope"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "seed3 failed" in p.stderr

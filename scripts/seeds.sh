@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One setting over several seeds, then one table: how much a tiny-base row owes to its seed.
+#   bash scripts/seeds.sh 1337,1,2 --method pic --mem single --mask bidir
+#   JOBS=15 bash scripts/seeds.sh 1,2,3,4,5,6,7 --method pic --mem single --dtype float32   # a GPU
+# --seed draws the held-out questions too, so rows of different seeds are not paired; to pair
+# two settings, run both on one seed and use eval.py --compare.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { echo "usage: bash scripts/seeds.sh SEED,SEED,... TRAIN_FLAGS..." >&2; exit 2; }
+SEEDS=$1; shift
+JOBS=${JOBS:-2}                  # runs at a time, one thread each
+OUT=${OUT:-out/seeds}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+mkdir -p "$OUT"
+dirs=() pids=()
+for s in ${SEEDS//,/ }; do
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  dirs+=("$OUT/seed$s")
+  python train.py "$@" --seed "$s" --out_dir "$OUT/seed$s" --quiet > "$OUT/seed$s.log" 2>&1 & pids+=($!)
+done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { echo "error: ${dirs[$i]} failed; see ${dirs[$i]}.log" >&2; exit 1; }
+done
+for d in "${dirs[@]}"; do  # one table per seed (its own questions and teacher), read from metrics.json
+  echo "== $d"; python eval.py "$d"
+done
