@@ -8,7 +8,7 @@
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Cost: about 70 min on a 2-core Intel Xeon (base 14-16k tokens/s), two runs at a time with one thread
+# Cost: about 76 min on a 2-core Intel Xeon (base 14-16k tokens/s), two runs at a time with one thread
 # each (small models use cores better so: ~1.3x the throughput of one run on two threads); the
 # runs of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is
 # in the log. Steps per run, per family (ITERS overrides all): the fewest at which each family
