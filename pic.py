@@ -18,27 +18,23 @@ Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_caus
                full context (the same loss as meanpool.py, so both compare under one loss)
 
 Choices the paper leaves open, made here:
-- Layout: memory follows the *padded* context, padding keys masked (an example's memory is the same
-  in any batch). Context i has position id i; memory t has L_b + t (`--mem_pos after`) or chunk t's
-  centre, min(t r + (r - 1) // 2, L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). On
-  the tiny base, compression tokens keep >= 0.5 of the teacher's gain at 4x in 12 of 21 runs (seeds,
-  masks) at centre, 0 of 6 after: --mem single defaults to centre; PIC keeps after (a wash there).
+- Layout: memory after the *padded* context, padding keys masked (an example's memory is the same in any
+  batch); context i at position i, memory t at L_b + t (`--mem_pos after`) or at chunk t's centre
+  min(t r + (r - 1) // 2, L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). --mem single defaults
+  to centre: on the tiny base its tokens learn there (tiny_defaults), not after (F1 9.8 / 5.6 at 4x); PIC: after.
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
   §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
   prefix (BOS / chat header), the memory, then the prompt, as in meanpool.py.
-- Encoder: the shared base with an `encoder` adapter by default; the paper's separate,
-  fully finetuned one (Qwen2.5-0.5B -> frozen Llama-3-8B) is `--encoder DIR --lora_r 0`,
-  reading the context text with its own tokenizer when its vocabulary differs.
-- ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2, texts cut at
-  2 x max_context so pretraining compresses the lengths finetuning will; eq. 6-7 are
-  per-example means, so a batch's loss sums eq. 8 over examples and counts examples
-  (exact under DDP and accumulation); <AE> is a learned vector in the decoder's space.
-- Several ratios (--ratio 4,16) sum their losses, one encoder pass each; default 16.
-- The kd teacher is the decoder with full context (prefer the decoder as --init_from).
-Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then
-`--objective qa --init_from out/pic_pt` (which inherits the first's config). On the tiny base,
-tiny.py's aids apply (attention KD per slot under blockwise, m_t holding c_t; else its output form).
+- Encoder: the shared base with an `encoder` adapter; the paper's separate, fully finetuned one (Qwen2.5-0.5B
+  -> frozen Llama-3-8B) is `--encoder DIR --lora_r 0`, reading the text with its own tokenizer if need be.
+- ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2, texts cut at 2 x max_context so
+  pretraining compresses the lengths finetuning will; eq. 6-7 are per-example means, so a batch's loss sums
+  eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
+- Several ratios (--ratio 4,16) sum their losses, one encoder pass each; kd's teacher: the decoder, full context.
+Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa
+--init_from out/pic_pt` (inheriting its config). Tiny base: tiny.py's aids (attention KD per slot if
+blockwise, else of its output).
 """
 import math
 from dataclasses import dataclass
@@ -120,11 +116,15 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny base, --seed 1337 / 1 / 2: 1400 steps of 4 learn for all (F1 70.8 / 58.0 / 76.2 at 3.8x; 700: not all),
-    # read at 16x keeping 0.25 / 0.21 / 0.27 of the teacher's gain (trained at 16: 0.16-0.19; lr 3e-3: 0.38 / 0.14).
+    # tiny, seeds 1337 / 1 / 2: F1 70.8 / 58.0 / 76.2 at 3.8x (700 steps: not all learn); at 16x 0.25 / 0.21 / 0.27
     TINY = dict(lr=2e-3, max_iters=1400, batch_size=8, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
+
+    @staticmethod
+    def tiny_defaults(mcfg):  # --mem single: meanpool's TINY (§5.1 trains tokens and pooling alike). F1/teacher at
+        # 4x, seeds 1337 / 1 / 2: causal 0.74 / 0.75 / 0.75, bidir 0.69 / 0.21 / 0.55 (at ratio 4, 1400 steps: 4 of 6)
+        return dict(PIC.TINY, max_iters=700, ratio="4,8,16", eval_ratio="") if mcfg.mem == "single" else PIC.TINY
 
     @staticmethod
     def default_objective(mcfg):
