@@ -33,8 +33,7 @@ Choices the paper leaves open, made here:
   eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
 - Several ratios (--ratio 4,16) sum their losses, one encoder pass each; kd's teacher: the decoder, full context.
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa
---init_from out/pic_pt` (inheriting its config). Tiny base: tiny.py's aids (attention KD per slot if
-blockwise, else of its output).
+--init_from out/pic_pt` (inheriting its config). Tiny base: tiny.py's aids (KD per slot if blockwise, else output).
 """
 import math
 from dataclasses import dataclass
@@ -132,9 +131,10 @@ class PIC(nn.Module):
 
     @staticmethod
     def check_config(cfg, mcfg):
-        for flag, choices in (("mask", list(MASKS)), ("mem", ["table", "single"]), ("mem_pos", ["after", "centre"])):
-            if getattr(mcfg, flag) not in choices + [""] * (flag == "mem_pos"):
-                raise SystemExit(f"error: --{flag} {getattr(mcfg, flag)!r}; choose from {', '.join(choices)}")
+        for flag, choices in (("mask", [*MASKS]), ("mem", ["table", "single"]), ("mem_pos", ["", "after", "centre"])):
+            value = getattr(mcfg, flag)
+            if value not in choices:
+                raise SystemExit(f"error: --{flag} {value!r}; choose from {', '.join(filter(None, choices))}")
         if mcfg.lora_r < 0 or (mcfg.lora_r == 0 and not mcfg.encoder):
             raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
                              "the frozen decoder shares the base weights")
@@ -146,6 +146,7 @@ class PIC(nn.Module):
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
+        self.centre = (cfg.mem_pos or ("centre" if cfg.mem == "single" else "after")) == "centre"  # memory ids
         dtype = base.lm_head.weight.dtype
         self.enc_model = self.dec_model = self.enc_tok = None  # separate checkpoints; the encoder's own tokenizer
         if cfg.encoder:
@@ -190,8 +191,7 @@ class PIC(nn.Module):
     def encode(self, context, lengths, r):
         """Encoder over Z = [context, memory tokens] -> memory slots' final states (B, N, d_enc), validity (B, N)."""
         B, L = context.shape
-        centre = (self.cfg.mem_pos or ("centre" if self.cfg.mem == "single" else "after")) == "centre"
-        is_mem, chunk, valid, pos, n_mem = layout(lengths, L, r, centre)
+        is_mem, chunk, valid, pos, n_mem = layout(lengths, L, r, self.centre)
         N = is_mem.shape[1] - L
         if int(pos.max()) >= self.enc.config.max_position_embeddings:
             raise ValueError(f"context of {int(lengths.max())} tokens plus {N} memory tokens exceeds the encoder's "

@@ -38,7 +38,7 @@ def test_suite_smoke_runs_every_entry(tmp_path):
     assert "| meanpool_multi_ratio T1 | mean pooling > causal compression tokens, 16x |" in table  # printed too
 
 
-def test_seeds_runs_one_setting_per_seed_into_one_table(base_dir, tmp_path):
+def test_seeds_runs_one_setting_per_seed_with_a_table_each(base_dir, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "seeds"))
     p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "1,2", "--method", "meanpool", "--init_from",
                         str(base_dir), "--max_iters", "2", "--batch_size", "2", "--eval_examples", "4"],
