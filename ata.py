@@ -45,9 +45,7 @@ Choices the paper leaves open, made here:
 - On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
   its output form: compression tokens that read the whole prompt hold no fixed chunk). There the
   frozen decoder answers from the answer tokens' own K/V alone (85-93 F1), but the encoder does not
-  learn to write them into c_1..c_k: Fig. 10's order, 1500 steps, the rel -> qa stages, a BOS sink,
-  LoRA rank 64, supervising c_j's attention onto the answer or its K/V toward the answer's all stay
-  at 4-8 F1, and k ~ 30 (--k_max 64 --ratio 1, 5.9x) reaches 10.8.
+  learn to write them into c_1..c_k (4-11 F1 at any k, stage order, rank or K/V target tried).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """

@@ -295,12 +295,8 @@ class AttentionDistillation:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
         L += ATTN_KD * n * mean_N |o - o_teacher|^2 / mean_N |o_teacher|^2
     with n the method's token count, so the term is per answer token like KD/CE. Without it the
-    decoder sits on the answer prior for thousands of examples. The writers' attention supervised as
-    well did not help (sentence_gist, ATA), nor the output form on top of slots. sentence_gist's
-    gists given the answer's K/V as a target (gist_kv_loss) learn to answer for three seeds in three
-    (sentence_gist.py has the F1s; GIST_KV 1 and 0.3 gave 37.8 and 18.8 against 51.8); ATA's compression
-    tokens given the same did not learn it, and a V target for the meanpool and PIC slots holding
-    an answer moved their 16x F1 by under 3 points (14.5 vs 12.0, 26.5 vs 24.8)."""
+    decoder sits on the answer prior for thousands of examples; supervising the writers' attention,
+    or giving slots the answer's K/V, did not help (but sentence_gist's gists need it: gist_kv_loss)."""
 
     def __init__(self, method, weight):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
