@@ -282,7 +282,8 @@ def distills_attention(method):
 def reads_whole_context(method):
     """Compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
     single included) hold whatever they learn to: aid 2's output form, no slot map (crediting slot t
-    with chunk t imposed PIC's layout on the ablations that remove it and halved their F1)."""
+    with chunk t halved their F1 with memory after the context; at the centres it kept 0.40-0.57 of
+    the teacher's gain at 4x over four runs, against 0.21-0.75 for the same runs in this form)."""
     name = type(method).__name__
     return name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise")
 
