@@ -32,8 +32,8 @@ Choices the paper leaves open, made here:
   pretraining compresses the lengths finetuning will; eq. 6-7 are per-example means, so a batch's loss sums
   eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
 - Several ratios (--ratio 4,16) sum their losses, one encoder pass each; kd's teacher: the decoder, full context.
-Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa
---init_from out/pic_pt` (inheriting its config). Tiny base: tiny.py's aids (KD per slot if blockwise, else output).
+Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa --init_from
+out/pic_pt` (its config). Tiny base: tiny.py's aids (KD per slot if blockwise, at the centres first; else output).
 """
 import math
 from dataclasses import dataclass
