@@ -245,12 +245,12 @@ def window_slots(batch, memory, r):
     r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
     i = torch.arange(batch["context"].shape[1], device=r.device)
     P = len(batch["prefix"])  # the prefix slots come first (model.behind_prefix)
-    return (P + i[None] // r[:, None]).clamp(max=memory.mask.shape[1] - 1)
+    return (P + i[None] // r[:, None]).clamp(max=memory.n_slots - 1)
 
 
 def anchor_slots(batch, memory, r):
     """SAC: the nearest anchor (memory = the prefix slots, then the anchors in order)."""
-    P, i = memory.mask.shape[1] - max(len(g) for g in memory.anchors), torch.arange(batch["context"].shape[1])
+    P, i = memory.n_slots - max(len(g) for g in memory.anchors), torch.arange(batch["context"].shape[1])
     return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in memory.anchors])
 
 
@@ -363,9 +363,9 @@ class AttentionDistillation:
         keys_valid = torch.cat([memory.mask, torch.ones_like(qa_labels, dtype=torch.bool)], 1)  # (B, C + T)
         teacher_attn, teacher_out = teacher_head[:2]
         if not self.by_output or (self.slot_steps and batch["step"] < self.slot_steps):
-            return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.mask.shape[1])
+            return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.n_slots)
         with self.base.adapter(self.adapter):
-            out = self.head_output(self.student_log_attention(rows, pos, keys_valid, memory.mask.shape[1]).exp(), rows)
+            out = self.head_output(self.student_log_attention(rows, pos, keys_valid, memory.n_slots).exp(), rows)
         return self.weight * ((out - teacher_out).pow(2).sum(-1).mean() / teacher_out.pow(2).sum(-1).mean())
 
     def layout_loss(self, teacher_head, L, batch):
