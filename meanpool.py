@@ -71,10 +71,11 @@ class MeanPool(nn.Module):
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
     # tiny base, F1 at 3.8 / 7.4 / 13.7x: LoRA rank 64 63.0 / 49.5 / 11.5 (seeds 1, 2 at 4x: 53.2, 60.2), rank 16
     # 48.8 / 37.5 / 12.2 (45.0, 51.8). 16x stays near 0.12 of the teacher's gain on one-person two-fact contexts
-    # too, at 1400 steps (14.2), trained alone (9.5) or pooled before the final norm (15.5; 8x 59.8). The encoder
-    # writes too little: a linear probe on the slot holding the answer reads its first token 89 / 67 / 19 % of the
-    # time at 4 / 8 / 16x (12 / 6 / 2 % before training); teaching that slot to predict it through the tied
-    # unembedding left 16x at 13.0. Wrong answers at 16x are the asked attribute's prior, not another fact.
+    # too, at 1400 steps (14.2), trained alone (9.5) or pooled before the final norm (15.5; 8x 59.8). A linear
+    # probe on the slot holding the answer reads its first token 89 / 67 / 19 % of the time at 4 / 8 / 16x (the
+    # base before training 12 / 6 / 2 %, the raw token embeddings' mean 95 / 77 / 26 %): at d = 128 a 16-token
+    # mean holds little of one token. Teaching the slot to predict it through the tied unembedding left 16x at
+    # 13.0; wrong answers at 16x are the asked attribute's prior, not another fact.
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
