@@ -122,7 +122,7 @@ class PIC(nn.Module):
 
     @staticmethod
     def tiny_defaults(mcfg):  # --mem single: meanpool's TINY (§5.1 trains tokens and pooling alike). F1/teacher at
-        # 4x, one thread, seeds 1337/1/2/3: causal 0.47/0.65/0.71/0.52, bidir 0.64/0.60/0.71/0.51 (two threads: 0.61)
+        # 4x, one thread, seeds 1337/1-5: causal 0.47/0.65/0.71/0.52/0.74/0.63, bidir 0.64/0.60/0.71/0.51/0.73/0.64 (2 threads: 0.61)
         return dict(PIC.TINY, max_iters=700, ratio="4,8,16", eval_ratio="") if mcfg.mem == "single" else PIC.TINY
 
     @staticmethod

@@ -302,8 +302,8 @@ class AttentionDistillation:
     decoder sits on the answer prior for thousands of examples; supervising the writers' attention,
     or giving slots the answer's K/V, did not help (but sentence_gist's gists need it: gist_kv_loss).
     Compression tokens at the chunks' centres (pic --mem single) take the per-slot form, slot t for
-    chunk t, in the first SHORT_STAGE of max_iters, then the output form: at 4x, nine runs (causal
-    and bidir, four seeds) keep 0.47-0.71 of the teacher's gain, where the output form alone kept
+    chunk t, in the first SHORT_STAGE of max_iters, then the output form: at 4x, 13 runs (causal
+    and bidir, six seeds) keep 0.47-0.74 of the teacher's gain, where the output form alone kept
     0.21-0.75 (seven of them); the per-slot form throughout capped the runs that learn (0.75 -> 0.42),
     a 15 % stage kept a peak (0.74 -> 0.73, not 0.47) but not the floor (0.21 -> 0.48, not 0.60), a 22 %
     stage kept neither (0.57; 0.04): the floor does not move smoothly with the stage's length."""
