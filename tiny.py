@@ -305,8 +305,7 @@ class AttentionDistillation:
     chunk t, in the first SHORT_STAGE of max_iters, then the output form: at 4x, 13 runs (causal
     and bidir, six seeds) keep 0.47-0.74 of the teacher's gain, where the output form alone kept
     0.21-0.75 (seven of them); the per-slot form throughout capped the runs that learn (0.75 -> 0.42),
-    a 15 % stage kept a peak (0.74 -> 0.73, not 0.47) but not the floor (0.21 -> 0.48, not 0.60), a 22 %
-    stage kept neither (0.57; 0.04): the floor does not move smoothly with the stage's length."""
+    and 15 or 22 % stages moved the weakest and strongest runs erratically (0.48, 0.73; 0.04, 0.57)."""
 
     def __init__(self, method, weight, max_iters=0):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
