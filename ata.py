@@ -45,12 +45,12 @@ Choices the paper leaves open, made here:
 - On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
   its output form: compression tokens that read the whole prompt hold no fixed chunk). There the
   frozen decoder answers from the answer tokens' own K/V alone (85-93 F1), but the encoder does not
-  learn to write them into c_1..c_k (4-11 F1 at any k, stage order, rank or K/V target tried; 7.5
-  with c_j's head 0 one layer below the last taught to read the answer's tokens: it puts about 0.4 of
-  its mass there on the short contexts, 0.1 on the eval mix). Likely why: tiny.Base teaches its last layer
-  to copy the answer, and c_j's last-layer K/V exist before that layer runs. A base taught to copy one
-  layer lower reached teacher F1 30.8, not 92.8, in the same 2,000 steps; one taught to point in both
-  last layers 81.8, and that loss on it lifted ATA to 0.14-0.25 of the teacher's gain (three runs).
+  learn to write them into c_1..c_k (4-11 F1 at any k, stage order, rank or K/V target; 7.5 with c_j's
+  head 0 one layer below the last taught to read the answer: 0.4 of its mass there on short contexts,
+  0.1 on the eval mix), likely because tiny.Base copies the answer in its last layer, which c_j's
+  last-layer K/V precede. A base pointing in both last layers (teacher F1 81.8, not 92.8) lifted that
+  try to 0.14-0.25 of the teacher's gain (three runs); one pointing one layer lower only was a poor
+  teacher (30.8).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
