@@ -73,7 +73,8 @@ class Base(torch.nn.Module):
     followed by question-answer pairs (SPEC §2.6): CE on every token, answers weighted 1 and the
     rest ``context_weight``. Plus attention supervision (``attn_weight``; ours, as CE alone finds
     the circuit that picks the asked person only after >10^5 examples): -log of the attention mass
-    head 0 puts on collate_base's keys, binding in layer 0 and pointing in the last layer."""
+    head 0 puts on collate_base's keys, binding in layer 0 and pointing in the last layer. Its
+    teacher F1 depends on the seed: 92.8 at 1337 (tiny_base/), 84.0 at 1 (200 test questions)."""
     objectives = ("lm",)
     TINY = dict(max_iters=2000, batch_size=16, lr=3e-3, weight_decay=0.1)
 
