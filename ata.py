@@ -50,7 +50,8 @@ Choices the paper leaves open, made here:
   0.1 on the eval mix), likely because tiny.Base copies the answer in its last layer, which c_j's
   last-layer K/V precede. A base pointing in both last layers lifted that try to 0.14-0.25 of the
   teacher's gain (three runs), but in 2,000 steps it is a weaker teacher (F1 81.8 and 58.6 at seeds
-  1337 and 1; tiny.Base: 92.8 and 84.0); in 3,000 steps it reached 93.5 and ATA 0.38, 0.58, 0.64 (seeds 1337, 1, 2).
+  1337 and 1; tiny.Base: 92.8 and 84.0); in 3,000 steps it reached teacher F1 93.5 and that try
+  0.38, 0.58, 0.64 (seeds 1337, 1, 2).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
