@@ -43,15 +43,9 @@ Choices the paper leaves open, made here:
   probe), `rel` (pretraining, eq. 8), `qa+rel` (both from one encoder pass: a one-stage
   stand-in for the paper's rel -> qa).
 - On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
-  its output form: compression tokens that read the whole prompt hold no fixed chunk). There the
-  frozen decoder answers from the answer tokens' own K/V alone (85-93 F1), but the encoder does not
-  learn to write them into c_1..c_k (4-11 F1 at any k, stage order, rank or K/V target; 7.5 with c_j's
-  head 0 one layer below the last taught to read the answer: 0.4 of its mass there on short contexts,
-  0.1 on the eval mix), likely because tiny.Base copies the answer in its last layer, which c_j's
-  last-layer K/V precede. A base pointing in both last layers lifted that try to 0.14-0.25 of the
-  teacher's gain (three runs), but in 2,000 steps it is a weaker teacher (F1 81.8 and 58.6 at seeds
-  1337 and 1; tiny.Base: 92.8 and 84.0); in 3,000 steps it reached teacher F1 93.5 and that try
-  0.38, 0.58, 0.64 (seeds 1337, 1, 2).
+  its output form, as compression tokens that read the whole prompt hold no fixed chunk, plus its
+  writer loss: c_j learn to read the answer one layer below the last). The frozen decoder answers
+  from the answer tokens' K/V alone, which without the writer loss c_j do not learn to hold (F1 4-11).
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
@@ -237,6 +231,8 @@ class ATA(nn.Module):
         L_hat, L = self.length(batch, h), batch["rel_len"]
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
+        if teacher_head is not None:  # tiny.py's aid 2 on the encoder pass just run, per answer token
+            total = total + (batch["qa_labels"] != -100).sum() * self.aid.writer_loss(batch)
         step = batch.get("step", 0)  # train.Batches sets it; a batch built by hand counts as step 0
         for obj, ids, choices in (("rel", "rel_ids", self.rel_ratios), ("qa", "qa", ratios)):
             if obj not in self.run.objective.split("+"):
