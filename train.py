@@ -171,7 +171,7 @@ def prepare_base(cfg, mcfg, master, ddp):
             tiny.init_base(cfg.out_dir, mcfg, cfg.seed)
         cfg.init_from = cfg.out_dir
     elif master and tiny.needs_training(cfg.init_from):
-        print(f"no {tiny.BASE_DIR}: training the tiny base first (~45 min on 2 CPU cores)")
+        print(f"no {tiny.BASE_DIR}: training the tiny base first (~75 min on 2 CPU cores)")
         main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
               "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
     if ddp:

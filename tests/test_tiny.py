@@ -258,6 +258,38 @@ def test_gist_kv_targets_pair_each_answers_gists_with_its_tokens(base_dir):
     assert m.aid.gist_kv_loss(x_teacher, lay, batch).item() == pytest.approx(0.0, abs=1e-6)
 
 
+def test_writer_loss_is_the_mass_compression_tokens_put_on_the_answer(base_dir):
+    """ATA's writer loss: -log of the attention mass head 0 of encoder layer L-2 puts from each c_j
+    on the answer's tokens in the encoder prompt, read from that layer's own attention (SDPA with
+    one-hot values) under the encoder adapter; 0 when no prompt holds the answer."""
+    import torch.nn.functional as F
+    from model import apply_rope
+    m, batch = _with_aid(base_dir, "ata", lora_r=4)
+    layer, ids = m.aid.last - 1, batch["enc_ids"]
+    with torch.no_grad():
+        m.encode(batch)
+        got = m.aid.writer_loss(batch)
+        x, cos, sin = m.aid.inputs[layer][:3]
+        (B, T), S = ids.shape, x.shape[1]
+        att = m.base.model.layers[layer].self_attn
+        with m.base.adapter("encoder"):
+            q = apply_rope(att.q_proj(x).view(B, S, att.H, att.hd).transpose(1, 2), cos, sin)
+            k = apply_rope(att.k_proj(x).view(B, S, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+        valid = torch.arange(S)[None] >= T - batch["enc_len"][:, None]
+        valid[:, T:] = True
+        mask = torch.ones(S, S, dtype=torch.bool).tril()[None] & valid[:, None]  # (B, S, S)
+        weights = F.scaled_dot_product_attention(q, k, torch.eye(S).expand(B, att.Hkv, S, S),
+                                                 attn_mask=mask[:, None], enable_gqa=True)  # (B, H, S, S)
+    nll = []
+    for b, rec in enumerate(batch["records"]):
+        answer, row = m.tok.encode(" " + rec["answers"][0], start=False), ids[b].tolist()
+        s = next(i for i in range(T) if row[i:i + len(answer)] == answer)
+        nll += [-weights[b, 0, j, s:s + len(answer)].sum().log() for j in range(T, S)]
+    assert torch.allclose(got, torch.stack(nll).mean(), atol=1e-5), got
+    absent = batch["qa_labels"].masked_fill(batch["qa_labels"] != -100, int(ids.max()) + 1)
+    assert m.aid.writer_loss(dict(batch, qa_labels=absent)) == 0.0
+
+
 def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots():
     """Aid 2 applies to every compression method; per slot for layouts that say which slot holds
     which token (meanpool's windows, PIC's block-wise chunks, SAC's anchors), its output form for
