@@ -10,7 +10,8 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   2. `AttentionDistillation`: the decoder's head 0 learns from the teacher's: where it looks, over
      the memory slots that hold each context token, where the paper's layout fixes them (SLOTS);
      elsewhere (compression tokens that read the whole context) what it outputs. sentence_gist's
-     gists also learn the last-layer K/V of the answer in their sentence (gist_kv_loss).
+     gists also learn the last-layer K/V of the answer in their sentence (gist_kv_loss); ATA's
+     compression tokens, to read the answer one layer below the last (writer_loss).
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it (a real LLM
      reads soft memory frozen, a tiny base trained from scratch does not).
