@@ -97,7 +97,8 @@ class Base(torch.nn.Module):
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.last = base, cfg, base.config.num_hidden_layers - 1
-        self.layer_inputs = keep_attention_inputs(base, (0, self.last - 1, self.last) if cfg.attn_weight > 0 else ())
+        supervised = (0, self.last - 1, self.last) if cfg.attn_weight > 0 else ()
+        self.layer_inputs = keep_attention_inputs(base, supervised)
 
     def head_nll(self, layer, rows, pos, target):
         """Mean -log attention mass of head 0 of `layer` from queries (rows, pos) onto target (N, T) bool."""
@@ -320,8 +321,8 @@ class AttentionDistillation:
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists, self.tok = getattr(method.cfg, "gists", 0), getattr(method, "tok", None)
         self.last = self.base.config.num_hidden_layers - 1
-        self.writes = type(method).__name__ == "ATA"  # its encoder gets writer_loss
-        self.inputs = keep_attention_inputs(self.base, [self.last - 1, self.last] if self.writes else [self.last])
+        writes = type(method).__name__ == "ATA"  # its encoder gets writer_loss
+        self.inputs = keep_attention_inputs(self.base, [self.last - 1, self.last] if writes else [self.last])
 
     @torch.no_grad()
     def teacher(self, batch):
@@ -395,8 +396,9 @@ class AttentionDistillation:
         rows, pos = found.repeat_interleave(S - T), torch.arange(T, S, device=ids.device).repeat(len(found))
         keys_valid = torch.arange(S, device=ids.device)[None] >= T - batch["enc_len"][:, None]
         keys_valid[:, T:] = True  # (B, S): the left-padded prompt, then c_1..c_kmax
+        attn = self.base.model.layers[layer].self_attn
         with self.base.adapter("encoder"):
-            logp = head_log_attention(self.base.model.layers[layer].self_attn, self.inputs[layer], rows, pos, keys_valid)
+            logp = head_log_attention(attn, self.inputs[layer], rows, pos, keys_valid)
         return self.weight * -logp.masked_fill(~keys[rows], -1e9).logsumexp(-1).mean()
 
     def layout_loss(self, teacher_head, L, batch):
