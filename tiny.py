@@ -55,6 +55,18 @@ def needs_training(init_from):
     return base_path(init_from) == BASE_DIR and not os.path.exists(os.path.join(BASE_DIR, "model.safetensors"))
 
 
+def attention_nll(attn, inputs, rows, pos, target, keys_valid=None):
+    """Mean -log of the attention mass head 0 of `attn` puts from the queries (rows, pos) on target
+    (N, S) bool; inputs, keys_valid as model.head_log_attention."""
+    logp = head_log_attention(attn, inputs, rows, pos, keys_valid)
+    return -logp.masked_fill(~target, -1e9).logsumexp(-1).mean()
+
+
+def starts_of(seq, sub):
+    """Every i where the list sub occurs in the list seq."""
+    return [i for i in range(len(seq) - len(sub) + 1) if sub and seq[i:i + len(sub)] == sub]
+
+
 # -----------------------------------------------------------------------------
 # the tiny base: `--method base`
 
@@ -101,10 +113,8 @@ class Base(torch.nn.Module):
         self.layer_inputs = keep_attention_inputs(base, supervised)
 
     def head_nll(self, layer, rows, pos, target):
-        """Mean -log attention mass of head 0 of `layer` from queries (rows, pos) onto target (N, T) bool."""
-        attn = self.base.model.layers[layer].self_attn
-        logp = head_log_attention(attn, self.layer_inputs[layer], rows, pos)
-        return -logp.masked_fill(~target, -1e9).logsumexp(-1).mean()
+        """attention_nll of head 0 of `layer` in the last forward."""
+        return attention_nll(self.base.model.layers[layer].self_attn, self.layer_inputs[layer], rows, pos, target)
 
     def forward(self, batch, ratios):
         h = self.base(batch["ids"], output="hidden")
@@ -386,20 +396,18 @@ class AttentionDistillation:
         keys = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
         for b in range(B):
             answer = [t for t in batch["qa_labels"][b].tolist() if t != -100 and t not in self.tok.eos_ids]
-            row = ids[b].tolist()
-            for i in range(T - len(answer) + 1):
-                if answer and row[i:i + len(answer)] == answer:
-                    keys[b, i:i + len(answer)] = True
+            for i in starts_of(ids[b].tolist(), answer):
+                keys[b, i:i + len(answer)] = True
         found = keys.any(1).nonzero(as_tuple=True)[0]
         if not len(found):
             return 0.0
         rows, pos = found.repeat_interleave(S - T), torch.arange(T, S, device=ids.device).repeat(len(found))
         keys_valid = torch.arange(S, device=ids.device)[None] >= T - batch["enc_len"][:, None]
         keys_valid[:, T:] = True  # (B, S): the left-padded prompt, then c_1..c_kmax
-        attn = self.base.model.layers[layer].self_attn
         with self.base.adapter("encoder"):
-            logp = head_log_attention(attn, self.inputs[layer], rows, pos, keys_valid)
-        return self.weight * -logp.masked_fill(~keys[rows], -1e9).logsumexp(-1).mean()
+            nll = attention_nll(self.base.model.layers[layer].self_attn, self.inputs[layer], rows, pos, keys[rows],
+                                keys_valid)
+        return self.weight * nll
 
     def layout_loss(self, teacher_head, L, batch):
         """`loss` for sentence_gist's pass over layout L: an answer sees the sink, the gists, its open sentence."""
@@ -436,7 +444,7 @@ def gist_answer_pairs(L, batch, tok, n_gists):
         ctx = batch["context"][b, :batch["context_len"][b]].tolist()
         for _, answer in rec.get("qas") or [(rec["question"], a) for a in rec["answers"][:1]]:
             ans = tok.encode(" " + answer, start=False)
-            s = next((i for i in range(len(ctx) - len(ans) + 1) if ctx[i:i + len(ans)] == ans), None)
+            s = next(iter(starts_of(ctx, ans)), None)
             g = T if s is None else int(next_gist[b, order[b, s + len(ans) - 1]])
             if g < T:
                 rows += [b] * n_gists
