@@ -69,14 +69,9 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base, F1 at 3.8 / 7.4 / 13.7x: LoRA rank 64 63.0 / 49.5 / 11.5 (seeds 1, 2 at 4x: 53.2, 60.2), rank 16
-    # 48.8 / 37.5 / 12.2 (45.0, 51.8). 16x stays near 0.12 of the teacher's gain on one-person two-fact contexts
-    # too, at 1400 steps (14.2), trained alone (9.5) or pooled before the final norm (15.5; 8x 59.8). A linear
-    # probe on the slot holding the answer reads its first token 89 / 67 / 19 % of the time at 4 / 8 / 16x (the
-    # base before training 12 / 6 / 2 %, the raw token embeddings' mean 95 / 77 / 26 %): at d = 128 a 16-token
-    # mean keeps one token linearly readable a quarter of the time at best (--no_encoder: 42.6 / 30.5 / 12.5 F1).
-    # Teaching the slot to predict it through the tied unembedding left 16x at 13.0; wrong answers at 16x are the
-    # asked attribute's prior, not another fact.
+    # tiny base: LoRA rank 64 (rank 16 kept ~14 F1 less at 4x). 16x stays low with more steps, alone, on shorter
+    # contexts or without the encoder: at d = 128 a mean of 16 token states keeps one of them linearly readable a
+    # quarter of the time at best (a probe reads the answer's first token from its slot 89 / 67 / 19 % at 4 / 8 / 16x).
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 

@@ -21,7 +21,7 @@ Choices the paper leaves open, made here:
 - Layout: memory after the *padded* context, padding keys masked (an example's memory is the same in any
   batch); context i at position i, memory t at L_b + t (`--mem_pos after`) or at chunk t's centre
   min(t r + (r - 1) // 2, L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). --mem single defaults
-  to centre: on the tiny base its tokens learn there (tiny_defaults), not after (F1 9.8 / 5.6 at 4x); PIC: after.
+  to centre: on the tiny base its tokens learn there (tiny_defaults), not after (no-context level); PIC: after.
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
   §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
@@ -115,14 +115,13 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny, seeds 1337 / 1 / 2: F1 70.8 / 58.0 / 76.2 at 3.8x (700 steps: not all learn); at 16x 0.25 / 0.21 / 0.27
+    # tiny: 1400 steps at ratio 4 alone (700 steps of 4,16 learned for one seed in three)
     TINY = dict(lr=2e-3, max_iters=1400, batch_size=8, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
 
     @staticmethod
-    def tiny_defaults(mcfg):  # --mem single: meanpool's TINY (§5.1 trains tokens and pooling alike). F1/teacher at
-        # 4x, one thread, seeds 1337/1-5: causal 0.47/0.65/0.71/0.52/0.74/0.63, bidir 0.64/0.60/0.71/0.51/0.73/0.64 (2 threads: 0.61)
+    def tiny_defaults(mcfg):  # --mem single: meanpool's TINY (§5.1 trains tokens and pooling alike)
         return dict(PIC.TINY, max_iters=700, ratio="4,8,16", eval_ratio="") if mcfg.mem == "single" else PIC.TINY
 
     @staticmethod
