@@ -89,8 +89,7 @@ class Base(torch.nn.Module):
     head 0 puts on collate_base's keys, binding in layer 0 and pointing in the last two layers (the
     lower copy is one that ATA's compression tokens, whose last-layer K/V precede the last layer, can
     learn to make: AttentionDistillation.writer_loss; pointing in the last layer alone kept ATA at
-    0.06 of the teacher's gain). It needs 3,000 steps: at 2,000 its teacher F1 was 81.8 (seed 1337).
-    The method files' tuning notes were measured on that earlier last-layer base (teacher F1 92.8)."""
+    0.06 of the teacher's gain). It needs 3,000 steps: at 2,000 its teacher F1 was 81.8 (seed 1337)."""
     objectives = ("lm",)
     TINY = dict(max_iters=3000, batch_size=16, lr=3e-3, weight_decay=0.1)
 
