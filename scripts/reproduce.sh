@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # runs of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is
 # in the log. Steps per run, per family (ITERS overrides all): the fewest at which each family
 # learns on the tiny base (meanpool at LoRA rank 64: F1 11 at 400 steps, 62 at its default 700;
-# pic qa: still at the no-context level at 400); sentence_gist (500 x 16 by default) and ata get
+# pic qa: still at the no-context level at 400); sentence_gist (700 x 16 by default) and ata get
 # the fewest steps (at their defaults the suite would take half an hour more).
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
 MP_ITERS=${MP_ITERS:-700}        # meanpool and compression tokens (batch 8)
