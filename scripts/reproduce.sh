@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 # in the log. Steps per run, per family (ITERS overrides all): the fewest at which each family
 # learns on the tiny base (meanpool at LoRA rank 64: F1 11 at 400 steps, 62 at its default 700;
 # pic qa: still at the no-context level at 400); sentence_gist (700 x 16 by default) and ata get
-# the fewest steps (at their defaults the suite would take half an hour more).
+# the fewest steps (at their defaults the suite would take over an hour more).
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
 MP_ITERS=${MP_ITERS:-700}        # meanpool and compression tokens (batch 8)
 PIC_ITERS=${PIC_ITERS:-1400}     # pic qa (batch 8): its default; at 700 a run is on a knife's edge
