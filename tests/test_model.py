@@ -459,6 +459,31 @@ def test_lora_merge_switch_and_roundtrip(lora):
             pass
 
 
+def test_lora_linear_merged_path_is_the_adapter_formula():
+    """A rank large next to the layer (the tiny base's r 64 at d 128) takes the merged matmul
+    W + s B A; its output and grads equal W x + s B A x spelled out, and a rank 4, a thin input,
+    bf16 or dropout keep the three-matmul path."""
+    from model import LoRALinear
+    torch.manual_seed(0)
+    lin = LoRALinear(128, 384)
+    lin.add_adapter("a", 64, 32, 0.0)
+    lin.add_adapter("narrow", 4, 8, 0.0)
+    lin.add_adapter("drop", 64, 32, 0.1)
+    lin.lora_B["a"].data.normal_(0, 0.1)
+    lin.weight.requires_grad_(False)
+    lin.active = "a"
+    x = torch.randn(3, 50, 128, requires_grad=True)
+    A, B = lin.lora_A["a"], lin.lora_B["a"]
+    assert lin.merges("a", x) and not lin.merges("a", x[:, :1]) and not lin.merges("a", x.bfloat16())
+    assert not lin.merges("narrow", x) and not lin.merges("drop", x)
+    got = lin(x)
+    (g_x, g_a, g_b) = torch.autograd.grad(got.square().sum(), (x, A, B))
+    ref = x @ lin.weight.T + 0.5 * (x @ A.T) @ B.T
+    (r_x, r_a, r_b) = torch.autograd.grad(ref.square().sum(), (x, A, B))
+    for a, b in [(got, ref), (g_x, r_x), (g_a, r_a), (g_b, r_b)]:
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 # -----------------------------------------------------------------------------
 # 5. generation
 
