@@ -261,7 +261,8 @@ def atomic_write(path, write):
 
 def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch RNG), then run.json
-    naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after."""
+    naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
+    with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
     os.makedirs(out_dir, exist_ok=True)
     params = {n: p.detach().contiguous().cpu() for n, p in method.named_parameters() if p.requires_grad}
     opt_state = opt.state_dict()  # its param_groups and state name the parameters 0, 1, ... in group order
@@ -278,8 +279,8 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1])}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
-    for f in os.listdir(out_dir):
-        if f.startswith(("ckpt-", "optim-")) and f not in files.values():
+    for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
+        if (f.startswith(("ckpt-", "optim-")) and f not in files.values()) or f == "metrics.json":
             os.remove(os.path.join(out_dir, f))
 
 

@@ -30,6 +30,16 @@ def test_twenty_steps_lower_the_loss(base_dir, tmp_path):
     assert len(log) == 20 and last < first
 
 
+def test_training_again_into_a_run_dir_drops_its_stale_metrics(base_dir, tmp_path):
+    """eval.py serves <run>/metrics.json from cache: a new checkpoint in the same dir must not keep
+    the scores of the one before it."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "metrics.json").write_text(json.dumps({"rows": [{"f1": 99.0}]}))
+    in_process(args(base_dir, out, "--max_iters", 2, "--eval_examples", 0))
+    assert (out / "run.json").exists() and not (out / "metrics.json").exists()
+
+
 def test_resume_reaches_the_same_parameters(base_dir, tmp_path, monkeypatch):
     in_process(args(base_dir, tmp_path / "full", "--max_iters", 12, "--eval_interval", 4))
     real_call = train.Batches.__call__
