@@ -227,7 +227,7 @@ class LoRALinear(nn.Linear):
     def merges(self, name, x):
         """True when one matmul on W + s B A beats three (W, A, B): per token, fwd + bwd cost 3 in·out
         merged against 2 in·out + 3 r(in + out) unmerged, and a thin matmul (r wide) runs at about a
-        third of a square one's speed on a CPU, so a layer under 9 r(in + out) (the tiny base: 1.2-2x
+        third of a square one's speed on a CPU, so a layer under 9 r(in + out) (the tiny base: 1.1-2x
         faster a linear at r 16-64) with more tokens than in (forming B A costs in·out·r). Only in fp32
         without autocast (a bf16 W + s B A would round the update away) and without dropout (it
         applies to the adapter's input alone)."""
