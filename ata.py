@@ -133,7 +133,8 @@ class ATA(nn.Module):
     # Tables 4-5: constant lr after 300 warmup steps; §4.1.4: HotpotQA with its distractor paragraphs
     PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, ratio="10",
                  hotpot_distractors=True)
-    TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, lora_r=16, lora_alpha=32, lora_dropout=0.0)  # + PAPER's
+    TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=8, grad_accum=2,  # + PAPER's
+                lora_r=16, lora_alpha=32, lora_dropout=0.0)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 

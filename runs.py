@@ -38,7 +38,7 @@ class TrainConfig:
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
     max_iters: int = 0
     batch_size: int = 0
-    grad_accum: int = 1
+    grad_accum: int = 1        # micro-batches a step: its examples sorted by context length (less padding)
     lr: float = 0.0
     min_lr_frac: float = 0.1   # cosine decays to lr * min_lr_frac
     warmup_frac: float = 0.05

@@ -136,7 +136,7 @@ class SentenceGist(nn.Module):
               3: dict(max_iters=2000, lr=5e-5, min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0)}
     STAGE_FLAGS = ("stage",)  # what a later stage may change
     PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
-    TINY = dict(objective="qa", gists=2, lr=4e-3, max_iters=700, batch_size=16, grad_clip=1.0, warmup_frac=0.1)  # N_g 2: ~4x
+    TINY = dict(objective="qa", gists=2, lr=4e-3, max_iters=700, batch_size=4, grad_accum=4, grad_clip=1.0, warmup_frac=0.1)  # N_g 2: ~4x
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = "gist"  # the one adapter: the model reads (and writes) gists with it
 

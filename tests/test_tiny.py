@@ -98,6 +98,20 @@ def test_compressor_curriculum_batches(tmp_path):
     assert len(batches(10)[0]["context"]) == 8  # 2 per slot: 2 x batch_size rows
 
 
+def test_micro_batches_are_the_step_sorted_by_length(tmp_path):
+    """A step's examples (each rank's share) are cut into its grad_accum micro-batches by
+    context length: the same examples as in one batch, with less padding."""
+    from common import default_tokenizer
+    tok = default_tokenizer(tmp_path)
+    one = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8)
+    split = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4, grad_accum=2)
+    whole, micro = train.Batches(one, tok, None)(80), train.Batches(split, tok, None)(80)
+    lengths = [b["context_len"].tolist() for b in micro]
+    assert sorted(lengths[0] + lengths[1]) == sorted(whole[0]["context_len"].tolist())
+    assert max(lengths[0]) <= min(lengths[1]) and len(set(lengths[0] + lengths[1])) > 2
+    assert sum(b["context"].numel() for b in micro) < whole[0]["context"].numel()
+
+
 def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
     """Aid 3: meanpool/pic/sac batches hold all QA pairs of a context after the memory (qa)
     and after the context (full), answers labelled in the same order in both."""
@@ -107,7 +121,7 @@ def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
     cfg = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
     method = type("MeanPool", (), {})()
     batches = train.Batches(cfg, tok, method)
-    items = batches.raw(90, 4)
+    items = sorted(batches.raw(90, 4), key=lambda ex: len(ex["context"]))  # a batch's rows: sorted by length
     b = batches(90)[0]
     for i, ex in enumerate(items):
         assert len(ex["qas"]) == tiny.QUESTIONS["MeanPool"]
