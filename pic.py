@@ -121,8 +121,8 @@ class PIC(nn.Module):
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
 
     @staticmethod
-    def tiny_defaults(mcfg):  # --mem single: meanpool's TINY (§5.1 trains tokens and pooling alike)
-        return dict(PIC.TINY, max_iters=700, ratio="4,8,16", eval_ratio="") if mcfg.mem == "single" else PIC.TINY
+    def tiny_defaults(mcfg):  # --mem single: meanpool's ratios (§5.1 trains tokens and pooling alike); 500 steps
+        return dict(PIC.TINY, max_iters=500, ratio="4,8,16", eval_ratio="") if mcfg.mem == "single" else PIC.TINY
 
     @staticmethod
     def default_objective(mcfg):
