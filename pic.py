@@ -199,7 +199,6 @@ class PIC(nn.Module):
         rows = torch.arange(N, device=x.device) * (self.cfg.mem == "table")  # --mem single: row 0 N times
         m = self.mem_embed[rows].to(x.dtype)[None].expand(B, N, -1)  # (B, N, d_enc)
         mask = MASKS[self.cfg.mask](is_mem, chunk, valid)
-        mask.causal_rows = L  # every mask: context -> context causal, and no context token reads memory
         with self.enc.adapter(self.enc_adapter):
             h = self.enc(embeds=torch.cat([x, m], 1), pos=pos, mask=mask, output="hidden")  # (B, L + N, d_enc)
         return h[:, L:], valid[:, L:]

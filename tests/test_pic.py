@@ -173,28 +173,6 @@ def test_flex_backend_gives_the_dense_memory(base_dir, monkeypatch, mask):
     assert torch.allclose(dense.embeds, flex.embeds, atol=1e-4) and torch.equal(dense.mask, flex.mask)
 
 
-@pytest.mark.parametrize("mask", ["blockwise", "causal", "bidir"])
-def test_context_rows_as_one_causal_sdpa_give_the_masked_attention(mask):
-    """kernels.attention with causal_rows = L (PIC's encoder): every real query's output, and the
-    grads of q, k, v through them, as one SDPA under the whole mask."""
-    torch.manual_seed(0)
-    L, r, lengths = 12, 4, torch.tensor([7, 12])
-    is_mem, chunk, valid, _, _ = pic.layout(lengths, L, r)
-    B, Q = valid.shape
-    q, k, v = (torch.randn(B, 2, Q, 8, requires_grad=True) for _ in range(3))
-    results = []
-    for split in (False, True):
-        mask_mod = pic.MASKS[mask](is_mem, chunk, valid)
-        if split:
-            mask_mod.causal_rows = L
-        m = kernels.Mask(mask_mod, B, Q, Q, torch.device("cpu"))
-        assert m.causal_rows == (L if split else 0)
-        out = kernels.attention(q, k, v, m) * valid[:, None, :, None]  # padding queries: nobody reads them
-        results.append([out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v))])
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, atol=1e-5)
-
-
 # -----------------------------------------------------------------------------
 # losses
 
