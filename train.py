@@ -90,7 +90,8 @@ class Batches:
             items = [dict(it, template=rng.randrange(len(data.QA_TEMPLATES))) for it in items]
         mine = [it for a in range(accum) for it in items[(a * self.world + self.rank) * per_rank:][:per_rank]]
         mine.sort(key=lambda it: len(it["context"] if isinstance(it, dict) else it))  # less padding, same step
-        return [dict(self.collate(mine[lo:lo + per_rank]), step=step) for lo in range(0, len(mine), per_rank)]
+        return [dict(self.collate(mine[lo:lo + per_rank]), step=step)  # step: ata's per-step r
+                for lo in range(0, len(mine), per_rank)]
 
     def collate(self, items):
         cfg = self.cfg
