@@ -106,7 +106,8 @@ class SAC(nn.Module):
     compresses_half_text = True  # lm compresses the first half: train.py reads 2 x max_context tokens
     PAPER = dict(ratio="5", lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000,
                  warmup_iters=300, min_lr_frac=1.0)
-    TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=8, grad_accum=2, lora_r=64, lora_alpha=128, eval_ratio="5,15")
+    TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=8, grad_accum=2, lora_r=64, lora_alpha=128,
+                eval_ratio="5,15")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 

@@ -88,8 +88,9 @@ class Batches:
         rng = random.Random(cfg.seed * 7919 + step)  # templates drawn per global item: ranks x batch keeps the data
         if not self.text:
             items = [dict(it, template=rng.randrange(len(data.QA_TEMPLATES))) for it in items]
-        mine = [it for a in range(accum) for it in items[(a * self.world + self.rank) * per_rank:][:per_rank]]
-        mine.sort(key=lambda it: len(it["context"] if isinstance(it, dict) else it))  # less padding, same step
+        starts = [(a * self.world + self.rank) * per_rank for a in range(accum)]
+        mine = sorted((it for lo in starts for it in items[lo:lo + per_rank]),  # less padding, the same step
+                      key=lambda it: len(it["context"] if isinstance(it, dict) else it))
         return [dict(self.collate(mine[lo:lo + per_rank]), step=step)  # step: ata's per-step r
                 for lo in range(0, len(mine), per_rank)]
 
