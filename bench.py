@@ -356,12 +356,12 @@ def attention_masks(T, dev):
     import pic
     import sentence_gist
     L = T * 16 // 17
-    is_mem, chunk, valid, _, _ = pic.layout(torch.tensor([L], device=dev), L, 16)
+    z, _ = pic.layout(torch.tensor([L], device=dev), L, [16])
     is_end = torch.zeros(64, dtype=torch.bool)
     is_end[5] = True  # token 5 ends a sentence
     body = [5 if i % 20 == 19 else 10 + i % 50 for i in range(T * 20 // 24 - 1)]
     lay = sentence_gist.layout([([1], body, [])], is_end, 4, 64, device=dev, multiple=1)
-    return [("pic blockwise", pic.blockwise(is_mem, chunk, valid), is_mem.shape[1]),
+    return [("pic blockwise", pic.blockwise(z), z["valid"].shape[1]),
             ("sentence_gist", sentence_gist.sentence_mask(lay["sentence"], lay["kind"]), lay["ids"].shape[1])]
 
 

@@ -31,7 +31,7 @@ Choices the paper leaves open, made here:
 - ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2, texts cut at 2 x max_context so
   pretraining compresses the lengths finetuning will; eq. 6-7 are per-example means, so a batch's loss sums
   eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
-- Several ratios (--ratio 4,16) sum their losses, one encoder pass each; kd's teacher: the decoder, full context.
+- Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa --init_from
 out/pic_pt` (its config). Tiny base: tiny.py's aids (KD per slot if blockwise, at the centres first; else output).
 """
@@ -61,34 +61,34 @@ class PICConfig:
 
 
 # -----------------------------------------------------------------------------
-# the three masks over Z = [context (L slots), memory (N slots)]; metadata (B, L + N):
-# is_mem (memory slot), chunk (context: i // r, memory t: t), valid (not padding)
+# the three masks over Z (layout): group 0 is the context, g + 1 the g-th ratio's memory; chunk t is lo .. hi - 1
 
 
-def blockwise(is_mem, chunk, valid):
+def blockwise(z):
     """PIC eq. 5: causal everywhere (rules 1, 2), and memory t reads only chunk t (rule 3)."""
+    group, lo, hi, valid = z["group"], z["lo"], z["hi"], z["valid"]
     def mask_mod(b, h, q_idx, kv_idx):
-        causal = kv_idx <= q_idx
-        mem_reads_ctx = is_mem[b, q_idx] & ~is_mem[b, kv_idx]
-        same_chunk = chunk[b, q_idx] == chunk[b, kv_idx]
-        return valid[b, kv_idx] & causal & (~mem_reads_ctx | same_chunk)
+        in_chunk = (lo[b, q_idx] <= kv_idx) & (kv_idx < hi[b, q_idx])
+        return valid[b, kv_idx] & (kv_idx <= q_idx) & ((group[b, q_idx] == group[b, kv_idx]) | in_chunk)
     mask_mod.__name__ = "pic_blockwise"
     return mask_mod
 
 
-def causal(is_mem, chunk, valid):
+def causal(z):
     """PCC / ICAE: memory t reads the whole context and memory <= t."""
+    group, valid = z["group"], z["valid"]
     def mask_mod(b, h, q_idx, kv_idx):
-        return valid[b, kv_idx] & (kv_idx <= q_idx)
+        return valid[b, kv_idx] & (kv_idx <= q_idx) & ((group[b, q_idx] == group[b, kv_idx]) | (group[b, kv_idx] == 0))
     mask_mod.__name__ = "pic_causal"
     return mask_mod
 
 
-def bidir(is_mem, chunk, valid):
+def bidir(z):
     """meanpool §5.1: causal context; memory reads the whole context and all memory."""
+    group, valid = z["group"], z["valid"]
     def mask_mod(b, h, q_idx, kv_idx):
-        mem_pair = is_mem[b, q_idx] & is_mem[b, kv_idx]
-        return valid[b, kv_idx] & ((kv_idx <= q_idx) | mem_pair)
+        mem_pair = (group[b, q_idx] > 0) & (group[b, q_idx] == group[b, kv_idx])
+        return valid[b, kv_idx] & (((kv_idx <= q_idx) & (group[b, kv_idx] == 0)) | mem_pair)
     mask_mod.__name__ = "pic_bidir"
     return mask_mod
 
@@ -96,19 +96,21 @@ def bidir(is_mem, chunk, valid):
 MASKS = {"blockwise": blockwise, "causal": causal, "bidir": bidir}
 
 
-def layout(lengths, L, r, centre=False):
-    """Metadata of Z for contexts padded to L: (is_mem, chunk, valid, pos) each (B, L + N), n_mem (B,) =
-    ceil(L_b / r). Memory t of example b has position id L_b + t, or chunk t's centre (EPL) with `centre`."""
+def layout(lengths, L, ratios, centre=False):
+    """Z = [context, memory of ratios[0], of ratios[1], ..], contexts padded to L -> (z: (B, L + sum N_g)
+    tensors group, lo, hi, valid, pos (position ids); widths N_g = max_b ceil(L_b / r)). Memory t sits at
+    L_b + t, or at chunk t's centre (EPL) with `centre`. One pass equals a pass per ratio: no context
+    reads memory, no group another."""
     B, dev = lengths.shape[0], lengths.device
-    n_mem = (lengths + r - 1) // r  # (B,)
-    N = max(int(n_mem.max()), 1)
-    i, t = torch.arange(L, device=dev), torch.arange(N, device=dev)
-    is_mem = torch.cat([i < 0, t >= 0])[None].expand(B, L + N)
-    chunk = torch.cat([i // r, t])[None].expand(B, L + N)
-    valid = torch.cat([i[None] < lengths[:, None], t[None] < n_mem[:, None]], 1)  # (B, L + N)
-    mem_pos = torch.minimum(t * r + (r - 1) // 2, lengths[:, None] - 1) if centre else lengths[:, None] + t
-    pos = torch.cat([i[None].expand(B, L), mem_pos.expand(B, N)], 1)  # (B, L + N)
-    return is_mem, chunk, valid, pos, n_mem
+    i = torch.arange(L, device=dev)[None].expand(B, L)
+    cols, widths = [(0 * i, 0 * i, 0 * i, i < lengths[:, None], i)], []  # context: group 0, no chunk
+    for g, r in enumerate(ratios):
+        n_mem = (lengths[:, None] + r - 1) // r  # (B, 1)
+        t = torch.arange(max(int(n_mem.max()), 1), device=dev)[None].expand(B, -1)
+        pos = torch.minimum(t * r + (r - 1) // 2, lengths[:, None] - 1) if centre else lengths[:, None] + t
+        cols.append((torch.full_like(t, g + 1), t * r, ((t + 1) * r).clamp(max=L), t < n_mem, pos))
+        widths.append(t.shape[1])
+    return dict(zip(("group", "lo", "hi", "valid", "pos"), (torch.cat(c, 1) for c in zip(*cols)))), widths
 
 
 class PIC(nn.Module):
@@ -187,21 +189,20 @@ class PIC(nn.Module):
 
     # --- compression ------------------------------------------------------------
 
-    def encode(self, context, lengths, r):
-        """Encoder over Z = [context, memory tokens] -> memory slots' final states (B, N, d_enc), validity (B, N)."""
+    def encode(self, context, lengths, ratios):
+        """Encoder over Z = [context, memory tokens of every ratio], one pass -> per ratio the memory
+        slots' final states (B, N_g, d_enc) and validity (B, N_g)."""
         B, L = context.shape
-        is_mem, chunk, valid, pos, n_mem = layout(lengths, L, r, self.centre)
-        N = is_mem.shape[1] - L
-        if int(pos.max()) >= self.enc.config.max_position_embeddings:
-            raise ValueError(f"context of {int(lengths.max())} tokens plus {N} memory tokens exceeds the encoder's "
-                             f"max_position_embeddings {self.enc.config.max_position_embeddings}")
+        z, widths = layout(lengths, L, ratios, self.centre)
+        if int(z["pos"].max()) >= self.enc.config.max_position_embeddings:
+            raise ValueError(f"context of {int(lengths.max())} tokens plus {max(widths)} memory tokens exceeds the "
+                             f"encoder's max_position_embeddings {self.enc.config.max_position_embeddings}")
         x = self.enc.model.embed_tokens(context)  # (B, L, d_enc)
-        rows = torch.arange(N, device=x.device) * (self.cfg.mem == "table")  # --mem single: row 0 N times
-        m = self.mem_embed[rows].to(x.dtype)[None].expand(B, N, -1)  # (B, N, d_enc)
-        mask = MASKS[self.cfg.mask](is_mem, chunk, valid)
+        rows = torch.cat([torch.arange(N, device=x.device) for N in widths]) * (self.cfg.mem == "table")
+        m = self.mem_embed[rows].to(x.dtype)[None].expand(B, len(rows), -1)  # --mem single: row 0 throughout
         with self.enc.adapter(self.enc_adapter):
-            h = self.enc(embeds=torch.cat([x, m], 1), pos=pos, mask=mask, output="hidden")  # (B, L + N, d_enc)
-        return h[:, L:], valid[:, L:]
+            h = self.enc(embeds=torch.cat([x, m], 1), pos=z["pos"], mask=MASKS[self.cfg.mask](z), output="hidden")
+        return list(zip(h[:, L:].split(widths, 1), z["valid"][:, L:].split(widths, 1)))
 
     def encoder_context(self, batch):
         """(ids (B, L), lengths (B,)) of the context in the encoder's vocabulary."""
@@ -213,9 +214,11 @@ class PIC(nn.Module):
         return data.pad_rows(rows, self.enc_tok.pad_id, 1).to(dev), torch.tensor([len(r) for r in rows], device=dev)
 
     def compress(self, batch, ratio):
-        h, valid = self.encode(*self.encoder_context(batch), ratio)
-        z = self.converter(h.to(self.converter[0].weight.dtype))  # (B, N, d_dec)
-        return behind_prefix(self.dec, batch["prefix"], z, valid)
+        return self.memories(batch, [ratio])[0]
+
+    def memories(self, batch, ratios):  # a Memory per ratio, from one encoder pass
+        return [behind_prefix(self.dec, batch["prefix"], self.converter(h.to(self.converter[0].weight.dtype)), valid)
+                for h, valid in self.encode(*self.encoder_context(batch), ratios)]  # z: (B, N, d_dec)
 
     def decode_hidden(self, memory, ids, embeds=None):  # [memory, embeds, ids] -> (B, T, d_dec)
         with self.dec.adapter(self.dec_adapter):
@@ -235,8 +238,7 @@ class PIC(nn.Module):
             with torch.no_grad(), self.dec.adapter(None):
                 teacher = self.dec(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (n, d_dec)
         total, metrics = 0.0, {}
-        for r in ratios:
-            memory = self.compress(batch, r)
+        for r, memory in zip(ratios, self.memories(batch, ratios)):
             hs = self.decode_hidden(memory, batch["qa"])  # (B, T, d_dec)
             if self.run.objective == "kd":
                 loss, n = self.dec.kd(hs[labels != -100], teacher)
@@ -268,8 +270,7 @@ class PIC(nn.Module):
         tr_w, tc_w = per_example(tr_lab, ks), per_example(tc_lab, [len(x) - k for x, k in zip(texts, ks)])
         ae = self.ae.to(self.dec.lm_head.weight.dtype)[None, None].expand(len(texts), 1, -1)  # (B, 1, d_dec)
         total, metrics = 0.0, {}
-        for r in ratios:
-            memory = self.compress(ctx, r)
+        for r, memory in zip(ratios, self.memories(ctx, ratios)):
             h_tr = self.decode_hidden(memory, tr_in, embeds=ae)[:, :tr_lab.shape[1]]  # (B, 1 + T_tr, d_dec)
             tr, _ = self.dec.ce(h_tr, tr_lab, tr_w)  # sum over examples of eq. 6
             tc, _ = self.dec.ce(self.decode_hidden(memory, tc_in), tc_lab, tc_w)  # eq. 7
@@ -288,10 +289,10 @@ class PIC(nn.Module):
 def main():
     """Print the three masks for 2 chunks of 3 tokens: rows are queries, columns keys."""
     L, r = 6, 3
-    is_mem, chunk, valid, _, _ = layout(torch.tensor([L]), L, r)
+    z, _ = layout(torch.tensor([L]), L, [r])
     print("Z = [c_1 (3 tokens), c_2 (3 tokens), m_1, m_2]; row = query, column = key\n")
     for name, mask_mod in MASKS.items():
-        print(f"--mask {name}:\n{kernels.draw(mask_mod(is_mem, chunk, valid), L + 2)}\n")
+        print(f"--mask {name}:\n{kernels.draw(mask_mod(z), L + 2)}\n")
 
 
 if __name__ == "__main__":

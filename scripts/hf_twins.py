@@ -117,14 +117,13 @@ def hf_pic_ae(model, m, batch, ratios, tok):
     B, L = context.shape
     total = 0.0
     for r in ratios:
-        is_mem, chunk, valid, pos, _ = pic.layout(clen, L, r)
-        N = is_mem.shape[1] - L
+        lay, (N,) = pic.layout(clen, L, [r])
         emb = lm.model.embed_tokens(context)
         x = torch.cat([emb, m.mem_embed[:N].to(emb.dtype)[None].expand(B, N, -1)], 1)
-        mask = kernels.dense_mask(pic.blockwise(is_mem, chunk, valid), B, L + N, L + N, dev)  # (B, 1, L+N, L+N)
+        mask = kernels.dense_mask(pic.blockwise(lay), B, L + N, L + N, dev)  # (B, 1, L+N, L+N)
         use(model, "encoder")
-        h = lm.model(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state[:, L:]
-        z, mem = m.converter(h.to(m.converter[0].weight.dtype)), valid[:, L:]
+        h = lm.model(inputs_embeds=x, attention_mask=mask, position_ids=lay["pos"]).last_hidden_state[:, L:]
+        z, mem = m.converter(h.to(m.converter[0].weight.dtype)), lay["valid"][:, L:]
         with model.disable_adapter():
             def ce(ids_, labels, extra=None):  # frozen decoder over [BOS, z, extra, ids_]: CE mean per example, summed
                 e = lm.model.embed_tokens(ids_)

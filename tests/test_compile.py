@@ -60,9 +60,9 @@ def test_compiled_flex_forward_equals_dense_cpu(compiled_flex):
     compiled_flex("inductor")
     B, H, Hkv, hd, L, r = 2, 4, 2, 16, 80, 16
     lengths = torch.tensor([80, 53])
-    is_mem, chunk, valid, _, _ = pic.layout(lengths, L, r)
-    T = is_mem.shape[1]  # 80 + 5 memory slots: bucket 128
-    mask_mod = pic.blockwise(is_mem, chunk, valid)
+    z, _ = pic.layout(lengths, L, [r])
+    T = z["valid"].shape[1]  # 80 + 5 memory slots: bucket 128
+    mask_mod = pic.blockwise(z)
     q, k, v = rand(B, H, T, hd, seed=0), rand(B, Hkv, T, hd, seed=1), rand(B, Hkv, T, hd, seed=2)
     flex = kernels.attention(q, k, v, kernels.Mask(mask_mod, B, T, T, q.device))
     kernels.BACKEND = "dense"

@@ -54,15 +54,15 @@ BIDIR = CAUSAL[:6] + ["########", "########"]
 
 @pytest.mark.parametrize("name,expected", [("blockwise", BLOCKWISE), ("causal", CAUSAL), ("bidir", BIDIR)])
 def test_masks_are_the_literal_grids(name, expected):
-    is_mem, chunk, valid, pos, n_mem = pic.layout(torch.tensor([6]), 6, 3)
-    assert kernels.draw(getattr(pic, name)(is_mem, chunk, valid), 8).split("\n") == expected
-    assert pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]] and n_mem.tolist() == [2]
+    z, widths = pic.layout(torch.tensor([6]), 6, [3])
+    assert kernels.draw(getattr(pic, name)(z), 8).split("\n") == expected
+    assert z["pos"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]] and widths == [2]
 
 
 def test_padding_keys_are_never_seen():
     # example 1: 4 real tokens of 6 (chunks {0,1,2} {3}, then 2 pads): 2 memory slots at positions 4, 5
-    is_mem, chunk, valid, pos, n_mem = pic.layout(torch.tensor([6, 4]), 6, 3)
-    dense = kernels.dense_mask(pic.blockwise(is_mem, chunk, valid), 2, 8, 8, "cpu")[1, 0]
+    z, widths = pic.layout(torch.tensor([6, 4]), 6, [3])
+    dense = kernels.dense_mask(pic.blockwise(z), 2, 8, 8, "cpu")[1, 0]
     assert ["".join("#" if x else "." for x in row) for row in dense.tolist()] == [
         "#.......",
         "##......",
@@ -72,14 +72,14 @@ def test_padding_keys_are_never_seen():
         "####....",
         "###...#.",
         "...#..##"]   # m_2: the real part of c_2, m_1, itself
-    assert pos[1].tolist() == [0, 1, 2, 3, 4, 5, 4, 5] and n_mem.tolist() == [2, 2]
+    assert z["pos"][1].tolist() == [0, 1, 2, 3, 4, 5, 4, 5] and z["valid"][:, 6:].sum(1).tolist() == [2, 2]
 
 
 def test_centre_positions_put_memory_t_at_chunk_t_middle_token():
     # EPL: chunk {0,1,2} -> 1, chunk {3,4,5} -> 4; a partial last chunk {3} -> its last real token 3
-    pos = pic.layout(torch.tensor([6, 4]), 6, 3, centre=True)[3]
+    pos = pic.layout(torch.tensor([6, 4]), 6, [3], centre=True)[0]["pos"]
     assert pos.tolist() == [[0, 1, 2, 3, 4, 5, 1, 4], [0, 1, 2, 3, 4, 5, 1, 3]]
-    pos = pic.layout(torch.tensor([8]), 8, 4, centre=True)[3]  # even r: the left middle, (r - 1) // 2
+    pos = pic.layout(torch.tensor([8]), 8, [4], centre=True)[0]["pos"]  # even r: the left middle, (r - 1) // 2
     assert pos[0, 8:].tolist() == [1, 5]
 
 
@@ -91,7 +91,7 @@ def memory_states(m, ctx, mem_embed=None):
     with torch.no_grad():
         if mem_embed is not None:
             m.mem_embed.copy_(mem_embed)
-        return m.encode(ctx, torch.tensor([ctx.shape[1]]), 3)[0][0]  # (N, d)
+        return m.encode(ctx, torch.tensor([ctx.shape[1]]), [3])[0][0][0]  # (N, d)
 
 
 def changed(a, b):
@@ -136,6 +136,21 @@ def test_bidir_receptive_field(base_dir):
     table = m.mem_embed.detach().clone()
     table[2] += 1.0
     assert changed(h[0], memory_states(m, ctx, table)[0])  # m_1 reads m_N
+
+
+@pytest.mark.parametrize("mask", [*pic.MASKS])
+@pytest.mark.parametrize("mem", ["table", "single"])
+def test_one_encoder_pass_equals_a_pass_per_ratio(base_dir, mask, mem):
+    """--ratio 4,8,16 encodes [context, memory at 4, at 8, at 16] once: each ratio's memory equals
+    its own pass over [context, its memory] (padded contexts of three lengths; after / centre positions)."""
+    m, tok = make(base_dir, mask=mask, mem=mem)
+    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
+    assert len(set(batch["context_len"].tolist())) == 3
+    with torch.no_grad():
+        for r, packed in zip((4, 8, 16), m.memories(batch, [4, 8, 16])):
+            alone = m.compress(batch, r)
+            assert torch.equal(packed.mask, alone.mask)
+            torch.testing.assert_close(packed.embeds, alone.embeds, atol=1e-5, rtol=1e-5)
 
 
 def test_single_memory_token_is_one_row(base_dir):
