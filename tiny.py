@@ -322,7 +322,7 @@ class AttentionDistillation:
     (causal and bidir, six seeds) keep 0.47-0.74 of the teacher's gain, where the output form alone
     kept 0.21-0.75 (seven of them); the per-slot form throughout capped the runs that learn (0.75 -> 0.42),
     15 or 22 % stages moved the weakest and strongest runs erratically (0.48, 0.73; 0.04, 0.57), and at
-    the 500-step default one draw of nine still stalls (bidir, 0.12; the others 0.50-0.62)."""
+    the 500-step default one draw of eleven still stalls (bidir, 0.12; the others 0.50-0.65)."""
 
     def __init__(self, method, weight, max_iters=0):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
