@@ -117,7 +117,7 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny: 1250 steps at ratio 4 alone (700 steps of 4,16 learned for one seed in three)
+    # tiny: 1250 steps at ratio 4 alone (4,16 learned for one seed in three at 700 steps; seed 1337 stalls at 925)
     TINY = dict(lr=2e-3, max_iters=1250, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
@@ -218,7 +218,7 @@ class PIC(nn.Module):
 
     def memories(self, batch, ratios):  # a Memory per ratio, from one encoder pass
         return [behind_prefix(self.dec, batch["prefix"], self.converter(h.to(self.converter[0].weight.dtype)), valid)
-                for h, valid in self.encode(*self.encoder_context(batch), ratios)]  # z: (B, N, d_dec)
+                for h, valid in self.encode(*self.encoder_context(batch), ratios)]  # (B, N_g, d_dec) each
 
     def decode_hidden(self, memory, ids, embeds=None):  # [memory, embeds, ids] -> (B, T, d_dec)
         with self.dec.adapter(self.dec_adapter):
