@@ -178,14 +178,16 @@ def test_batch_padding_and_positions_match_one_example_alone(base_dir):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("mask", ["blockwise", "causal", "bidir"])
 def test_flex_backend_gives_the_dense_memory(base_dir, monkeypatch, mask):
-    """The same mask_mods as a BlockMask (the CUDA path; flex forward runs on CPU too)."""
+    """The same mask_mods as a BlockMask (the CUDA path; flex forward runs on CPU too), at one
+    ratio and at two in one pass."""
     m, tok = make(base_dir, mask=mask)
     batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=64)
     with torch.no_grad():
-        dense = m.compress(batch, 8)
+        dense = [m.compress(batch, 8)] + m.memories(batch, [4, 8])
         monkeypatch.setattr(kernels, "BACKEND", "flex")
-        flex = m.compress(batch, 8)
-    assert torch.allclose(dense.embeds, flex.embeds, atol=1e-4) and torch.equal(dense.mask, flex.mask)
+        flex = [m.compress(batch, 8)] + m.memories(batch, [4, 8])
+    for d, f in zip(dense, flex):
+        assert torch.allclose(d.embeds, f.embeds, atol=1e-4) and torch.equal(d.mask, f.mask)
 
 
 # -----------------------------------------------------------------------------
