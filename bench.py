@@ -174,23 +174,26 @@ def random_model(shape, tok, dev=None, dtype=None):
 # -----------------------------------------------------------------------------
 # train: one optimizer step of each method's main objective
 
-ROWS = [  # (row, method, objective, ratios): the methods' main objectives at their papers' ratios
+ROWS = [  # (row, method and its flags, objective, ratios): the methods' main objectives at their papers' ratios
     ("meanpool kd", "meanpool", "kd", "4,8,16"),
     ("pic ae+lm", "pic", "ae+lm", "16"),
     ("pic qa", "pic", "qa", "16"),
     ("sac qa", "sac", "qa", "5"),
     ("ata qa", "ata", "qa", "10"),
     ("sentence_gist lm", "sentence_gist", "lm", "1"),
+    ("tokens kd", "pic --mem single --mask bidir", "kd", "4,8,16"),  # meanpool §5.1's compression tokens
 ]
 
 
 def build_row(base, tok, method, objective, ratio, batch_size, context):
     """(method module, one collated batch on the device, context tokens in it), built as
-    train.py builds them, from synthetic biographies long enough to fill `context` tokens."""
+    train.py builds them, from synthetic biographies long enough to fill `context` tokens.
+    method: a --method name, then any of its flags ("pic --mem single")."""
+    method, *flags = method.split()
     cls = runs.method_registry()[method]
     run = runs.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
                            batch_size=batch_size, no_aids=True, seed=0)
-    mcfg = runs.method_config(cls)()
+    (mcfg,), _ = runs.parse_args(flags, runs.method_config(cls))
     if hasattr(cls, "check_config"):
         cls.check_config(run, mcfg)
     torch.manual_seed(0)
@@ -287,7 +290,7 @@ def train_shapes():
 
 def selected_rows():
     """The ROWS that --methods names (by row or method), all without it."""
-    return [r for r in ROWS if not args.methods or {r[0], r[1]} & set(args.methods.split(","))]
+    return [r for r in ROWS if not args.methods or {r[0], r[1].split()[0]} & set(args.methods.split(","))]
 
 
 def bench_train():
