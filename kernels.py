@@ -188,8 +188,10 @@ class Mask:
         return BACKEND or ("flex" if self.device.type == "cuda" and self.Q >= 128 else "dense")
 
     def dense(self):
+        """(bool (B, 1, Q, S), bool (B, 1, Q, 1): the query rows that see no key), built once."""
         if self._dense is None:
-            self._dense = dense_mask(self.mask_mod, self.B, self.Q, self.S, self.device)
+            dense = dense_mask(self.mask_mod, self.B, self.Q, self.S, self.device)
+            self._dense = dense, ~dense.any(-1, keepdim=True)
         return self._dense
 
     def block(self):
@@ -217,13 +219,13 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None):
         mask = Mask(causal, q.shape[0], q.shape[2], k.shape[2], q.device)
     if mask.backend() == "flex":
         return _flex(q, k, v, mask.block(), scale, score_mod)
-    dense = mask.dense()
+    dense, blind = mask.dense()
     if score_mod is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
     else:
         out = scored_attention(q, k, v, dense, scale, score_mod)
     # A query row that sees no key (padding) gives NaN in SDPA; flex gives 0. Match flex.
-    return out.masked_fill(~dense.any(-1, keepdim=True), 0.0)
+    return out.masked_fill(blind, 0.0)
 
 
 def scored_attention(q, k, v, dense, scale, score_mod):

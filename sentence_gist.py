@@ -71,11 +71,11 @@ def insert_gists(ids, is_end, n_gists, max_sentence_len, run=0, close=False):
     its sentence's last token's, App. C.3). A sentence also ends at max_sentence_len tokens
     (the guard; `run` of them came before ids) and, if close, where ids end."""
     ids = torch.as_tensor(ids, dtype=torch.long).cpu()
-    V, new, sent, kind, src, s = len(is_end), [], [], [], [], 0
+    V, last, new, sent, kind, src, s = len(is_end), len(ids) - 1, [], [], [], [], 0
     for i, (t, end) in enumerate(zip(ids.tolist(), is_end[ids].tolist())):
         new.append(t), sent.append(s), kind.append(TOKEN), src.append(i)
         run += 1
-        if end or run == max_sentence_len or (close and i == len(ids) - 1):
+        if end or run == max_sentence_len or (close and i == last):
             new, src[-1] = new + list(range(V, V + n_gists)), -1
             sent, kind, src = sent + [s] * n_gists, kind + [GIST] * n_gists, src + [-1] * (n_gists - 1) + [i]
             s, run = s + 1, 0
