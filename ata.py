@@ -186,9 +186,10 @@ class ATA(nn.Module):
         if all_relevant and self.training and not self.cfg.no_selective:  # gold-only HotpotQA, one-chunk records
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
                           "--no_selective; for HotpotQA use --hotpot_distractors")
-        batch["enc_ids"] = data.pad_rows(enc, tok.pad_id, 64, left=True)  # 64: lengths bucketed for --compile
+        pad = self.run.pad_multiple
+        batch["enc_ids"] = data.pad_rows(enc, tok.pad_id, pad, left=True)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])
-        batch["rel_ids"], batch["rel_labels"] = data.pad_rows(rel, tok.pad_id, 64), data.pad_rows(labels, -100, 64)
+        batch["rel_ids"], batch["rel_labels"] = data.pad_rows(rel, tok.pad_id, pad), data.pad_rows(labels, -100, pad)
         batch["rel_len"] = torch.tensor(rel_len)
         return batch
 

@@ -60,6 +60,10 @@ class TrainConfig:
     resume: bool = False
     quiet: bool = False        # no progress bar
 
+    @property
+    def pad_multiple(self):  # batch lengths round up to it: compiled graphs serve many lengths, eager pays for padding
+        return 64 if self.compile else 8
+
 
 # -----------------------------------------------------------------------------
 # command line: the dataclass fields are the flags (unknown flag or bad type: one-line error)

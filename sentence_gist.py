@@ -142,8 +142,7 @@ class SentenceGist(nn.Module):
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
-        self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
-        self.V = base.config.vocab_size
+        self.base, self.cfg, self.tok, self.run, self.V = base, cfg, tok, run, base.config.vocab_size
         texts = tok.token_texts()[:self.V]  # is_end (V,): the token's text ends in . ! or ? (§3.2); on the CPU
         self.is_end = torch.tensor([t.rstrip().endswith((".", "!", "?")) for t in texts] + [False] * (self.V - len(texts)))
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
@@ -168,7 +167,8 @@ class SentenceGist(nn.Module):
     # --- layout, embeddings, one forward -------------------------------------
 
     def layout(self, rows, labels=None):
-        return layout(rows, self.is_end, self.cfg.gists, self.cfg.max_sentence_len, labels, self.gist.device)
+        cfg = self.cfg
+        return layout(rows, self.is_end, cfg.gists, cfg.max_sentence_len, labels, self.gist.device, self.run.pad_multiple)
 
     def embed(self, ids):
         """(B, T) ids, gist j = V + j -> (B, T, d) input embeddings; the base is not resized."""

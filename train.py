@@ -98,12 +98,11 @@ class Batches:
         cfg = self.cfg
         if cfg.method == "base":
             return tiny.collate_base(items, self.tok, self.method.cfg.context_weight)
-        pad = 64 if cfg.compile else 8  # compiled graphs are reused across lengths; eager pays for padding
         if self.text:
             halves = getattr(self.method, "compresses_half_text", False)  # so the compressed half reaches max_context
-            return data.collate_lm(items, self.tok, cfg.max_context * (2 if halves else 1), pad_multiple=pad)
+            return data.collate_lm(items, self.tok, cfg.max_context * (2 if halves else 1), cfg.pad_multiple)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
-                                stats=self.stats, pad_multiple=pad, format=cfg.prompt)
+                                stats=self.stats, pad_multiple=cfg.pad_multiple, format=cfg.prompt)
         if self.questions > 1:
             batch = tiny.add_questions(batch, items, self.tok)
         prepare = getattr(self.method, "prepare", None)

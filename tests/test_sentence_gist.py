@@ -144,6 +144,16 @@ def test_compressed_cache_equals_full_sequence(base_dir):
                            next_pos=cache.next_pos + 1)
 
 
+
+def test_layout_pads_to_the_runs_multiple_and_padding_changes_nothing(base_dir):
+    m = make(base_dir)
+    rows = [(m.prefix(), m.tok.encode("Ada Chen lives in Paris. She likes"), [])]
+    eager = m.layout(rows)
+    m.run.compile = True  # compiled graphs serve lengths in steps of 64
+    compiled, n = m.layout(rows), int(eager["length"][0])
+    assert eager["ids"].shape[1] == -(-n // 8) * 8 < compiled["ids"].shape[1] == 64
+    assert (m.hidden(eager)[0, :n] - m.hidden(compiled)[0, :n]).abs().max() < 1e-5
+
 @pytest.mark.parametrize("case", ["rule", "guard"])
 def test_answer_equals_one_pass_over_the_gisted_prompt_and_answer(base_dir, monkeypatch, case):
     """Answering from the cache (eval.answer) = one pass over context + prompt + answer under
