@@ -38,7 +38,8 @@ Choices the paper leaves open, made here:
   or --ratio (`qa`, Table 5: 10), a pure function of (seed, step), so ranks, micro-batches
   and --resume agree; eval --ratio sets r without retraining (§3.4).
 - HotpotQA keeps its distractor paragraphs (PAPER sets --hotpot_distractors; Fig. 7); a
-  training batch whose every chunk is relevant warns (selective would be --no_selective).
+  training batch of a --data file whose every chunk is relevant warns (selective would be
+  --no_selective); the synthetic default's short contexts early in its curriculum do not.
 - Objectives: `qa` (default; eq. 11 plus lam * Huber, so one command trains encoder and
   probe), `rel` (pretraining, eq. 8), `qa+rel` (both from one encoder pass: a one-stage
   stand-in for the paper's rel -> qa).
@@ -183,7 +184,7 @@ class ATA(nn.Module):
             rel.append(start + target)
             labels.append(target + [-100])
             rel_len.append(len(target) - 1)
-        if all_relevant and self.training and not self.cfg.no_selective:  # gold-only HotpotQA, one-chunk records
+        if all_relevant and self.training and not self.cfg.no_selective and self.run.data:  # gold-only HotpotQA?
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
                           "--no_selective; for HotpotQA use --hotpot_distractors")
         pad = self.run.pad_multiple

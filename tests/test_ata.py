@@ -181,6 +181,10 @@ def test_training_batch_with_every_chunk_relevant_warns(base_dir):
     m, _ = _method(base_dir)
     one = data.Synthetic(0, "val").qa_examples(3, n_people=(1, 1))  # one biography, the relevant one
     assert all(len(r["chunks"]) == 1 for r in one)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))  # the synthetic default (no --data): none
+    m.run.data = "gold_only.json"  # stands for a user's file
     with pytest.warns(UserWarning, match="every chunk"):
         m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))
     many = data.Synthetic(0, "val").qa_examples(3, n_people=(2, 4))

@@ -144,7 +144,6 @@ def test_compressed_cache_equals_full_sequence(base_dir):
                            next_pos=cache.next_pos + 1)
 
 
-
 def test_layout_pads_to_the_runs_multiple_and_padding_changes_nothing(base_dir):
     m = make(base_dir)
     rows = [(m.prefix(), m.tok.encode("Ada Chen lives in Paris. She likes"), [])]
@@ -153,6 +152,7 @@ def test_layout_pads_to_the_runs_multiple_and_padding_changes_nothing(base_dir):
     compiled, n = m.layout(rows), int(eager["length"][0])
     assert eager["ids"].shape[1] == -(-n // 8) * 8 < compiled["ids"].shape[1] == 64
     assert (m.hidden(eager)[0, :n] - m.hidden(compiled)[0, :n]).abs().max() < 1e-5
+
 
 @pytest.mark.parametrize("case", ["rule", "guard"])
 def test_answer_equals_one_pass_over_the_gisted_prompt_and_answer(base_dir, monkeypatch, case):
