@@ -117,7 +117,7 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny: 1250 steps at ratio 4 alone (4,16 learned for one seed in three at 700 steps; seed 1337 stalls at 925)
+    # tiny: 1250 steps of ratio 4. 4,16 stalls (1 seed in 3 at 700 steps; 1337 at 925); 4,8 (950): 16x same, 4x less
     TINY = dict(lr=2e-3, max_iters=1250, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
