@@ -69,11 +69,10 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base: LoRA rank 64 (rank 16 kept ~14 F1 less at 4x). 16x stays low with more steps, trained alone, on
-    # shorter contexts, without the encoder, at rank 128 (F1/teacher 0.18) or with CE (`--objective qa`: 0.19; 0.67 at
-    # 4x, one seed): at d = 128 a mean of 16 token states keeps one of them linearly
-    # readable a quarter of the time at best (a probe reads the answer's first token from its slot 89 / 67 / 19 %
-    # at 4 / 8 / 16x).
+    # tiny base: LoRA rank 64 (rank 16 kept ~14 F1 less at 4x). 16x stays low with more steps, trained alone, on shorter
+    # contexts, without the encoder, at rank 128 (F1/teacher 0.18) or with CE (`--objective qa`: 0.19; 0.67 at 4x, one
+    # seed): at d = 128 a mean of 16 token states keeps one of them linearly readable a quarter of the time at best (a
+    # probe reads the answer's first token from its slot 89 / 67 / 19 % at 4 / 8 / 16x).
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
