@@ -2,26 +2,18 @@
 # Every paper's headline comparison at small scale, on the embedded default, with one
 # shared base/teacher and fixed seeds; then one table, each paper's claims with a verdict
 # from paired-bootstrap intervals, and RESULTS.md generated whole from this run.
-#   bash scripts/reproduce.sh            # the suite at the budget below; rewrites RESULTS.md
+#   bash scripts/reproduce.sh            # every run at its method's default; rewrites RESULTS.md
 #   bash scripts/reproduce.sh --smoke    # every entry for 2 steps, 4 questions (CI); report in $OUT-smoke
 #   ITERS=700 EXAMPLES=1000 bash scripts/reproduce.sh   # 700 steps for every run, 1000 questions
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Cost: about 76 min on a 2-core Intel Xeon (base 14-16k tokens/s), two runs at a time with one thread
-# each (small models use cores better so: ~1.3x the throughput of one run on two threads); the
-# runs of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is
-# in the log. Steps per run, per family (ITERS overrides all): the fewest at which each family
-# learns on the tiny base (meanpool at LoRA rank 64: F1 11 at 400 steps, 62 at its default 700;
-# pic qa: still at the no-context level at 400); sentence_gist (700 x 16 by default) and ata get
-# the fewest steps (at their defaults the suite would take over an hour more).
-ITERS=${ITERS-}                  # training steps for every run and stage ("" = the per-family counts below)
-MP_ITERS=${MP_ITERS:-700}        # meanpool and compression tokens (batch 8)
-PIC_ITERS=${PIC_ITERS:-1400}     # pic qa (batch 8): its default; at 700 a run is on a knife's edge
-PRE_ITERS=${PRE_ITERS:-100}      # pic's ae+lm stage before its qa (batch 8)
-SAC_ITERS=${SAC_ITERS:-300}      # sac (batch 16)
-GIST_ITERS=${GIST_ITERS:-40}     # sentence_gist (batch 16)
-ATA_ITERS=${ATA_ITERS:-40}       # ata, each stage (batch 16)
+# Every run trains at its method's default (the steps and flags of `python train.py --method M`,
+# the README's defaults table); ITERS overrides them all. Two runs at a time with one thread each
+# (small models use cores better so: ~1.3x the throughput of one run on two threads); the runs
+# of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is in the log.
+ITERS=${ITERS-}                  # training steps for every run and stage ("" = each method's default)
+PRE_ITERS=${PRE_ITERS:-100}      # the pretraining stages: pic's ae+lm and ata's rel, before their qa
 JOBS=${JOBS:-2}                  # runs at a time
 EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
@@ -32,7 +24,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 
 start=$(date +%s)
 COMMON=(--seed "$SEED" --quiet)
 BASE=tiny_base
-CMD="${ITERS:+ITERS=$ITERS }${ITERS:-MP_ITERS=$MP_ITERS PIC_ITERS=$PIC_ITERS PRE_ITERS=$PRE_ITERS SAC_ITERS=$SAC_ITERS GIST_ITERS=$GIST_ITERS ATA_ITERS=$ATA_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
+CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke ITERS=2 EXAMPLES=4
   RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
@@ -44,10 +36,10 @@ elif [ -n "${INIT_FROM:-}" ]; then
 fi
 COMMON+=(--eval_examples "$EXAMPLES")
 evaluated=() pids=()
-train_one() {  # NAME STEPS FLAGS...: one run dir, its output in NAME.log
-  local name=$1 steps=${ITERS:-$2} t=$SECONDS; shift 2
-  echo "== $name: --max_iters $steps $*"
-  python train.py --out_dir "$OUT/$name" "${COMMON[@]}" --max_iters "$steps" "$@" > "$OUT/$name.log" 2>&1 ||
+train_one() {  # NAME FLAGS...: one run dir, its output in NAME.log (ITERS's --max_iters comes last: it wins)
+  local name=$1 t=$SECONDS; shift
+  echo "== $name: $* ${ITERS:+--max_iters $ITERS}"
+  python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" ${ITERS:+--max_iters "$ITERS"} > "$OUT/$name.log" 2>&1 ||
     { echo "error: $name failed; see $OUT/$name.log" >&2; return 1; }
   echo "   $name: $(( SECONDS - t )) s"
 }
@@ -58,44 +50,44 @@ job() {  # a command in the background, at most JOBS at a time; a failed one sto
 }
 run() { evaluated+=("$OUT/$1"); job train_one "$@"; }  # trained, evaluated, one table row each
 chain() { local n=$1; shift; stage "${@:1:n}" && train_one "${@:n+1}"; }  # N STAGE... NAME...
-run_after() {  # STAGE STEPS FLAGS... -- NAME STEPS FLAGS...: a pretraining stage, then the run from it
+run_after() {  # STAGE FLAGS... -- NAME FLAGS...: a pretraining stage, then the run from it
   local first=(); while [ "$1" != "--" ]; do first+=("$1"); shift; done; shift
   evaluated+=("$OUT/$1"); job chain ${#first[@]} "${first[@]}" "$@"
 }
 mkdir -p "$OUT"
 
 # The longest chains start first, so that no core idles at the end.
-# pic Table 4 (pic_blockwise_causal): block-wise vs full causal mask (at 4x and 16x), and the
-# paper's two stages (ae+lm pretraining on the text stream, then qa finetuning from it) on the
-# same ratios as pic-blockwise: trained at 16x alone, pic stays at the no-context level in 700 steps
-run_after pic-pretrain $PRE_ITERS --method pic --ratio 4,16 --objective ae+lm -- \
-          pic-blockwise-ae+lm $PIC_ITERS --method pic --ratio 4,16 --init_from "$OUT/pic-pretrain"
-run pic-blockwise         $PIC_ITERS --method pic --ratio 4,16 --mask blockwise
-run pic-causal            $PIC_ITERS --method pic --ratio 4,16 --mask causal
+# pic Table 4 (pic_blockwise_causal): block-wise vs full causal mask, and the paper's two stages
+# (ae+lm pretraining on the text stream, then qa finetuning from it); each trained at pic's tiny
+# default (ratio 4, read at 4 and 16: trained at 16 alone, pic stays at the no-context level)
+run_after pic-pretrain --max_iters $PRE_ITERS --method pic --objective ae+lm -- \
+          pic-blockwise-ae+lm --method pic --init_from "$OUT/pic-pretrain"
+run pic-blockwise         --method pic --mask blockwise
+run pic-causal            --method pic --mask causal
 # ata_compressor Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction,
 # each pretrained with `rel` (reconstruct the relevant chunk) then finetuned with `qa` (§3.4)
 for v in "" no_aac no_selective; do
   name=ata${v:+-$v}
-  run_after $name-rel $ATA_ITERS --method ata ${v:+--$v} --objective rel -- \
-            $name $ATA_ITERS --method ata ${v:+--$v} --init_from "$OUT/$name-rel"
+  run_after $name-rel --max_iters $PRE_ITERS --method ata ${v:+--$v} --objective rel -- \
+            $name --method ata ${v:+--$v} --init_from "$OUT/$name-rel"
 done
+# sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
+for g in 8 4 2 1; do run gist-$g --method sentence_gist --gists $g; done
 # meanpool_multi_ratio Tables 1/3: mean pooling vs compression tokens (causal, bidirectional),
 # multi- vs single-ratio, no linear layer, ratio sampling
-run meanpool              $MP_ITERS --method meanpool --ratio 4,8,16
-run meanpool-single4      $MP_ITERS --method meanpool --ratio 4
-run meanpool-single16     $MP_ITERS --method meanpool --ratio 16
-run meanpool-no_linear    $MP_ITERS --method meanpool --ratio 4,8,16 --no_linear
-run meanpool-sampling     $MP_ITERS --method meanpool --ratio 4,8,16 --ratio_sampling
-run ctok-causal           $MP_ITERS --method pic --ratio 4,8,16 --mask causal --mem single
-run ctok-bidir            $MP_ITERS --method pic --ratio 4,8,16 --mask bidir --mem single
+run meanpool              --method meanpool --ratio 4,8,16
+run meanpool-single4      --method meanpool --ratio 4
+run meanpool-single16     --method meanpool --ratio 16
+run meanpool-no_linear    --method meanpool --ratio 4,8,16 --no_linear
+run meanpool-sampling     --method meanpool --ratio 4,8,16 --ratio_sampling
+run ctok-causal           --method pic --mem single --mask causal
+run ctok-bidir            --method pic --mem single --mask bidir
 # sac_semantic_anchor Tables 3-4, at the paper's default 5x: SAC vs w/o bidirectional mask,
 # w/o anchor embedding, random anchors
-run sac-r5                $SAC_ITERS --method sac --ratio 5
-run sac-causal-r5         $SAC_ITERS --method sac --ratio 5 --causal
-run sac-no_emb-r5         $SAC_ITERS --method sac --ratio 5 --no_anchor_embedding
-run sac-random-r5         $SAC_ITERS --method sac --ratio 5 --anchors random
-# sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
-for g in 1 2 4 8; do run gist-$g $GIST_ITERS --method sentence_gist --gists $g; done
+run sac-r5                --method sac --ratio 5
+run sac-causal-r5         --method sac --ratio 5 --causal
+run sac-no_emb-r5         --method sac --ratio 5 --no_anchor_embedding
+run sac-random-r5         --method sac --ratio 5 --anchors random
 for p in "${pids[@]}"; do wait "$p"; done
 
 table=()  # the table in the papers' order
