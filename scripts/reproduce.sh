@@ -65,7 +65,8 @@ run_after pic-pretrain --max_iters $PRE_ITERS --method pic --objective ae+lm -- 
 run pic-blockwise         --method pic --mask blockwise
 run pic-causal            --method pic --mask causal
 # ata_compressor Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction,
-# each pretrained with `rel` (reconstruct the relevant chunk) then finetuned with `qa` (§3.4)
+# each pretrained with `rel` (reconstruct the relevant chunk) then finetuned with `qa` (§3.4; on
+# the tiny base the `rel` stage hurts: ata.py)
 for v in "" no_aac no_selective; do
   name=ata${v:+-$v}
   run_after $name-rel --max_iters $PRE_ITERS --method ata ${v:+--$v} --objective rel -- \
