@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # (small models use cores better so: ~1.3x the throughput of one run on two threads); the runs
 # of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is in the log.
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = each method's default)
-PRE_ITERS=${PRE_ITERS:-100}      # pic's pretraining stage (ae+lm) before its qa
+PRE_ITERS=${PRE_ITERS:-100}      # the pretraining stages: pic's ae+lm (and on a real checkpoint ata's rel)
 JOBS=${JOBS:-2}                  # runs at a time
 EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
@@ -65,10 +65,17 @@ run_after pic-pretrain --max_iters $PRE_ITERS --method pic --objective ae+lm -- 
 run pic-blockwise         --method pic --mask blockwise
 run pic-causal            --method pic --mask causal
 # ata_compressor Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction, each
-# at ata's tiny default (`qa` alone: there the paper's `rel` stage before it hurts; see ata.py)
-run ata                   --method ata
-run ata-no_aac            --method ata --no_aac
-run ata-no_selective      --method ata --no_selective
+# pretrained with `rel`, then finetuned with `qa` (§3.4); on the tiny base `rel` hurts (ata.py), so
+# there each row is ata's default, `qa` alone
+for v in "" no_aac no_selective; do
+  name=ata${v:+-$v}
+  if [ -n "${INIT_FROM:-}" ]; then
+    run_after $name-rel --max_iters $PRE_ITERS --method ata ${v:+--$v} --objective rel -- \
+              $name --method ata ${v:+--$v} --init_from "$OUT/$name-rel"
+  else
+    run $name --method ata ${v:+--$v}
+  fi
+done
 # sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
 for g in 8 4 2 1; do run gist-$g --method sentence_gist --gists $g; done
 # meanpool_multi_ratio Tables 1/3: mean pooling vs compression tokens (causal, bidirectional),
