@@ -51,3 +51,21 @@ def test_seeds_runs_one_setting_per_seed_with_a_table_each(base_dir, tmp_path):
     p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "3", "--method", "nope"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert p.returncode != 0 and "seed3 failed" in p.stderr
+
+
+@pytest.mark.parametrize("init_from", ["", "/ckpt/Some-1B"])
+def test_suite_ata_rows_pretrain_with_rel_only_on_a_real_checkpoint(tmp_path, init_from):
+    """The suite's command lines, with `python` a stub that logs its arguments (no training)."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path / 'calls'}\n")
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "suite"),
+               RESULTS=str(tmp_path / "RESULTS.md"), INIT_FROM=init_from, DATA="d.json", EVAL_DATA="e.json")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ata = [l for l in (tmp_path / "calls").read_text().splitlines() if "--method ata" in l]
+    rel = [l for l in ata if "--objective rel" in l]
+    assert len(ata) == (6 if init_from else 3) and len(rel) == (3 if init_from else 0), ata
+    if init_from:  # each qa row starts from its own rel stage (the last --init_from wins)
+        assert all(l.split("--init_from")[-1].split()[0].endswith("-rel") for l in ata if l not in rel)
