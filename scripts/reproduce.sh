@@ -65,8 +65,8 @@ run_after pic-pretrain --max_iters $PRE_ITERS --method pic --objective ae+lm -- 
 run pic-blockwise         --method pic --mask blockwise
 run pic-causal            --method pic --mask causal
 # ata_compressor Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction, each
-# pretrained with `rel`, then finetuned with `qa` (§3.4); on the tiny base `rel` hurts (ata.py), so
-# there each row is ata's default, `qa` alone
+# pretrained with `rel`, then finetuned with `qa` (§3.4); on the tiny base `rel` stalls `qa` on some
+# seeds (ata.py), so there each row is ata's default, `qa` alone
 for v in "" no_aac no_selective; do
   name=ata${v:+-$v}
   if [ -n "${INIT_FROM:-}" ]; then
