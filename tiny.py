@@ -318,11 +318,8 @@ class AttentionDistillation:
     decoder sits on the answer prior for thousands of examples; supervising the writers' attention,
     or giving slots the answer's K/V, did not help (but sentence_gist's gists need it: gist_kv_loss).
     Compression tokens at the chunks' centres (pic --mem single) take the per-slot form, slot t for
-    chunk t, in the first SHORT_STAGE of max_iters, then the output form: at 4x, 13 runs of 700 steps
-    (causal and bidir, six seeds) keep 0.47-0.74 of the teacher's gain, where the output form alone
-    kept 0.21-0.75 (seven of them); the per-slot form throughout capped the runs that learn (0.75 -> 0.42),
-    15 or 22 % stages moved the weakest and strongest runs erratically (0.48, 0.73; 0.04, 0.57), and at
-    the 500-step default one draw of eleven still stalls (bidir, 0.12; the others 0.50-0.65)."""
+    chunk t, in the first SHORT_STAGE of max_iters, then the output form: 13 runs (700 steps) kept 0.47-0.74
+    of the teacher's gain at 4x, the output form alone 0.21-0.75, the per-slot form throughout at most 0.42."""
 
     def __init__(self, method, weight, max_iters=0):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
