@@ -11,9 +11,10 @@ Paper: "Simple Context Compression: Mean-Pooling and Multi-Ratio Training"
                L_multi = sum_{r in R} L_KD(r)  one encoder pass, one update      (eq. 6)
 
 Choices the paper leaves open, made here:
-- h is the final-layer hidden state after the final norm (HF's last hidden state), of the context
-  alone (read after the prefix, as sac.py's encoder does, the tiny default kept 0.56 / 0.19 at 4 / 16x, not
-  0.65 / 0.19; seed 1337, F1/teacher).
+- h is the final-layer hidden state after the final norm (HF's last hidden state), of the context alone.
+  Tiny default, F1/teacher: read after the prefix (as sac.py's encoder reads) 0.56 / 0.19 at 4 / 16x, not
+  0.65 / 0.19 (seed 1337); pooled before the norm 0.51 / 0.56 at 8x but 0.14 / 0.18 at 16x, not 0.44 / 0.47
+  and 0.13 / 0.16 (seeds 4 / 5).
 - Encoder and decoder start from the teacher: a `--teacher` adapter is merged into the
   shared base before theirs are added, so `adapter(None)` is the frozen teacher (on the
   tiny default, the base itself is the teacher).
