@@ -118,13 +118,10 @@ class PIC(nn.Module):
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
     # tiny: 1250 steps of ratio 4, read at 4 and 16. 4,16 stalls (1 seed in 3 at 700 steps; 1337 at 925); 4,8 (950):
     # 16x same, 4x less. Trained alone at 8: F1/teacher 0.41; at 16: 0.05 (lr 2e-3 or 5e-4; 60 % at 4 first: 0.15-0.19)
+    # --mem single too (§5.1's single-ratio rows): at 4,8,16 for 500 steps (about its time) 4x kept 0.47-0.64 (0.12 once)
     TINY = dict(lr=2e-3, max_iters=1250, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
-
-    @staticmethod
-    def tiny_defaults(mcfg):  # --mem single: meanpool's ratios (§5.1 trains tokens and pooling alike); 500 steps
-        return dict(PIC.TINY, max_iters=500, ratio="4,8,16", eval_ratio="") if mcfg.mem == "single" else PIC.TINY
 
     @staticmethod
     def default_objective(mcfg):

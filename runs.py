@@ -222,11 +222,9 @@ def inherit_first_stage(cfg, mcfg, explicit, cls):
 
 
 def apply_defaults(cfg, mcfg, explicit, cls):
-    """0 = method default: on the tiny base the method's TINY values (or its tiny_defaults(mcfg)),
-    on real checkpoints the paper's (PAPER, and STAGES[--stage] where a method has stages)."""
-    small = {}
-    if tiny.is_tiny(cfg.init_from) or cfg.method == "base":
-        small = cls.tiny_defaults(mcfg) if hasattr(cls, "tiny_defaults") else getattr(cls, "TINY", {})
+    """0 = method default: on the tiny base the method's TINY values, on real checkpoints the
+    paper's (PAPER, and STAGES[--stage] where a method has stages)."""
+    small = getattr(cls, "TINY", {}) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
     paper = {**getattr(cls, "PAPER", {}), **getattr(cls, "STAGES", {}).get(getattr(mcfg, "stage", None), {})}
     for key, val in {**paper, **small}.items():
         if key not in explicit:
