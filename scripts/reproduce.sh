@@ -24,7 +24,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 
 start=$(date +%s)
 COMMON=(--seed "$SEED" --quiet)
 BASE=tiny_base
-CTOK_ITERS=(--max_iters 500)     # tiny base: the multi-ratio tokens' steps (~ the time of their default at 4 alone)
+CTOK_ITERS=(--max_iters 500)     # tiny base: the multi-ratio tokens' steps, as RESULTS.md's rows ran them
 CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke ITERS=2 EXAMPLES=4
