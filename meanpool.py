@@ -72,10 +72,11 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base: LoRA rank 64 (rank 16 kept ~14 F1 less at 4x). 16x stays low with more steps, trained alone, on shorter
-    # contexts, without the encoder, with the encoder told each token's place in its 16-window (a learned i mod 16 input
-    # embedding: 0.11 against 0.12, seed 4), at rank 128 (F1/teacher 0.18) or with CE (`--objective qa`: 0.19; 0.67 at
-    # 4x, one seed): a probe reads the answer's first token from its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x.
+    # tiny base: LoRA rank 64 (rank 16 kept ~14 F1 less at 4x). 16x stays low with more steps, trained alone, after 4 and
+    # 8 (a ratio curriculum: 0.12 / 0.17, seeds 4 / 5), on shorter contexts, without the encoder, with the encoder told
+    # each token's place in its 16-window (a learned i mod 16 input embedding: 0.11 against 0.12, seed 4), at rank 128
+    # (F1/teacher 0.18) or with CE (`--objective qa`: 0.19; 0.67 at 4x, one seed): a probe reads the answer's first
+    # token from its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x.
     # Compression tokens, one d = 128 slot each too, keep 0.27-0.39 at 16x (pic.py): the uniform mean, not the width
     # or the windows' edges, likely limits.
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
