@@ -72,14 +72,11 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base: LoRA rank 64 (rank 16 kept ~14 F1 less at 4x). 16x stays low with more steps, trained alone, after 4 and
-    # 8 (a ratio curriculum: 0.12 / 0.17, seeds 4 / 5), on shorter contexts, without the encoder, with the encoder told
-    # each token's place in its 16-window (a learned i mod 16 input embedding: 0.11 against 0.12, seed 4), at rank 128
-    # (F1/teacher 0.18) or with CE (`--objective qa`: 0.19; 0.67 at 4x, one seed): a probe reads the answer's first
-    # token from its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x.
-    # Compression tokens, one d = 128 slot each too, keep 0.27-0.39 at 16x (pic.py). A softmax-weighted mean in the same
-    # windows (one learned score vector; not the paper) lifts every ratio, 0.71 / 0.61 / 0.19 and 0.71 / 0.63 / 0.20 at
-    # 4 / 8 / 16x (seeds 4 / 5; the mean: 0.62 / 0.46 / 0.12 on seed 4), yet not 16x to 0.25: fixed windows limit too.
+    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x (F1/teacher 0.11-0.19) stays under 0.25 with more steps,
+    # ratio 16 alone or last, shorter contexts, no encoder, a window-position embedding, rank 128 or CE: a probe reads the
+    # answer's first token from its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x. A softmax-weighted mean in the same
+    # windows (not the paper) lifts every ratio (seed 4: 0.71 / 0.61 / 0.19; the mean: 0.62 / 0.46 / 0.12) but not 16x to
+    # 0.25, where compression tokens reading the whole context keep 0.27-0.39 (pic.py): the fixed windows limit.
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
