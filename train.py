@@ -240,7 +240,7 @@ def main(argv):
     bf16_weights = device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base"
     tok, base, method = build(cfg, mcfg, device, torch.bfloat16 if bf16_weights else torch.float32)
     if tiny.aided(cfg) and tiny.distills_attention(method):
-        method.aid = tiny.AttentionDistillation(method, tiny.ATTN_KD)
+        method.aid = tiny.AttentionDistillation(method, tiny.ATTN_KD, cfg.max_iters)
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable
     params = [p for p in method.parameters() if p.requires_grad]

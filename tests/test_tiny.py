@@ -348,6 +348,32 @@ def test_output_form_is_head_0s_output_in_the_real_passes(base_dir, name, kw):
     assert zero.abs() < 1e-6 and torch.allclose(got, want, rtol=1e-4), (zero, got, want)
 
 
+def test_tokens_at_the_centres_take_the_slot_form_in_the_short_stage_only(base_dir):
+    """pic --mem single (memory at the chunks' centres): aid 2 is the per-slot CE (slot t for chunk
+    t) in the first SHORT_STAGE of max_iters, the output form from then on; with memory after the
+    context (--mem_pos after) the output form throughout."""
+    m, batch = _with_aid(base_dir, "pic", mask="causal", mem="single")
+    m.aid = tiny.AttentionDistillation(m, 1.0, max_iters=10)
+    assert m.centre and m.aid.slot_steps == 3
+    with torch.no_grad():
+        teacher_attn, teacher_out, _ = m.aid.teacher(batch)[1]
+        memory = m.compress(batch, 4)
+        with m.base.adapter(m.dec_adapter):
+            m.base(batch["qa"], memory=memory)
+        rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
+        keys_valid = torch.cat([memory.mask, torch.ones_like(batch["qa_labels"], dtype=torch.bool)], 1)
+        C = memory.mask.shape[1]
+        slot_form = m.aid.loss(teacher_attn, tiny.window_slots(batch, memory, 4), rows, pos, keys_valid, C)
+        got = [m.aid.memory_loss((teacher_attn, teacher_out), memory, dict(batch, step=s), 4) for s in (0, 2, 3, 9)]
+        m.aid.slot_steps = 0  # the output form, as every other reader of the whole context
+        output_form = m.aid.memory_loss((teacher_attn, teacher_out), memory, batch, 4)
+    assert not torch.allclose(slot_form, output_form)
+    assert torch.equal(got[0], slot_form) and torch.equal(got[1], slot_form)
+    assert torch.equal(got[2], output_form) and torch.equal(got[3], output_form)
+    after, _ = _with_aid(base_dir, "pic", mask="causal", mem="single", mem_pos="after")
+    assert tiny.AttentionDistillation(after, 1.0, max_iters=10).slot_steps == 0
+
+
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sac", {"lora_r": 4, "lora_alpha": 8}, 4),
                                        ("sentence_gist", {"gists": 2}, 1),
                                        ("pic", {"mask": "bidir", "mem": "single"}, 4), ("ata", {"lora_r": 4}, 10)])
