@@ -318,9 +318,8 @@ class AttentionDistillation:
     decoder sits on the answer prior for thousands of examples; supervising the writers' attention,
     or giving slots the answer's K/V, did not help (but sentence_gist's gists need it: gist_kv_loss).
     Compression tokens at the chunks' centres (pic --mem single) take the per-slot form, slot t for
-    chunk t, in the first SHORT_STAGE of max_iters, then the output form: at ratio 4, 1250 steps, 14 of
-    14 draws kept >= 0.78 of the teacher's gain at 4x; the output form alone lifted 16x by 0.07-0.13 on
-    seeds 1 / 2 but left seed 3 at 0.17 / 0.16 (causal / bidir) at 4x."""
+    chunk t, in the first SHORT_STAGE of max_iters, then the output form (every draw at 4x: pic.py); the
+    output form alone lifted 16x by 0.07-0.13 on seeds 1 / 2 but left seed 3 at 0.17 / 0.16 at 4x."""
 
     def __init__(self, method, weight, max_iters=0):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
