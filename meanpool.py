@@ -77,7 +77,7 @@ class MeanPool(nn.Module):
     # encoder, a window-position embedding, rank 128 or CE: a probe reads the answer's first token from its slot 89 /
     # 67 / 19 % of the time at 4 / 8 / 16x. A softmax-weighted mean in the same windows (not the paper) lifts every
     # ratio (seed 4: 0.71 / 0.61 / 0.19; the mean: 0.62 / 0.46 / 0.12) but not 16x to 0.25, where compression tokens
-    # reading the whole context keep 0.27-0.39 (README): the fixed windows likely limit.
+    # reading the whole context keep 0.29-0.43 (README): the fixed windows likely limit.
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 

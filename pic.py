@@ -21,7 +21,7 @@ Choices the paper leaves open, made here:
 - Layout: memory after the *padded* context, padding keys masked (an example's memory is the same in any batch);
   context i at position i, memory t at L_b + t (`--mem_pos after`) or at chunk t's centre min(t r + (r - 1) // 2,
   L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). --mem single defaults to centre: on the tiny base
-  its tokens learn there (4x 0.81 / 0.78 causal / bidir, seed 1337), not after (0.20 / 0.19). PIC: after (centre,
+  its tokens learn there (4x 0.96 / 0.92 causal / bidir, seed 1337), not after (0.20 / 0.19). PIC: after (centre,
   tiny, seeds 4 / 6: 16x 0.20 / 0.32 vs 0.27 / 0.23).
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
   §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
@@ -121,7 +121,7 @@ class PIC(nn.Module):
     # same time (850-950 steps) keeps less at 4x (seeds 6 / 7: 0.30 / 0.55), in 1.45x the time 0.75 / 0.34 and 0.66 /
     # 0.30 at 4 / 16x (4 alone: 0.65 / 0.25, 0.67 / 0.29). Alone at 8: 0.41; at 16: 0.05 (lr 2e-3 or 5e-4; 60 % at 4
     # first: 0.15-0.19). --mem single too (§5.1's single-ratio rows): at 4,8,16 (500 steps) 4x kept 0.47-0.64 in 12 of
-    # 13 draws (0.12 once); at 4 alone 0.75-0.82 at 850 steps (the same time), 0.78-0.92 in 14 draws at 1250.
+    # 13 draws; at 4 alone 0.75-0.82 at 850 steps (the same time), 0.78-0.92 at 1250 (0.87-0.97 since tiny.SLOT_STAGE).
     TINY = dict(lr=2e-3, max_iters=1250, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
