@@ -34,7 +34,7 @@ Choices the paper leaves open, made here:
   eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
 Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa --init_from
-out/pic_pt` (its config). Tiny base: tiny.py's aids (KD per slot if blockwise, at the centres first; else output).
+out/pic_pt` (its config). Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
 import math
 from dataclasses import dataclass

@@ -141,7 +141,7 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
     import torch.nn.functional as F
     from model import apply_rope
     m, batch = _method(tmp_path)
-    m.aid = tiny.AttentionDistillation(m, 1.0)
+    m.aid = tiny.AttentionDistillation(m, 1.0, max_iters=10)  # per slot in step 0 (tiny.SLOT_STAGE)
     _, (seen, *_) = m.aid.teacher(batch)  # (N, L)
     rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
     lens = batch["context_len"][rows]
@@ -348,10 +348,11 @@ def test_output_form_is_head_0s_output_in_the_real_passes(base_dir, name, kw):
     assert zero.abs() < 1e-6 and torch.allclose(got, want, rtol=1e-4), (zero, got, want)
 
 
-def test_tokens_at_the_centres_take_the_slot_form_first(base_dir):
+def test_slot_form_first_where_the_layout_fixes_the_slots(base_dir):
     """pic --mem single (memory at the chunks' centres): aid 2 is the per-slot CE (slot t for chunk
-    t) in the first SLOT_STAGE of max_iters, the output form from then on; with memory after the
-    context (--mem_pos after) the output form throughout."""
+    t) in the first SLOT_STAGE of max_iters, the output form from then on, as for pic's block-wise
+    chunks and SAC's anchors; with memory after the context (--mem_pos after) and for ATA the
+    output form throughout."""
     m, batch = _with_aid(base_dir, "pic", mask="causal", mem="single")
     m.aid = tiny.AttentionDistillation(m, 1.0, max_iters=30)
     assert m.centre and m.aid.slot_steps == 3
@@ -372,6 +373,9 @@ def test_tokens_at_the_centres_take_the_slot_form_first(base_dir):
     assert torch.equal(got[2], output_form) and torch.equal(got[3], output_form)
     after, _ = _with_aid(base_dir, "pic", mask="causal", mem="single", mem_pos="after")
     assert tiny.AttentionDistillation(after, 1.0, max_iters=10).slot_steps == 0
+    for name, kw in (("pic", {}), ("sac", {"lora_r": 4}), ("ata", {"lora_r": 4})):
+        m, _ = _with_aid(base_dir, name, **kw)
+        assert tiny.AttentionDistillation(m, 1.0, max_iters=30).slot_steps == (0 if name == "ata" else 3), name
 
 
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sac", {"lora_r": 4, "lora_alpha": 8}, 4),
