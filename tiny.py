@@ -321,8 +321,8 @@ class AttentionDistillation:
     The slots give a decoder its first grip on memory; the output form then lets it read what they
     hold. Against per slot throughout, F1/teacher: pic at 4x rose on 8 of 8 draws (paired CIs above 0
     on 5 of 5 seeds), its 16x median 0.255 -> 0.35; meanpool (seeds 4-6) 0.62-0.63 / 0.46-0.51 /
-    0.12-0.17 -> 0.65-0.75 / 0.56-0.59 / 0.15-0.19 at 4 / 8 / 16x; sac (seeds 1, 4) 0.71 / 0.36 -> 0.77
-    / 0.41 and 0.67 / 0.32 -> 0.81 / 0.41 at 5 / 15x.
+    0.12-0.17 -> 0.65-0.75 / 0.56-0.59 / 0.15-0.19 at 4 / 8 / 16x; sac (seeds 1, 2, 4) 0.67-0.71 /
+    0.28-0.36 -> 0.77-0.81 / 0.41-0.42 at 5 / 15x.
     The tokens at the chunks' centres, seeds 1-5: 0.87-0.97 / 0.33-0.43 at 4 / 16x, with 30 % per
     slot 0.79-0.92 / 0.29-0.39; the output form from step 0 left seed 3 at 0.17 / 0.16 at 4x."""
 
