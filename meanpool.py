@@ -72,7 +72,7 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x (F1/teacher 0.15-0.19) stays under 0.25. With aid 2
+    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x (F1/teacher 0.14-0.19) stays under 0.25. With aid 2
     # per slot throughout (16x: 0.11-0.19), so did more steps, ratio 16 alone or joining after 4 and 8, 32 and 64
     # added (4x then falls to 0.50), shorter contexts, no encoder, a window-position embedding, rank 128 or CE: a probe
     # reads the answer's first token from its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x. A softmax-weighted mean

@@ -318,17 +318,16 @@ class AttentionDistillation:
     with n the method's token count, so the term is per answer token like KD/CE. Without it the
     decoder sits on the answer prior for thousands of examples; supervising the writers' attention,
     or giving slots the answer's K/V, did not help (but sentence_gist's gists need it: gist_kv_loss).
-    The slots give a decoder its first grip on memory; the output form then lets it read what they
-    hold. Against per slot throughout, F1/teacher: pic at 4x rose on 8 of 8 draws (paired CIs above 0
-    on 5 of 5 seeds), its 16x median 0.255 -> 0.35; meanpool (seeds 4-6) 0.62-0.63 / 0.46-0.51 /
-    0.12-0.17 -> 0.65-0.75 / 0.56-0.59 / 0.15-0.19 at 4 / 8 / 16x; sac (seeds 1, 2, 4) 0.67-0.71 /
-    0.28-0.36 -> 0.77-0.81 / 0.41-0.42 at 5 / 15x.
+    Against per slot throughout, F1/teacher over paired seeds: pic 0.68-0.76 / 0.21-0.31 -> 0.76-0.88 /
+    0.18-0.42 at 4 / 16x (4x higher on all 5, CIs above 0); sac 0.67-0.71 / 0.28-0.36 -> 0.77-0.81 /
+    0.41-0.42 at 5 / 15x (3 seeds); meanpool 0.59-0.63 / 0.44-0.51 / 0.12-0.17 -> 0.55-0.75 / 0.48-0.59
+    / 0.14-0.19 at 4 / 8 / 16x (5 seeds; 4x higher on 3, within noise on 2).
     The tokens at the chunks' centres, seeds 1-5: 0.87-0.97 / 0.33-0.43 at 4 / 16x, with 30 % per
     slot 0.79-0.92 / 0.29-0.39; the output form from step 0 left seed 3 at 0.17 / 0.16 at 4x."""
 
     def __init__(self, method, weight, max_iters=0):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
-        fixed = self.slots and (not reads_whole_context(method) or getattr(method, "centre", False))
+        fixed = self.slots is not None and (not reads_whole_context(method) or getattr(method, "centre", False))
         self.slot_steps = round(SLOT_STAGE * max_iters) if fixed else 0
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists, self.tok = getattr(method.cfg, "gists", 0), getattr(method, "tok", None)
