@@ -21,8 +21,8 @@ Choices the paper leaves open, made here:
 - Layout: memory after the *padded* context, padding keys masked (an example's memory is the same in any batch);
   context i at position i, memory t at L_b + t (`--mem_pos after`) or at chunk t's centre min(t r + (r - 1) // 2,
   L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). --mem single defaults to centre: on the tiny base
-  its tokens learn there (4x 0.96 / 0.92 causal / bidir, seed 1337), not after (0.20 / 0.19). PIC: after (centre,
-  tiny, seeds 4 / 6: 16x 0.20 / 0.32 vs 0.27 / 0.23).
+  its tokens learn there (4x 0.96 / 0.92 causal / bidir, seed 1337), not after (0.20 / 0.19). PIC: after, eq. 4's
+  order [c, m] (tiny, seeds 4 / 6, centre: 4x 0.88 / 0.86, 16x 0.39 / 0.39; after: 0.82 / 0.76, 0.37 / 0.36).
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
   §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
