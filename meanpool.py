@@ -72,15 +72,13 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x (F1/teacher 0.14-0.19) stays under 0.25. With aid 2
-    # per slot throughout (16x: 0.11-0.19), so did more steps, ratio 16 alone or joining after 4 and 8, 32 and 64
-    # added (4x then falls to 0.50), shorter contexts, no encoder, a window-position embedding, rank 128 or CE: a probe
-    # reads the answer's first token from its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x. A softmax-weighted mean
-    # in the same windows (not the paper) lifted every ratio (seed 4: 0.71 / 0.61 / 0.19; the mean: 0.62 / 0.46 /
-    # 0.12) but not 16x to 0.25, where compression tokens reading the whole context keep 0.29-0.43 (README). The mean,
-    # not the windows: at 16x the 80 % of answers that share their window with another value score about half of
-    # the rest, for pic's tokens over the same windows too, which keep twice meanpool's F1 on both (seeds 1337, 4-6:
-    # shared 30-33 vs 14-16, alone 60-69 vs 28-53).
+    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x stays under 0.25 (0.14-0.19); under aid 2's former
+    # per-slot form, so did more steps, ratio 16 alone or after 4 and 8, 32 and 64 added (4x falls to 0.50), shorter
+    # contexts, no encoder, a window-position embedding, rank 128, CE and a softmax-weighted mean (not the paper; seed
+    # 4: 0.19). The mean, not the windows, limits it: a probe reads the answer's first token from its slot 89 / 67 /
+    # 19 % of the time at 4 / 8 / 16x; at 16x the 80 % of answers that share their window with another value score
+    # about half of the rest, and pic's tokens over the same windows keep twice meanpool's F1 on both (seeds 1337,
+    # 4-6: shared 30-33 vs 14-16, alone 60-69 vs 28-53).
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
