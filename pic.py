@@ -22,7 +22,7 @@ Choices the paper leaves open, made here:
   context i at position i, memory t at L_b + t (`--mem_pos after`) or at chunk t's centre min(t r + (r - 1) // 2,
   L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). --mem single defaults to centre: on the tiny base
   its tokens learn there (4x 0.96 / 0.92 causal / bidir, seed 1337), not after (0.20 / 0.19). PIC: after, eq. 4's
-  order [c, m] (tiny, seeds 4 / 6, centre: 4x 0.88 / 0.86, 16x 0.39 / 0.39; after: 0.82 / 0.76, 0.37 / 0.36).
+  order [c, m]; centre vs after, tiny, seeds 1 / 4 / 5 / 6: 4x -9.8 / +5.5 / +1.1 / +9.0 F1, 16x -3.1 to +2.8: no winner.
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
   §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
