@@ -1,6 +1,13 @@
 """Each paper's headline claims as data, and a verdict for each from the suite's results.
 
     python scripts/claims.py out/suite/results.json        # the claims table (markdown)
+    python scripts/claims.py out/suite/results.json out/suite-s1/results.json ...  # one per seed
+
+A suite run is one training seed (SEED=1 OUT=out/suite-s1 RESULTS=out/suite-s1/RESULTS.md
+bash scripts/reproduce.sh): its intervals cover the questions, not the training draw. Given
+several, the table has one verdict per seed and a last column over them: "every seed agrees",
+"every seed disagrees", or the count of each verdict (a tiny-base row can move by a third of
+the teacher's gain between seeds, so a one-seed verdict is a draw).
 
 A claim says "row A beats row B" (or "A matches B") with the paper's own numbers for A
 and B. Rows are named "RUN@RATIO": RUN is a run dir name of scripts/reproduce.sh, RATIO
@@ -170,16 +177,58 @@ def table(results, claims=CLAIMS):
     return "\n".join(lines)
 
 
-def main(argv):
-    if len(argv) != 1:
-        raise SystemExit("usage: python scripts/claims.py RESULTS.json  (eval.py --out of scripts/reproduce.sh)")
+def over_seeds(verdicts):
+    """One verdict of a claim over seeds: every seed agrees / disagrees, else the counts."""
+    kinds = {v.replace(" (no CI)", "") for v in verdicts}
+    if len(kinds) == 1 and kinds <= {"agrees", "disagrees"}:
+        return f"every seed {kinds.pop()}"
+    return ", ".join(f"{verdicts.count(k) + verdicts.count(k + ' (no CI)')} {k}"
+                     for k in ("agrees", "cannot tell", "disagrees", "no data") if k in kinds)
+
+
+def seeds_table(runs, claims=CLAIMS):
+    """Markdown over several suite runs {name: results}: per claim, A - B [95% CI] and the
+    verdict of each run, then the verdict over them (over_seeds); then the count of each."""
+    lines = ["| source | claim | A vs B | " + " | ".join(runs) + " | over seeds |", "|" + "---|" * (len(runs) + 4)]
+    counts = {}
+    for c in claims:
+        cells, verdicts, digits = [], [], 1 if c.metric == "f1" else 2
+        for results in runs.values():
+            j = judge(c, results)
+            ours = f"{j['diff']:+.1f} [{j['ci'][0]:+.1f}, {j['ci'][1]:+.1f}]" if "ci" in j else \
+                f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)}"
+            cells.append(f"{ours} {j['verdict']}")
+            verdicts.append(j["verdict"])
+        total = over_seeds(verdicts)
+        what = "" if c.metric == "f1" else f" ({c.metric})"
+        lines.append(f"| {c.source} | {c.text} | {c.a} {c.kind} {c.b}{what} | " + " | ".join(cells) + f" | **{total}** |")
+        key = total if total.startswith("every") else "mixed"
+        counts[key] = counts.get(key, 0) + 1
+    lines.append("")
+    lines.append(f"{len(claims)} claims over {len(runs)} seeds: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def read_results(path):
     try:
-        results = json.load(open(argv[0]))
+        results = json.load(open(path))
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: cannot read {argv[0]} as an eval.py --out JSON ({e})")
+        raise SystemExit(f"error: cannot read {path} as an eval.py --out JSON ({e})")
     if not isinstance(results, list):
-        raise SystemExit(f"error: {argv[0]} is one run's metrics.json; the claims need eval.py --out of the suite")
-    print(table(results))
+        raise SystemExit(f"error: {path} is one run's metrics.json; the claims need eval.py --out of the suite")
+    return results
+
+
+def main(argv):
+    if not argv:
+        raise SystemExit("usage: python scripts/claims.py RESULTS.json [RESULTS.json ...]  "
+                         "(eval.py --out of scripts/reproduce.sh; several: one per seed)")
+    if len(argv) == 1:
+        return print(table(read_results(argv[0])))
+    names = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in argv]  # the suite's out dir
+    if len(set(names)) < len(names):
+        names = argv
+    print(seeds_table({n: read_results(p) for n, p in zip(names, argv)}))
 
 
 if __name__ == "__main__":

@@ -291,6 +291,31 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
         claims.main([_scores_file(tmp_path / "one.json", {4: high})])
 
 
+def test_claims_over_seeds_one_verdict_per_seed_and_their_count(tmp_path, capsys):
+    """Two suite runs (seeds): a claim both agree on, one they split, one neither has."""
+    claims = load_script("claims")
+    ids = [f"q{i}" for i in range(200)]
+    high = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}
+    low = {q: 20.0 * (i % 3) for i, q in enumerate(ids)}
+    seed_a = _suite_results({"a": {4: (high, {})}, "b": {4: (low, {})}, "c": {4: (high, {})}})
+    seed_b = _suite_results({"a": {4: (high, {})}, "b": {4: (low, {})}, "c": {4: (low, {})}})
+    C = claims.Claim
+    cs = [C("t", "a beats b", "a@4", "b@4", 60, 50), C("t", "c beats b", "c@4", "b@4", 60, 50),
+          C("t", "c beats a", "c@4", "a@4", 60, 50), C("t", "a beats zz", "a@4", "zz@4", 60, 50)]
+    out = claims.seeds_table({"s1": seed_a, "s2": seed_b}, cs).splitlines()
+    assert out[0] == "| source | claim | A vs B | s1 | s2 | over seeds |"
+    assert out[2].endswith("agrees | **every seed agrees** |")
+    assert "**1 agrees, 1 cannot tell** |" in out[3]                     # c = b on s2: +0.0 [..]
+    assert "**1 cannot tell, 1 disagrees** |" in out[4]                  # c = a on s1, c < a on s2
+    assert out[5].endswith("| 90.0 / - no data | 90.0 / - no data | **2 no data** |")
+    assert out[-1] == "4 claims over 2 seeds: 1 every seed agrees, 3 mixed"
+    for name, res in (("suite", seed_a), ("suite-s1", seed_b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    claims.main([str(tmp_path / "suite" / "results.json"), str(tmp_path / "suite-s1" / "results.json")])
+    assert "| source | claim | A vs B | suite | suite-s1 | over seeds |" in capsys.readouterr().out
+
+
 def test_claims_name_rows_of_the_suite():
     """Every row a claim names is a run of scripts/reproduce.sh (and trains that ratio)."""
     claims = load_script("claims")
