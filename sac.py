@@ -39,7 +39,8 @@ held by its nearest anchor, `qa` only; several QA pairs per context; a LoRA deco
 r = 5 model is also read at r = 15 (`--eval_ratio 5,15`), which keeps more of the teacher's gain
 there than 800 steps trained at r = 15 do.
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
-`--anchors random` (Table 4 "Random").
+`--anchors random` (Table 4 "Random"). On the tiny default `--causal` keeps as much: SAC - causal is
+-3.9 to +1.6 F1 at 5x over seeds 1337, 1-3, no interval above 0.
 """
 from dataclasses import dataclass
 

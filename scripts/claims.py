@@ -202,7 +202,8 @@ def seeds_table(runs, claims=CLAIMS):
         total = over_seeds(verdicts)
         what = "" if c.metric == "f1" else f" ({c.metric})"
         lines.append(f"| {c.source} | {c.text} | {c.a} {c.kind} {c.b}{what} | " + " | ".join(cells) + f" | **{total}** |")
-        key = total if total.startswith("every") else "mixed"
+        key = total if total.startswith("every") else "mixed" if "no data" not in verdicts else \
+            "no data" if set(verdicts) == {"no data"} else "no data on some seed"
         counts[key] = counts.get(key, 0) + 1
     lines.append("")
     lines.append(f"{len(claims)} claims over {len(runs)} seeds: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

@@ -308,7 +308,7 @@ def test_claims_over_seeds_one_verdict_per_seed_and_their_count(tmp_path, capsys
     assert "**1 agrees, 1 cannot tell** |" in out[3]                     # c = b on s2: +0.0 [..]
     assert "**1 cannot tell, 1 disagrees** |" in out[4]                  # c = a on s1, c < a on s2
     assert out[5].endswith("| 90.0 / - no data | 90.0 / - no data | **2 no data** |")
-    assert out[-1] == "4 claims over 2 seeds: 1 every seed agrees, 3 mixed"
+    assert out[-1] == "4 claims over 2 seeds: 1 every seed agrees, 2 mixed, 1 no data"
     for name, res in (("suite", seed_a), ("suite-s1", seed_b)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(res))
