@@ -157,6 +157,16 @@ def fmt(x, digits=1):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def sides(c):
+    """ "A > B" as the table names it, with the metric when it is not F1."""
+    return f"{c.a} {c.kind} {c.b}" + ("" if c.metric == "f1" else f" ({c.metric})")
+
+
+def ci_text(j, default="-"):
+    """A judged claim's "A - B [lo, hi]", or default when it has no interval."""
+    return f"{j['diff']:+.1f} [{j['ci'][0]:+.1f}, {j['ci'][1]:+.1f}]" if "ci" in j else default
+
+
 def table(results, claims=CLAIMS):
     """Markdown: one line per claim with the paper's numbers, ours, A - B [95% CI] and the
     verdict; then the count of each verdict."""
@@ -165,12 +175,10 @@ def table(results, claims=CLAIMS):
     counts = {}
     for c in claims:
         j = judge(c, results)
-        what = "" if c.metric == "f1" else f" ({c.metric})"
         paper = f"{fmt(c.paper_a, 2)} / {fmt(c.paper_b, 2)}" if c.paper_a is not None else "curve, no number"
-        ci = f"{j['diff']:+.1f} [{j['ci'][0]:+.1f}, {j['ci'][1]:+.1f}]" if "ci" in j else "-"
         digits = 1 if c.metric == "f1" else 2
-        lines.append(f"| {c.source} | {c.text} | {c.a} {c.kind} {c.b}{what} | {paper} | "
-                     f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)} | {ci} | **{j['verdict']}** |")
+        lines.append(f"| {c.source} | {c.text} | {sides(c)} | {paper} | "
+                     f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)} | {ci_text(j)} | **{j['verdict']}** |")
         counts[j["verdict"]] = counts.get(j["verdict"], 0) + 1
     lines.append("")
     lines.append(f"{len(claims)} claims: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
@@ -178,12 +186,15 @@ def table(results, claims=CLAIMS):
 
 
 def over_seeds(verdicts):
-    """One verdict of a claim over seeds: every seed agrees / disagrees, else the counts."""
-    kinds = {v.replace(" (no CI)", "") for v in verdicts}
+    """(verdict, group) of a claim over seeds: "every seed agrees / disagrees", else the count
+    of each verdict, grouped as mixed, no data on some seed, or no data."""
+    verdicts = [v.replace(" (no CI)", "") for v in verdicts]
+    kinds = set(verdicts)
     if len(kinds) == 1 and kinds <= {"agrees", "disagrees"}:
-        return f"every seed {kinds.pop()}"
-    return ", ".join(f"{verdicts.count(k) + verdicts.count(k + ' (no CI)')} {k}"
-                     for k in ("agrees", "cannot tell", "disagrees", "no data") if k in kinds)
+        return f"every seed {verdicts[0]}", f"every seed {verdicts[0]}"
+    order = ("agrees", "cannot tell", "disagrees", "no data")
+    counts = ", ".join(f"{verdicts.count(k)} {k}" for k in order if k in kinds)
+    return counts, "mixed" if "no data" not in kinds else "no data" if kinds == {"no data"} else "no data on some seed"
 
 
 def seeds_table(runs, claims=CLAIMS):
@@ -195,16 +206,11 @@ def seeds_table(runs, claims=CLAIMS):
         cells, verdicts, digits = [], [], 1 if c.metric == "f1" else 2
         for results in runs.values():
             j = judge(c, results)
-            ours = f"{j['diff']:+.1f} [{j['ci'][0]:+.1f}, {j['ci'][1]:+.1f}]" if "ci" in j else \
-                f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)}"
-            cells.append(f"{ours} {j['verdict']}")
+            cells.append(f"{ci_text(j, fmt(j['a'], digits) + ' / ' + fmt(j['b'], digits))} {j['verdict']}")
             verdicts.append(j["verdict"])
-        total = over_seeds(verdicts)
-        what = "" if c.metric == "f1" else f" ({c.metric})"
-        lines.append(f"| {c.source} | {c.text} | {c.a} {c.kind} {c.b}{what} | " + " | ".join(cells) + f" | **{total}** |")
-        key = total if total.startswith("every") else "mixed" if "no data" not in verdicts else \
-            "no data" if set(verdicts) == {"no data"} else "no data on some seed"
-        counts[key] = counts.get(key, 0) + 1
+        total, group = over_seeds(verdicts)
+        lines.append(f"| {c.source} | {c.text} | {sides(c)} | " + " | ".join(cells) + f" | **{total}** |")
+        counts[group] = counts.get(group, 0) + 1
     lines.append("")
     lines.append(f"{len(claims)} claims over {len(runs)} seeds: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     return "\n".join(lines)
