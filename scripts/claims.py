@@ -5,9 +5,10 @@
 
 A suite run is one training seed (SEED=1 OUT=out/suite-s1 RESULTS=out/suite-s1/RESULTS.md
 bash scripts/reproduce.sh): its intervals cover the questions, not the training draw. Given
-several, the table has one verdict per seed and a last column over them: "every seed agrees",
-"every seed disagrees", or the count of each verdict (a tiny-base row can move by a third of
-the teacher's gain between seeds, so a one-seed verdict is a draw).
+several, the table has a column per seed ("seed N", from the runs' run.json), each with its
+verdicts, and a last column over them: "every seed agrees", "every seed disagrees", or the
+count of each verdict (a tiny-base row can move by a third of the teacher's gain between
+seeds, so a one-seed verdict is a draw).
 
 A claim says "row A beats row B" (or "A matches B") with the paper's own numbers for A
 and B. Rows are named "RUN@RATIO": RUN is a run dir name of scripts/reproduce.sh, RATIO
@@ -226,16 +227,31 @@ def read_results(path):
     return results
 
 
+def train_configs(results):
+    """Each run's training config (its run.json's "train"; {} when the run dir is gone)."""
+    paths = [os.path.join(res["run"], "run.json") for res in results]
+    return [json.load(open(p))["train"] if os.path.exists(p) else {} for p in paths]
+
+
+def suite_name(path, results):
+    """A suite's column: "seed N" when all its runs trained at seed N, else its out dir's name."""
+    seeds = {cfg.get("seed") for cfg in train_configs(results)}
+    if len(seeds) == 1 and None not in seeds:
+        return f"seed {seeds.pop()}"
+    return os.path.basename(os.path.dirname(os.path.abspath(path)))
+
+
 def main(argv):
     if not argv:
         raise SystemExit("usage: python scripts/claims.py RESULTS.json [RESULTS.json ...]  "
                          "(eval.py --out of scripts/reproduce.sh; several: one per seed)")
     if len(argv) == 1:
         return print(table(read_results(argv[0])))
-    names = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in argv]  # the suite's out dir
+    runs = [read_results(p) for p in argv]
+    names = [suite_name(p, res) for p, res in zip(argv, runs)]
     if len(set(names)) < len(names):
         names = argv
-    print(seeds_table({n: read_results(p) for n, p in zip(names, argv)}))
+    print(seeds_table(dict(zip(names, runs))))
 
 
 if __name__ == "__main__":

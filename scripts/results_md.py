@@ -85,10 +85,7 @@ def distinct(values):
 
 
 def header(results, args):
-    train_cfgs = []
-    for res in results:
-        path = os.path.join(res["run"], "run.json")
-        train_cfgs.append(json.load(open(path))["train"] if os.path.exists(path) else {})
+    train_cfgs = claims.train_configs(results)
     steps = distinct([f"{t.get('max_iters', '?')} x {t.get('batch_size', '?')}" for t in train_cfgs])
     seeds = distinct([t.get("seed", "?") for t in train_cfgs])
     questions = distinct([r.get("n", "?") for res in results for r in res["rows"]])

@@ -314,6 +314,14 @@ def test_claims_over_seeds_one_verdict_per_seed_and_their_count(tmp_path, capsys
         (tmp_path / name / "results.json").write_text(json.dumps(res))
     claims.main([str(tmp_path / "suite" / "results.json"), str(tmp_path / "suite-s1" / "results.json")])
     assert "| source | claim | A vs B | suite | suite-s1 | over seeds |" in capsys.readouterr().out
+    for seed, res in ((1337, seed_a), (1, seed_b)):  # runs whose run.json names their seed: a column per seed
+        for run in res:
+            run["run"] = str(tmp_path / f"s{seed}" / os.path.basename(run["run"]))
+            os.makedirs(run["run"])
+            (tmp_path / run["run"] / "run.json").write_text(json.dumps({"train": {"seed": seed}}))
+        (tmp_path / f"s{seed}" / "results.json").write_text(json.dumps(res))
+    claims.main([str(tmp_path / "s1337" / "results.json"), str(tmp_path / "s1" / "results.json")])
+    assert "| source | claim | A vs B | seed 1337 | seed 1 | over seeds |" in capsys.readouterr().out
 
 
 def test_claims_name_rows_of_the_suite():
