@@ -117,8 +117,8 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny: 1250 steps of ratio 4, read at 4 and 16; qa alone (ae+lm first: 0.75-0.79 / 0.34-0.40 at 4 / 16x against
-    # 0.77-0.87 / 0.23-0.39, seeds 1337, 1, 2); 4,16 stalls (1 seed in 3 at 700 steps); 4,8 in the same time keeps less
+    # tiny: 1250 steps of ratio 4, read at 4 and 16; qa alone (ae+lm first: 0.75-0.79 / 0.34-0.41 at 4 / 16x against
+    # 0.77-0.87 / 0.23-0.42, seeds 1337, 1-3); 4,16 stalls (1 seed in 3 at 700 steps); 4,8 in the same time keeps less
     # at 4x (seeds 6 / 7: 0.30 / 0.55), in 1.45x the time 0.75 / 0.34 and 0.66 / 0.30 at 4 / 16x (4 alone: 0.65 / 0.25,
     # 0.67 / 0.29). Alone at 8: 0.41; at 16: 0.05 (lr 2e-3 or 5e-4; 60 % at 4 first: 0.15-0.19). --mem single too (§5.1's
     # single-ratio rows): at 4,8,16 (500 steps) 4x kept 0.47-0.64 12 times in 13; at 4 alone (1250 steps) 0.87-0.97.
