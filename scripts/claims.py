@@ -163,6 +163,12 @@ def sides(c):
     return f"{c.a} {c.kind} {c.b}" + ("" if c.metric == "f1" else f" ({c.metric})")
 
 
+def values_text(c, j):
+    """Our "A / B" values of a judged claim (F1 to 1 decimal, scalars to 2)."""
+    digits = 1 if c.metric == "f1" else 2
+    return f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)}"
+
+
 def ci_text(j, default="-"):
     """A judged claim's "A - B [lo, hi]", or default when it has no interval."""
     return f"{j['diff']:+.1f} [{j['ci'][0]:+.1f}, {j['ci'][1]:+.1f}]" if "ci" in j else default
@@ -177,9 +183,8 @@ def table(results, claims=CLAIMS):
     for c in claims:
         j = judge(c, results)
         paper = f"{fmt(c.paper_a, 2)} / {fmt(c.paper_b, 2)}" if c.paper_a is not None else "curve, no number"
-        digits = 1 if c.metric == "f1" else 2
-        lines.append(f"| {c.source} | {c.text} | {sides(c)} | {paper} | "
-                     f"{fmt(j['a'], digits)} / {fmt(j['b'], digits)} | {ci_text(j)} | **{j['verdict']}** |")
+        lines.append(f"| {c.source} | {c.text} | {sides(c)} | {paper} | {values_text(c, j)} | {ci_text(j)} | "
+                     f"**{j['verdict']}** |")
         counts[j["verdict"]] = counts.get(j["verdict"], 0) + 1
     lines.append("")
     lines.append(f"{len(claims)} claims: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
@@ -204,10 +209,10 @@ def seeds_table(runs, claims=CLAIMS):
     lines = ["| source | claim | A vs B | " + " | ".join(runs) + " | over seeds |", "|" + "---|" * (len(runs) + 4)]
     counts = {}
     for c in claims:
-        cells, verdicts, digits = [], [], 1 if c.metric == "f1" else 2
+        cells, verdicts = [], []
         for results in runs.values():
             j = judge(c, results)
-            cells.append(f"{ci_text(j, fmt(j['a'], digits) + ' / ' + fmt(j['b'], digits))} {j['verdict']}")
+            cells.append(f"{ci_text(j, values_text(c, j))} {j['verdict']}")
             verdicts.append(j["verdict"])
         total, group = over_seeds(verdicts)
         lines.append(f"| {c.source} | {c.text} | {sides(c)} | " + " | ".join(cells) + f" | **{total}** |")
