@@ -33,8 +33,8 @@ Choices the paper leaves open, made here:
   pretraining compresses the lengths finetuning will; eq. 6-7 are per-example means, so a batch's loss sums
   eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
-Two stages (paper): `--objective ae+lm --data text.jsonl --out_dir out/pic_pt`, then `--objective qa --init_from
-out/pic_pt` (its config). Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
+Two stages (§4.1.2, §4.2.1): `--pretrain N`: ae+lm N steps into OUT_DIR/pretrain, then qa from it (as `--objective
+ae+lm`, then `--init_from` it). Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
 import math
 from dataclasses import dataclass
@@ -117,12 +117,12 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny: 1250 steps of ratio 4, read at 4 and 16; qa alone (ae+lm first: 0.75-0.79 / 0.34-0.41 at 4 / 16x against
-    # 0.77-0.87 / 0.23-0.42, seeds 1337, 1-3); 4,16 stalls (1 seed in 3 at 700 steps); 4,8 in the same time keeps less
-    # at 4x (seeds 6 / 7: 0.30 / 0.55), in 1.45x the time 0.75 / 0.34 and 0.66 / 0.30 at 4 / 16x (4 alone: 0.65 / 0.25,
-    # 0.67 / 0.29). Alone at 8: 0.41; at 16: 0.05 (lr 2e-3 or 5e-4; 60 % at 4 first: 0.15-0.19). --mem single too (§5.1's
-    # single-ratio rows): at 4,8,16 (500 steps) 4x kept 0.47-0.64 12 times in 13; at 4 alone (1250 steps) 0.87-0.97.
-    TINY = dict(lr=2e-3, max_iters=1250, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
+    # tiny: ae+lm 100 steps, then qa 1100 at ratio 4, read at 4 and 16 (less time than qa alone's 1250): seeds 1337, 1-7
+    # kept 0.61-0.96 / 0.29-0.38 at 4 / 16x, qa alone 0.73-0.88 / 0.18-0.44. 4,16 stalls (1 seed in 3 at 700 steps); 4,8
+    # kept less at 4x (seeds 6 / 7: 0.30 / 0.55). Alone at 8: 0.41; at 16: 0.05 (lr 2e-3 or 5e-4; 60 % at 4 first: 0.15-
+    # 0.19). --mem single (§5.1's single-ratio rows: kd, no ae+lm) at 4 alone: 0.93-0.96 at 4x; at 4,8,16: 0.47-0.64.
+    TINY = dict(lr=2e-3, pretrain=100, max_iters=1100, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
+    pretraining = "ae+lm"  # §4.1.2: `--pretrain N` runs it for N steps, then qa from it
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
 

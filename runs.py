@@ -35,6 +35,7 @@ class TrainConfig:
     prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
     out_dir: str = ""          # "" = out/<method>
     no_aids: bool = False      # tiny base only: none of tiny.py's aids (curriculum, attention KD, decoder LoRA)
+    pretrain: int = 0          # first N steps of the paper's pretraining (pic ae+lm, sac lm, ata rel), then qa from it
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
     max_iters: int = 0
     batch_size: int = 0
@@ -240,6 +241,11 @@ def apply_defaults(cfg, mcfg, explicit, cls):
     if cfg.objective not in cls.objectives:
         raise SystemExit(f"error: --objective {cfg.objective!r} does not apply to --method {cfg.method}; "
                          f"choose from {', '.join(cls.objectives)}")
+    if cfg.pretrain and (cfg.objective != "qa" or not hasattr(cls, "pretraining")):
+        if "pretrain" in explicit:
+            raise SystemExit(f"error: --pretrain runs a pretraining stage before qa; --method {cfg.method} "
+                             f"--objective {cfg.objective} has none")
+        cfg.pretrain = 0  # a TINY pretrain precedes qa only (pic --mem single distils, as meanpool §5.1's tokens)
 
 
 def read_records(path, cfg, stats=None):

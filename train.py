@@ -148,7 +148,7 @@ def configure(argv):
         cls.check_config(cfg, mcfg)
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
-    if cfg.resume and not os.path.exists(os.path.join(cfg.out_dir, "run.json")):
+    if cfg.resume and not cfg.pretrain and not os.path.exists(os.path.join(cfg.out_dir, "run.json")):
         raise SystemExit(f"error: --resume but {cfg.out_dir} has no checkpoint")
     return cfg, mcfg, explicit, cls, ratios
 
@@ -158,7 +158,8 @@ def init_distributed(cfg):
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("RANK", -1)) == -1:
         return False, 0, 1, torch.device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if not dist.is_initialized():  # one group per process: --pretrain's two stages share it
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
@@ -172,12 +173,25 @@ def prepare_base(cfg, mcfg, master, ddp):
         if master:
             tiny.init_base(cfg.out_dir, mcfg, cfg.seed)
         cfg.init_from = cfg.out_dir
+    elif ddp and tiny.needs_training(cfg.init_from):
+        raise SystemExit(f"error: no {tiny.BASE_DIR}: train it first without torchrun (python train.py --method base)")
     elif master and tiny.needs_training(cfg.init_from):
         print(f"no {tiny.BASE_DIR}: training the tiny base first (~75 min on 2 CPU cores)")
         main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
               "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
     if ddp:
         dist.barrier()
+
+
+def pretrain_first(argv, cfg, cls):
+    """--pretrain N: the paper's pretraining objective (cls.pretraining) for N steps into OUT_DIR/pretrain,
+    then argv for the second stage from it, as `--objective ae+lm` and `--init_from` in two commands would
+    (PIC §4.1.2, SAC §3.1, ATA §3.4); both stages take this run's flags (two commands: each its own --lr).
+    None when the first stage was interrupted."""
+    first = main(argv + ["--objective", cls.pretraining, "--max_iters", str(cfg.pretrain), "--pretrain", "0",
+                         "--out_dir", os.path.join(cfg.out_dir, "pretrain"), "--eval_examples", "0"])
+    resume = cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "run.json"))
+    return None if STOP else argv + ["--init_from", first, "--pretrain", "0", f"--resume={resume}"]
 
 
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
@@ -227,8 +241,13 @@ def validation_loss(method, batches, device, autocast, ratios, n_steps=2):
 def main(argv):
     if "-h" in argv or "--help" in argv:
         return print_help([TrainConfig] + [method_config(c) for c in method_registry().values()])
-    # 1) flags, DDP, the base
+    # 1) flags (after --pretrain's stage, this run starts from it), DDP, the base
     cfg, mcfg, explicit, cls, ratios = configure(argv)
+    if cfg.pretrain:
+        argv = pretrain_first(argv, cfg, cls)
+        if not argv:
+            return None
+        cfg, mcfg, explicit, cls, ratios = configure(argv)
     ddp, rank, world, device = init_distributed(cfg)
     master = rank == 0
     dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -292,10 +311,9 @@ def main(argv):
         save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
     signal.signal(signal.SIGINT, old_handler)
-    if ddp:  # DDP's reducer holds the group: free it first, not in the interpreter's exit (gloo can abort there)
+    if ddp:  # DDP's reducer holds the group: free it before __main__ destroys the group (gloo can abort at exit)
         del model
         dist.barrier()
-        dist.destroy_process_group()
     if master and batches.stats:
         print(f"truncated while training (--max_context / --max_answer): {batches.stats}")
     if master and not STOP and cfg.method != "base":
@@ -308,6 +326,9 @@ if __name__ == "__main__":
         out = main(sys.argv[1:])
     except ValueError as e:  # user errors raised by data.py / model.py readers
         raise SystemExit(f"error: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if out and os.environ.get("RANK", "0") == "0":  # main returns None after --help
         run_cfg = json.load(open(os.path.join(out, "run.json")))["train"]
         if run_cfg["method"] not in ("base", "teacher") and run_cfg["eval_examples"] > 0:

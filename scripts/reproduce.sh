@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # (small models use cores better so: ~1.3x the throughput of one run on two threads); the runs
 # of one suite share the teacher rows (eval.sibling_teacher_rows). Each run's wall time is in the log.
 ITERS=${ITERS-}                  # training steps for every run and stage ("" = each method's default)
-PRE_ITERS=${PRE_ITERS:-100}      # the pretraining stages: pic's ae+lm (and on a real checkpoint ata's rel)
+PRE_ITERS=${PRE_ITERS:-${ITERS:-100}}  # --pretrain: pic's ae+lm (and on a real checkpoint ata's rel)
 JOBS=${JOBS:-2}                  # runs at a time
 EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
@@ -27,7 +27,7 @@ BASE=tiny_base
 CTOK_ITERS=(--max_iters 500)     # tiny base: the multi-ratio tokens' steps, as RESULTS.md's rows ran them
 CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=$OUT-smoke ITERS=2 EXAMPLES=4
+  OUT=$OUT-smoke ITERS=2 PRE_ITERS=2 EXAMPLES=4
   RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
   COMMON+=(--batch_size 2 --init_from "$BASE")
   python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet
@@ -44,38 +44,26 @@ train_one() {  # NAME FLAGS...: one run dir, its output in NAME.log (ITERS's --m
     { echo "error: $name failed; see $OUT/$name.log" >&2; return 1; }
   echo "   $name: $(( SECONDS - t )) s"
 }
-stage() { train_one "$@" --eval_examples 0; }  # a pretraining stage: trained, not evaluated
 job() {  # a command in the background, at most JOBS at a time; a failed one stops the suite
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
   "$@" & pids+=($!)
 }
 run() { evaluated+=("$OUT/$1"); job train_one "$@"; }  # trained, evaluated, one table row each
-chain() { local n=$1; shift; stage "${@:1:n}" && train_one "${@:n+1}"; }  # N STAGE... NAME...
-run_after() {  # STAGE FLAGS... -- NAME FLAGS...: a pretraining stage, then the run from it
-  local first=(); while [ "$1" != "--" ]; do first+=("$1"); shift; done; shift
-  evaluated+=("$OUT/$1"); job chain ${#first[@]} "${first[@]}" "$@"
-}
 mkdir -p "$OUT"
 
 # The longest chains start first, so that no core idles at the end.
-# pic Table 4 (pic_blockwise_causal): block-wise vs full causal mask, and the paper's two stages
-# (ae+lm pretraining on the text stream, then qa finetuning from it); each trained at pic's tiny
-# default (ratio 4, read at 4 and 16: trained at 16 alone, pic stays at the no-context level)
-run_after pic-pretrain --max_iters $PRE_ITERS --method pic --objective ae+lm -- \
-          pic-blockwise-ae+lm --method pic --init_from "$OUT/pic-pretrain"
-run pic-blockwise         --method pic --mask blockwise
-run pic-causal            --method pic --mask causal
+# pic Table 4 (pic_blockwise_causal): block-wise vs full causal mask (qa alone), and the paper's two
+# stages (pic's default: ae+lm pretraining on the text stream, then qa finetuning from it) against
+# qa alone; each at pic's tiny default otherwise (ratio 4, read at 4 and 16)
+run pic-blockwise-ae+lm   --method pic --pretrain "$PRE_ITERS"
+run pic-blockwise         --method pic --pretrain 0
+run pic-causal            --method pic --pretrain 0 --mask causal
 # ata_compressor Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction, each
 # pretrained with `rel`, then finetuned with `qa` (§3.4); on the tiny base `rel` stalls `qa` on some
 # seeds (ata.py), so there each row is ata's default, `qa` alone
 for v in "" no_aac no_selective; do
   name=ata${v:+-$v}
-  if [ -n "${INIT_FROM:-}" ]; then
-    run_after $name-rel --max_iters $PRE_ITERS --method ata ${v:+--$v} --objective rel -- \
-              $name --method ata ${v:+--$v} --init_from "$OUT/$name-rel"
-  else
-    run $name --method ata ${v:+--$v}
-  fi
+  run $name --method ata ${v:+--$v} ${INIT_FROM:+--pretrain "$PRE_ITERS"}
 done
 # sentence_gist Tables 1-2: quality vs achieved ratio for N_g = 1, 2, 4, 8
 for g in 8 4 2 1; do run gist-$g --method sentence_gist --gists $g; done

@@ -328,7 +328,7 @@ def test_claims_name_rows_of_the_suite():
     """Every row a claim names is a run of scripts/reproduce.sh (and trains that ratio)."""
     claims = load_script("claims")
     script = (ROOT / "scripts" / "reproduce.sh").read_text()
-    runs = set(re.findall(r"^\s*run (\S+)", script, re.M)) | set(re.findall(r" -- \\\n\s*(\S+)", script))  # run_after
+    runs = set(re.findall(r"^\s*run (\S+)", script, re.M))
     runs |= {f"gist-{g}" for g in (1, 2, 4, 8)} | {f"sac{v}-r{r}" for v in ("", "-causal", "-no_emb", "-random")
                                                    for r in (5, 15)} | {"ata", "ata-no_aac", "ata-no_selective"}
     for c in claims.CLAIMS:

@@ -311,6 +311,23 @@ def test_two_stage_recipe_starts_qa_from_ae_lm(base_dir, tmp_path):
     assert not (tmp_path / "bad").exists()  # refused before anything is written
 
 
+def test_pretrain_in_one_command_equals_the_two_commands(base_dir, tmp_path):
+    """--pretrain N is `--objective ae+lm --max_iters N` into OUT_DIR/pretrain, then qa with --init_from it."""
+    common = ["--method", "pic", "--batch_size", 2, "--device", "cpu", "--quiet", "--max_context", 128,
+              "--eval_examples", 0, "--init_from", base_dir]
+    train.main([str(a) for a in common + ["--objective", "ae+lm", "--max_iters", 2, "--out_dir", tmp_path / "pt"]])
+    train.main([str(a) for a in common + ["--max_iters", 1, "--init_from", tmp_path / "pt", "--out_dir", tmp_path / "ft"]])
+    train.main([str(a) for a in common + ["--max_iters", 1, "--pretrain", 2, "--out_dir", tmp_path / "one"]])
+    for two, one in ((tmp_path / "pt", tmp_path / "one" / "pretrain"), (tmp_path / "ft", tmp_path / "one")):
+        a, b = read_params(two), read_params(one)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = json.load(open(tmp_path / "one" / "run.json"))["train"]
+    assert (state["objective"], state["init_from"], state["pretrain"]) == ("qa", str(tmp_path / "one" / "pretrain"), 0)
+    lines = [len(open(d / "log.jsonl").readlines()) for d in (tmp_path / "one", tmp_path / "one" / "pretrain")]
+    train.main([str(a) for a in common + ["--max_iters", 1, "--pretrain", 2, "--out_dir", tmp_path / "one", "--resume"]])
+    assert [len(open(d / "log.jsonl").readlines()) for d in (tmp_path / "one", tmp_path / "one" / "pretrain")] == lines
+
+
 def test_check_config_errors():
     cfg = runs.TrainConfig(ratio="1", max_context=600)
     for kw, message in ((dict(), "--max_mem 256"), (dict(mask="diag"), "--mask"), (dict(mem="two"), "--mem"),
@@ -321,7 +338,8 @@ def test_check_config_errors():
 
 
 @pytest.mark.parametrize("extra,message", [(["--ratio", "0"], "--ratio"), (["--no_linear"], "does not apply"),
-                                           (["--max_context", "4000"], "max_position_embeddings 2048")])
+                                           (["--max_context", "4000"], "max_position_embeddings 2048"),
+                                           (["--mem", "single", "--pretrain", "5"], "--pretrain runs a pretraining")])
 def test_cli_errors_are_one_line(base_dir, tmp_path, extra, message):
     p = run(["--method", "pic", "--init_from", base_dir, "--out_dir", tmp_path / "x", "--quiet", *extra], check=False)
     err = p.stderr.strip()
@@ -335,13 +353,14 @@ def test_cli_errors_are_one_line(base_dir, tmp_path, extra, message):
 
 @pytest.mark.slow
 def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
-    # qa, the default (ae+lm counts examples, not tokens: the eq. 8 test checks that sum by hand)
-    common = ["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--ratio", "8",
+    # qa after one ae+lm step (--pretrain: both stages in one process group; ae+lm counts examples, not tokens)
+    common = ["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--ratio", "8", "--pretrain", 1,
               "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 2, "--lr", "1e-2",
               "--eval_examples", 1]
     torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
     run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
+    assert read_params(tmp_path / "ddp" / "pretrain").keys() >= {"ae", "mem_embed"}
     assert a.keys() == b.keys() and "mem_embed" in a and "ae" not in a
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
@@ -367,10 +386,11 @@ def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for k, p in m.named_parameters() if "lora_B.decoder" in k)
     pic_m, _ = make(base_dir)
     assert pic_m.dec_adapter is None and len(pic_m.converter) == 3
-    for mem, objective in (("single", "kd"), ("table", "qa")):
+    for mem, objective, pretrain in (("single", "kd", 0), ("table", "qa", 100)):  # PIC pretrains; the tokens do not
         cfg, mcfg = runs.TrainConfig(method="pic"), pic.PICConfig(mem=mem)
         runs.apply_defaults(cfg, mcfg, set(), pic.PIC)  # on the tiny base both train at 4 and read at 4 and 16
-        assert (cfg.objective, cfg.ratio, cfg.eval_ratio, cfg.max_iters) == (objective, "4", "4,16", 1250)
+        assert (cfg.objective, cfg.ratio, cfg.eval_ratio, cfg.max_iters, cfg.pretrain) == (
+            objective, "4", "4,16", 1100, pretrain)
 
 
 def test_compression_tokens_default_to_chunk_centres(base_dir, monkeypatch):

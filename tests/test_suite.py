@@ -18,9 +18,9 @@ def test_suite_smoke_runs_every_entry(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     entries = [l for l in p.stdout.splitlines() if l.startswith("== ")]
     results = json.load(open(tmp_path / "suite-smoke" / "results.json"))
-    stages = [l for l in entries if "--objective ae+lm" in l]
-    assert (len(entries), len(stages), len(results)) == (22, 1, 21)  # pretraining stages are not rows
-    assert entries[0].startswith("== pic-pretrain:")  # the longest chain starts first
+    assert len(entries) == len(results) == 21
+    assert entries[0].startswith("== pic-blockwise-ae+lm:") and "--pretrain 2" in entries[0]  # the longest first
+    assert (tmp_path / "suite-smoke" / "pic-blockwise-ae+lm" / "pretrain" / "run.json").exists()
     methods = [r["rows"][0]["method"].split(" ")[0] for r in results]  # the table in the papers' order
     assert list(dict.fromkeys(methods)) == ["meanpool", "pic", "sentence_gist", "sac", "ata"], methods
     table = (tmp_path / "suite-smoke" / "results.md").read_text()
@@ -65,7 +65,5 @@ def test_suite_ata_rows_pretrain_with_rel_only_on_a_real_checkpoint(tmp_path, in
     p = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ata = [l for l in (tmp_path / "calls").read_text().splitlines() if "--method ata" in l]
-    rel = [l for l in ata if "--objective rel" in l]
-    assert len(ata) == (6 if init_from else 3) and len(rel) == (3 if init_from else 0), ata
-    if init_from:  # each qa row starts from its own rel stage (the last --init_from wins)
-        assert all(l.split("--init_from")[-1].split()[0].endswith("-rel") for l in ata if l not in rel)
+    pretrain = [l for l in ata if "--pretrain 100" in l]  # train.py's --pretrain runs rel, then qa from it
+    assert len(ata) == 3 and len(pretrain) == (3 if init_from else 0), ata

@@ -152,11 +152,22 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--frobnicate", "1"], "unknown flag --frobnicate"),
     (["--method", "meanpool", "--objective", "ae+lm"], "does not apply to --method meanpool"),
     (["--method", "base", "--no_linear"], "--no_linear does not apply to --method base"),
+    (["--method", "meanpool", "--pretrain", "5"], "--method meanpool --objective kd has none"),
 ])
 def test_cli_errors_are_one_line(argv, message):
     p = run(argv + ["--init_from", "/nonexistent"], check=False)
     assert p.returncode != 0
     assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("method,extra", [("sac", ["--ratio", 5, "--lora_r", 4]), ("ata", ["--lora_r", 4])])
+def test_pretrain_runs_the_papers_first_stage(base_dir, tmp_path, method, extra):
+    """--pretrain 1 on sac and ata: their pretraining objective into OUT_DIR/pretrain, then qa from it."""
+    in_process(["--method", method, "--init_from", base_dir, "--max_iters", 1, "--pretrain", 1, "--batch_size", 2,
+                "--max_context", 128, "--out_dir", tmp_path, "--eval_examples", 0, "--quiet", *extra])
+    first, second = (json.load(open(d / "run.json"))["train"] for d in (tmp_path / "pretrain", tmp_path))
+    assert (first["objective"], first["max_iters"]) == (train.method_registry()[method].pretraining, 1)
+    assert (second["objective"], second["init_from"]) == ("qa", str(tmp_path / "pretrain"))
 
 
 def test_help_lists_every_flag():
