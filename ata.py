@@ -139,7 +139,7 @@ class ATA(nn.Module):
                  hotpot_distractors=True)
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=8, grad_accum=2,  # + PAPER's
                 lora_r=16, lora_alpha=32, lora_dropout=0.0)
-    pretraining = "rel"  # §3.4: `--pretrain N` runs it for N steps, then qa from it
+    pretraining = "rel"  # §3.5: `--pretrain N` runs it for N steps, then qa from it
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 

@@ -109,7 +109,7 @@ class SAC(nn.Module):
                  warmup_iters=300, min_lr_frac=1.0)
     TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=8, grad_accum=2, lora_r=64, lora_alpha=128,
                 eval_ratio="5,15")
-    pretraining = "lm"  # §3.1: `--pretrain N` runs it for N steps, then qa from it
+    pretraining = "lm"  # §3.2, §4.1: `--pretrain N` runs it for N steps, then qa from it
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 

@@ -186,7 +186,7 @@ def prepare_base(cfg, mcfg, master, ddp):
 def pretrain_first(argv, cfg, cls):
     """--pretrain N: the paper's pretraining objective (cls.pretraining) for N steps into OUT_DIR/pretrain,
     then argv for the second stage from it, as `--objective ae+lm` and `--init_from` in two commands would
-    (PIC §4.1.2, SAC §3.1, ATA §3.4); both stages take this run's flags (two commands: each its own --lr).
+    (PIC §4.1.2, SAC §4.1, ATA §3.5); both stages take this run's flags (two commands: each its own --lr).
     None when the first stage was interrupted."""
     first = main(argv + ["--objective", cls.pretraining, "--max_iters", str(cfg.pretrain), "--pretrain", "0",
                          "--out_dir", os.path.join(cfg.out_dir, "pretrain"), "--eval_examples", "0"])

@@ -59,7 +59,7 @@ run pic-blockwise-ae+lm   --method pic --pretrain "$PRE_ITERS"
 run pic-blockwise         --method pic --pretrain 0
 run pic-causal            --method pic --pretrain 0 --mask causal
 # ata_compressor Tables 2 and 6: ATA vs no adaptive allocation vs no selective reconstruction, each
-# pretrained with `rel`, then finetuned with `qa` (§3.4); on the tiny base `rel` stalls `qa` on some
+# pretrained with `rel`, then finetuned with `qa` (§3.5); on the tiny base `rel` stalls `qa` on some
 # seeds (ata.py), so there each row is ata's default, `qa` alone
 for v in "" no_aac no_selective; do
   name=ata${v:+-$v}
