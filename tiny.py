@@ -55,6 +55,16 @@ def needs_training(init_from):
     return base_path(init_from) == BASE_DIR and not os.path.exists(os.path.join(BASE_DIR, "model.safetensors"))
 
 
+def attention_inputs(base, ids, layer):
+    """What keep_attention_inputs keeps of `layer` in base(ids) (causal, no memory), without running
+    `layer` or the ones after it: (x (B, T, d) after its input norm, cos, sin, mask None, prefix None)."""
+    x = base.model.embed_tokens(ids)
+    cos, sin = (t.to(x.dtype) for t in base.rope(torch.arange(ids.shape[1], device=ids.device).expand_as(ids)))
+    for block in base.model.layers[:layer]:
+        x, _ = block(x, cos, sin, [None, None], None)
+    return base.model.layers[layer].input_layernorm(x), cos, sin, None, None
+
+
 def attention_nll(attn, inputs, rows, pos, target, keys_valid=None):
     """Mean -log of the attention mass head 0 of `attn` puts from the queries (rows, pos) on target
     (N, S) bool; inputs, keys_valid as model.head_log_attention."""
@@ -336,23 +346,26 @@ class AttentionDistillation:
         self.inputs = keep_attention_inputs(self.base, [self.last - 1, self.last] if writes else [self.last])
 
     @torch.no_grad()
-    def teacher(self, batch):
-        """The frozen base on batch["full"]: (its hidden states at the answer-predicting positions
-        (N, d), (head 0's attention from them onto the context tokens (N, L), its output (N, hd)))."""
+    def teacher(self, batch, hidden=False):
+        """The frozen base on batch["full"]: (its hidden states at the answer-predicting positions (N, d)
+        with `hidden`, else None, (head 0's attention from them onto the context tokens (N, L), its
+        output (N, hd), its inputs (B, S, d))). Without `hidden` the pass stops at that attention."""
         rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
         with self.base.adapter(None):
-            h = self.base(batch["full"], output="hidden")
-            p = head_log_attention(self.base.model.layers[self.last].self_attn, self.inputs[self.last], rows, pos).exp()
-            out = self.head_output(p, rows)
+            if hidden:
+                h, inputs = self.base(batch["full"], output="hidden")[rows, pos], self.inputs[self.last]
+            else:  # the last layer's MLP and all but head 0 would be a quarter of the tiny base's pass
+                h, inputs = None, attention_inputs(self.base, batch["full"], self.last)
+            p = head_log_attention(self.base.model.layers[self.last].self_attn, inputs, rows, pos).exp()
+            out = self.head_output(p, rows, inputs)
         start, L = len(batch["prefix"]), batch["context"].shape[1]
         p = F.pad(p[:, start:start + L], (0, max(0, start + L - p.shape[1])))
         in_context = torch.arange(L, device=p.device)[None] < batch["context_len"][rows, None]
-        x = self.inputs[self.last][0]  # (B, S, d) the last layer's attention inputs, for gist_kv_loss
-        return h[rows, pos], (p * in_context, out, x)  # the prompt follows a short context in `full`: not memory
+        return h, (p * in_context, out, inputs[0])  # the prompt follows a short context in `full`: not memory
 
-    def head_output(self, p, rows):
-        """(N, hd) head 0's output sum_j p_j v_j in the last forward, from its attention p (N, C + T)."""
-        attn, inputs = self.base.model.layers[self.last].self_attn, self.inputs[self.last]
+    def head_output(self, p, rows, inputs):
+        """(N, hd) head 0's output sum_j p_j v_j from its attention p (N, C + T); inputs as keep_attention_inputs."""
+        attn = self.base.model.layers[self.last].self_attn
         v = attn.v_proj(inputs[0].float())[..., :attn.hd]  # (B, T, hd): head 0's kv head
         if inputs[4] is not None:  # K/V memory: its values come first
             v = torch.cat([inputs[4][1][:, 0].float(), v], 1)
@@ -384,7 +397,8 @@ class AttentionDistillation:
         if batch.get("step", 0) < self.slot_steps:  # a batch built by hand counts as step 0
             return self.loss(teacher_attn, self.slots(batch, memory, r), rows, pos, keys_valid, memory.n_slots)
         with self.base.adapter(self.adapter):
-            out = self.head_output(self.student_log_attention(rows, pos, keys_valid, memory.n_slots).exp(), rows)
+            p = self.student_log_attention(rows, pos, keys_valid, memory.n_slots).exp()
+            out = self.head_output(p, rows, self.inputs[self.last])
         return self.weight * ((out - teacher_out).pow(2).sum(-1).mean() / teacher_out.pow(2).sum(-1).mean())
 
     def writer_loss(self, batch):
