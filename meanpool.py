@@ -119,7 +119,7 @@ class MeanPool(nn.Module):
         labels = batch["qa_labels"]
         teacher = teacher_attn = None
         if self.aid is not None:  # one teacher pass for both
-            teacher, teacher_attn = self.aid.teacher(batch, hidden=self.run.objective == "kd")
+            teacher, teacher_attn = self.aid.teacher(batch)
         elif self.run.objective == "kd":
             with torch.no_grad(), self.base.adapter(None):
                 teacher = self.base(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (N, d)

@@ -233,7 +233,7 @@ class PIC(nn.Module):
         labels = batch["qa_labels"]
         teacher = teacher_attn = None
         if self.aid is not None:  # one teacher pass for both
-            teacher, teacher_attn = self.aid.teacher(batch, hidden=self.run.objective == "kd")
+            teacher, teacher_attn = self.aid.teacher(batch)
         elif self.run.objective == "kd":
             with torch.no_grad(), self.dec.adapter(None):
                 teacher = self.dec(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (n, d_dec)

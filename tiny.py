@@ -344,15 +344,16 @@ class AttentionDistillation:
         self.last = self.base.config.num_hidden_layers - 1
         writes = type(method).__name__ == "ATA"  # its encoder gets writer_loss
         self.inputs = keep_attention_inputs(self.base, [self.last - 1, self.last] if writes else [self.last])
+        self.hidden = method.run.objective == "kd"  # its teacher distils logits: teacher() returns them too
 
     @torch.no_grad()
-    def teacher(self, batch, hidden=False):
+    def teacher(self, batch):
         """The frozen base on batch["full"]: (its hidden states at the answer-predicting positions (N, d)
-        with `hidden`, else None, (head 0's attention from them onto the context tokens (N, L), its
-        output (N, hd), its inputs (B, S, d))). Without `hidden` the pass stops at that attention."""
+        under a kd objective (self.hidden), else None, (head 0's attention from them onto the context
+        tokens (N, L), its output (N, hd), its inputs (B, S, d))). Else the pass stops at that attention."""
         rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
         with self.base.adapter(None):
-            if hidden:
+            if self.hidden:
                 h, inputs = self.base(batch["full"], output="hidden")[rows, pos], self.inputs[self.last]
             else:  # the last layer's MLP and all but head 0 would be a quarter of the tiny base's pass
                 h, inputs = None, attention_inputs(self.base, batch["full"], self.last)

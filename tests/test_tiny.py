@@ -332,13 +332,16 @@ def test_output_form_is_head_0s_output_in_the_real_passes(base_dir, name, kw):
     seen = []
     attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][..., :attn.hd]))
     with torch.no_grad():
-        _, (_, teacher_out, _) = m.aid.teacher(batch, hidden=True)
+        m.aid.hidden = True  # the full pass, as under a kd objective
+        _, (_, teacher_out, _) = m.aid.teacher(batch)
         rows, pos = (batch["full_labels"] != -100).nonzero(as_tuple=True)
         assert torch.allclose(teacher_out, seen[-1][rows, pos], atol=1e-5)
         n_seen = len(seen)  # without the hidden states the teacher stops before the last layer, same head
+        m.aid.hidden = False
         h, stopped = m.aid.teacher(batch)
         assert h is None and len(seen) == n_seen
-        assert all(torch.equal(a, b) for a, b in zip(stopped, m.aid.teacher(batch, hidden=True)[1]))
+        m.aid.hidden = True
+        assert all(torch.equal(a, b) for a, b in zip(stopped, m.aid.teacher(batch)[1]))
         memory = m.compress(batch, 4)
         with m.base.adapter(m.dec_adapter):
             m.base(batch["qa"], memory=memory)
