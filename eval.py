@@ -213,13 +213,17 @@ def sibling_teacher_rows(run_dir, key):
 
 def run_label(run_dir, mcfg):
     """Method name plus the flags given on its command line (the trained ratios, the method's own) and
-    the first stage's objective for a second stage: "pic (ratio=16, mask=causal)", "ata (after rel)"."""
+    the first stage's objective for a second stage, or pretrain=0 for a method whose default has one:
+    "pic (ratio=16, mask=causal)", "ata (after rel)", "pic (pretrain=0)"."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
-    flags = [f"ratio={state['train']['ratio']}"] if "ratio" in state.get("flags", []) else []
-    flags += [f"{k}={getattr(mcfg, k)}" for k in state.get("flags", []) if hasattr(mcfg, k)]
+    given = state.get("flags", [])
+    flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
+    flags += [f"{k}={getattr(mcfg, k)}" for k in given if hasattr(mcfg, k)]
     first = runs.first_stage(state["train"]["init_from"], state["train"]["method"])
     if first:
         flags.append(f"after {first['train']['objective']}")
+    elif "pretrain" in given:
+        flags.append(f"pretrain={state['train']['pretrain']}")
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 

@@ -25,7 +25,7 @@ def test_suite_smoke_runs_every_entry(tmp_path):
     assert list(dict.fromkeys(methods)) == ["meanpool", "pic", "sentence_gist", "sac", "ata"], methods
     table = (tmp_path / "suite-smoke" / "results.md").read_text()
     assert "| teacher |" in table and "suite:" in table
-    assert "pic (after ae+lm)" in table and "ata (no_aac=True)" in table
+    assert "pic (after ae+lm)" in table and "| pic (pretrain=0) |" in table and "ata (no_aac=True)" in table
     report = (tmp_path / "suite-smoke" / "RESULTS.md").read_text()
     assert report.startswith("# Results: the reproduction suite")
     assert "- command: `bash scripts/reproduce.sh --smoke`" in report and "tokens/s (fwd + bwd" in report
