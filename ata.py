@@ -47,8 +47,7 @@ Choices the paper leaves open, made here:
   its output form, as compression tokens that read the whole prompt hold no fixed chunk, plus its
   writer loss: c_j learn to read the answer one layer below the last). The frozen decoder answers
   from the answer tokens' K/V alone, which without the writer loss c_j do not learn to hold (F1 4-11).
-  There a `rel` stage before `qa` stalls `qa` on some seeds (F1/teacher after 100 `rel` steps 0.01-0.37, after 20
-  or at lr 2e-4 0.44-0.61; `qa` alone 0.56; seeds 1337 and 3), so the tiny default is `qa` alone.
+  There a `rel` stage before `qa` stalled `qa` on some seeds, so the tiny default is `qa` alone.
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
   (C_rel = the whole context, 500xCompressor-like; L_rel follows it). On the tiny default ATA minus
   --no_selective is -1.4 to +8.0 F1 over seeds 1337, 1-3 (one interval above 0), at 40-44x against 23-24x.

