@@ -171,7 +171,7 @@ class SentenceGist(nn.Module):
         return layout(rows, self.is_end, cfg.gists, cfg.max_sentence_len, labels, self.gist.device, self.run.pad_multiple)
 
     def embed(self, ids):
-        """(B, T) ids, gist j = V + j -> (B, T, d) input embeddings; the base is not resized."""
+        """(B, T) ids, gist j = V + j -> (B, T, d), base not resized; >1 thread: g's backward adds in no fixed order."""
         is_gist = ids >= self.V
         e = self.base.model.embed_tokens(ids.masked_fill(is_gist, 0))  # (B, T, d)
         scale = self.base.model.embed_tokens.scale or 1.0  # rows live in weight space, as the vocabulary's (Gemma)
