@@ -213,8 +213,8 @@ def sibling_teacher_rows(run_dir, key):
 
 def run_label(run_dir, mcfg):
     """Method name plus the flags given on its command line (the trained ratios, the method's own) and
-    the first stage's objective for a second stage, or pretrain=0 for a method whose default has one:
-    "pic (ratio=16, mask=causal)", "ata (after rel)", "pic (pretrain=0)"."""
+    the first stage's objective for a second stage, else a --pretrain given (pic's qa alone, whose default chains
+    ae+lm first): "pic (ratio=16, mask=causal)", "ata (after rel)", "pic (pretrain=0)"."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
     given = state.get("flags", [])
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
