@@ -356,7 +356,9 @@ def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
     """(N, C + T) fp32 log attention probabilities of head 0 of `attn` from the queries (rows, pos)
     onto every key of their sequence, under the causal mask (and keys_valid (B, C + T)). The first
     C keys are memory: the layer's prefix K/V, or the first n_memory rows of x; pos counts the
-    tokens after them. inputs: from keep_attention_inputs. SDPA returns no weights: q, k are recomputed."""
+    tokens after them. inputs: from keep_attention_inputs. SDPA returns no weights: q, k are recomputed.
+    Rows repeat, so k is gathered by index_select: on more than one CPU thread the backward of k[rows]
+    adds the repeats in no fixed order, and two identical runs would drift apart; index_select's does not."""
     x, cos, sin = (t.float() for t in inputs[:3])  # (B, T, d), (B, 1, T, hd) x 2
     prefix = inputs[4]  # the layer's prefix K/V, or None
     at = pos if prefix is not None else pos + n_memory  # the query's row of x
@@ -367,7 +369,7 @@ def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
     k = apply_rope(k, cos[:, 0], sin[:, 0])  # (B, T, hd)
     if prefix is not None:
         k = torch.cat([prefix[0][:, 0].float(), k], 1)  # (B, C + T, hd), memory keys already rotated
-    scores = torch.einsum("nd,ntd->nt", q, k[rows]) * attn.scale
+    scores = torch.einsum("nd,ntd->nt", q, k.index_select(0, rows)) * attn.scale
     if attn.score_mod is not None:
         scores = attn.score_mod(scores, None, None, None, None)
     hidden = torch.arange(k.shape[1], device=x.device)[None] > (at + k.shape[1] - x.shape[1])[:, None]

@@ -366,7 +366,7 @@ class AttentionDistillation:
         v = attn.v_proj(inputs[0].float())[..., :attn.hd]  # (B, T, hd): head 0's kv head
         if inputs[4] is not None:  # K/V memory: its values come first
             v = torch.cat([inputs[4][1][:, 0].float(), v], 1)
-        return torch.einsum("ns,nsd->nd", p, v[rows])
+        return torch.einsum("ns,nsd->nd", p, v.index_select(0, rows))  # not v[rows]: see head_log_attention
 
     def loss(self, teacher_attn, keys, rows, pos, keys_valid, n_memory=0):
         """ATTN_KD * CE(teacher mass per key, the student's head 0), mean over the queries (rows, pos)
@@ -436,7 +436,10 @@ class AttentionDistillation:
         rows, gists, targets = gist_answer_pairs(L, batch, self.tok, self.n_gists)
         if not rows:
             return 0.0
-        attn, x = self.base.model.layers[self.last].self_attn, self.inputs[self.last][0][rows, gists].float()
+        x = self.inputs[self.last][0]  # (B, T, d)
+        flat = torch.tensor(rows, device=x.device) * x.shape[1] + torch.tensor(gists, device=x.device)
+        x = x.flatten(0, 1).index_select(0, flat).float()  # pairs repeat (model.head_log_attention says why)
+        attn = self.base.model.layers[self.last].self_attn
         with self.base.adapter(self.adapter):
             kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], -1)
         with torch.no_grad(), self.base.adapter(None):

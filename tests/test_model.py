@@ -233,6 +233,33 @@ def test_head_attention_behind_memory_equals_one_pass(llama, kind):
     close(got, want, 1e-5)
 
 
+def test_head_attention_grad_repeats_on_two_threads():
+    """Every query of a row reads that row's keys, so their gradient sums repeats: on two CPU threads
+    it comes out the same each time (a k[rows] gather's backward would not; model.head_log_attention)."""
+    from model import ModelConfig, head_log_attention, keep_attention_inputs
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2)).eval()
+    kept, attn = keep_attention_inputs(model, [1]), model.model.layers[1].self_attn
+    B, T = 4, 96
+    with torch.no_grad():
+        model(ids_like(B, T))
+    x0, cos, sin = kept[1][:3]
+    order = torch.randperm(B * T)  # every (row, pos) once, rows interleaved: both threads add to every row
+    rows, pos = torch.arange(B).repeat_interleave(T)[order], torch.arange(T).repeat(B)[order]
+    weight = torch.randn(B * T, T)
+    threads, grads = torch.get_num_threads(), []
+    torch.set_num_threads(2)
+    try:
+        for _ in range(40):  # a race shows in a few of them
+            x = x0.detach().clone().requires_grad_()
+            (head_log_attention(attn, (x, cos, sin, None, None), rows, pos) * weight).sum().backward()
+            grads.append(x.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
 @pytest.mark.parametrize("kind", ["embeds", "kv"])
 @pytest.mark.parametrize("where", [0, 5, 12])  # left padding, a hole, right padding
 def test_invalid_memory_slot_is_invisible(llama, kind, where):
