@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kernels
 from model import Memory
@@ -172,13 +171,11 @@ class SentenceGist(nn.Module):
         return layout(rows, self.is_end, cfg.gists, cfg.max_sentence_len, labels, self.gist.device, self.run.pad_multiple)
 
     def embed(self, ids):
-        """(B, T) ids, gist j = V + j -> (B, T, d), base not resized. F.embedding, not gist[ids]: the
-        gist rows repeat, and only its backward adds them in a fixed order (model.head_log_attention)."""
-        is_gist = ids >= self.V
+        """(B, T) ids, gist j = V + j -> (B, T, d), base not resized; embedding, not gist[ids]: model.head_log_attention."""
+        is_gist, gist_ids = ids >= self.V, (ids - self.V).clamp(0, self.cfg.gists - 1)
         e = self.base.model.embed_tokens(ids.masked_fill(is_gist, 0))  # (B, T, d)
         scale = self.base.model.embed_tokens.scale or 1.0  # rows live in weight space, as the vocabulary's (Gemma)
-        gist_ids = (ids - self.V).clamp(0, self.cfg.gists - 1)
-        g = F.embedding(gist_ids, (self.gist * scale).to(e.dtype))  # (B, T, d); always in the graph (DDP)
+        g = nn.functional.embedding(gist_ids, (self.gist * scale).to(e.dtype))  # (B, T, d); always in the graph (DDP)
         return torch.where(is_gist[..., None], g, e)
 
     def hidden(self, L, memory=None, return_kv=False):
