@@ -57,7 +57,11 @@ def configure(argv):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if args.threads or (args.tiny and device.type == "cpu"):  # tiny tensors: more threads only spin-wait
+
+
+def set_threads():
+    """--threads, else one for tiny tensors on CPU (more only spin-wait): a script's choice, never an import's."""
+    if args.threads or (args.tiny and device.type == "cpu"):
         torch.set_num_threads(args.threads or 1)
 
 
@@ -428,5 +432,6 @@ def bench_ttft():
 
 
 if __name__ == "__main__":
+    set_threads()
     benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft}
     bench_one_loss(args.only) if args.only else benches[args.what]()

@@ -32,15 +32,15 @@ def bucket(n):
     return -(-n // BLOCK) * BLOCK
 
 
-def compiled(fn, backend="inductor"):
+def compiled(fn, backend="inductor", dynamic=False):
     """torch.compile(fn, dynamic=False): one graph per query bucket x key bucket x mask_mod
     (its code) x batch size. One run meets up to ~10 buckets (max_context 1024 plus memory
     slots), 2-4 mask_mods and the train and eval batch sizes: over seven context lengths,
     meanpool kd needs 20 graphs and pic ae+lm 28 between flex and create_block_mask, past
     dynamo's default limit of 8 per function, after which flex runs unfused for the rest of
-    the run (B*H*Q*S scores; a row 3x slower on an H200). The limit is raised to GRAPHS."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
-    return torch.compile(fn, dynamic=False, backend=backend)
+    the run (B*H*Q*S scores; a row 3x slower on an H200). The limit is raised to GRAPHS for
+    the compiled calls only (a scoped config.patch: torch's config is left as it was)."""
+    return torch._dynamo.config.patch(recompile_limit=GRAPHS)(torch.compile(fn, dynamic=dynamic, backend=backend))
 
 
 def _flex(q, k, v, block_mask, scale=None, score_mod=None):

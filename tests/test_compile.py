@@ -20,11 +20,12 @@ def rand(*shape, seed):
 @pytest.fixture
 def compiled_flex(monkeypatch):
     """Install a compiled flex as kernels does on CUDA; returns a function that installs it
-    with a given backend. Dynamo state is reset before and after."""
+    with a given backend. Dynamo state is reset before and after. Torch's config is never
+    monkeypatched (pytest's undo deletes a config key it did not see in __dict__): kernels.compiled
+    raises the recompile limit inside its own calls, and conftest checks nothing leaks."""
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(kernels, "BACKEND", "flex")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # restored after
 
     def install(backend):
         monkeypatch.setattr(kernels, "_compiled_flex", kernels.compiled(flex_attention, backend))

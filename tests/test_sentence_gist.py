@@ -16,9 +16,6 @@ from model import Memory, Transformer
 from sentence_gist import GIST, SINK, TOKEN
 from common import DDP_ATOL, method_smoke, read_params, run, torchrun
 
-torch.set_num_threads(1)
-
-
 
 def make(base_dir, randomize=True, objective="lm", **kw):
     """A SentenceGist on a fresh copy of the tiny base; randomize: a non-zero `gist` LoRA."""
