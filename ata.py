@@ -27,7 +27,8 @@ Choices the paper leaves open, made here:
   [BOS] is the tokenizer's BOS (its EOS when it has none, e.g. Qwen).
 - Positions: the encoder input is left-padded, prompt at 0..n-1, c_j at n+j-1; the decoder
   continues at next_pos = n + k, where an encoder that appended only k tokens would stop.
-  The decoder reads [KV, q, a] (and [KV, [BOS], C_rel]): no BOS before the memory, as eq. 8, 11.
+  The decoder reads [prefix, KV, q, a]: the prefix (BOS, a chat header) is the frozen base's K/V at 0..P-1, as
+  every method keeps it before its memory (eq. 11 writes none); `rel` reads [KV, [BOS], C_rel] (eq. 8).
 - Probe: q = W h_last, attention over the input tokens' final hidden states (not the
   compression tokens: k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> L_rel
   in units of LEN_UNIT tokens (the MLP's output starts at order 1; L_rel is in the hundreds).
@@ -37,7 +38,7 @@ Choices the paper leaves open, made here:
 - r is drawn "for each training batch" (§C): one per step from --rel_ratios (`rel`, Table 4)
   or --ratio (`qa`, Table 5: 10), a pure function of (seed, step), so ranks, micro-batches
   and --resume agree; eval --ratio sets r without retraining (§3.4).
-- HotpotQA keeps its distractor paragraphs (PAPER sets --hotpot_distractors; Fig. 7); a
+- HotpotQA keeps its distractor paragraphs (the recipe sets --hotpot_distractors; Fig. 7); a
   training batch of a --data file whose every chunk is relevant warns (selective would be
   --no_selective); the synthetic default's short contexts early in its curriculum do not.
 - Objectives: `qa` (default; eq. 11 plus lam * Huber, so one command trains encoder and
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 
 import data
 import kernels
-from model import Memory
+from model import Memory, behind_prefix_kv
 
 INST = "Please identify and extract the <PA> sections that can answer the question (which may not be unique)"
 LEN_UNIT = 64.0  # the probe's MLP predicts L_rel / LEN_UNIT
@@ -133,12 +134,17 @@ class Probe(nn.Module):
 class ATA(nn.Module):
     Config = ATAConfig
     objectives = ("qa", "rel", "qa+rel")
-    # Tables 4-5: constant lr after 300 warmup steps; §4.1.4: HotpotQA with its distractor paragraphs
-    PAPER = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, ratio="10",
-                 hotpot_distractors=True)
-    TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=8, grad_accum=2,  # + PAPER's
-                lora_r=16, lora_alpha=32, lora_dropout=0.0)
-    pretraining = "rel"  # §3.5: `--pretrain N` runs it for N steps, then qa from it
+    TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=16, grad_accum=2, lora_r=16, lora_alpha=32,
+                lora_dropout=0.0, max_context=1024)
+
+    @staticmethod
+    def recipe(mcfg):
+        """§3.5: rel pretraining 3 epochs, then qa 1 epoch (Tables 4-5), of the 280k training examples at the overall
+        batch 16: 52,500 and 17,500 steps. Constant lr after 300 warmup steps; HotpotQA keeps its distractors (§4.1.4)."""
+        both = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, max_context=600,
+                    ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2)
+        return [dict(objective="rel", cite="§3.5, Table 4", paper={**both, "max_iters": 52_500}),
+                dict(objective="qa", cite="§3.5, Table 5", paper={**both, "max_iters": 17_500})]
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
@@ -219,11 +225,13 @@ class ATA(nn.Module):
         T = batch["enc_ids"].shape[1]
         return self.probe(h, torch.arange(T, device=h.device)[None] >= T - batch["enc_len"][:, None])
 
-    def memory(self, kv, k, enc_len):
-        """Keep the first k (B,) compression tokens (K/V cut to max k, the rest masked); next_pos enc_len + k."""
+    def memory(self, kv, k, enc_len, prefix=()):
+        """Keep the first k (B,) compression tokens (K/V cut to max k, the rest masked) behind the prefix's K/V (BOS,
+        a chat header: what every method keeps before its memory); next_pos enc_len + k."""
         C = int(k.max())
         mask = torch.arange(C, device=k.device)[None] < k[:, None]  # (B, C)
-        return Memory(kv=[(kk[:, :, :C], vv[:, :, :C]) for kk, vv in kv], mask=mask, next_pos=enc_len + k)
+        kv, mask = behind_prefix_kv(self.base, prefix, [(kk[:, :, :C], vv[:, :, :C]) for kk, vv in kv], mask)
+        return Memory(kv=kv, mask=mask, next_pos=enc_len + k)
 
     def policy_k(self, L, r):
         if self.cfg.no_aac:
@@ -245,7 +253,7 @@ class ATA(nn.Module):
                 continue
             metrics[f"r_{obj}"] = r = draw_ratio(choices, self.run.seed, step, obj)
             k = self.policy_k(L, r)
-            memory = self.memory(kv, k, batch["enc_len"])
+            memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if obj == "qa" else ())
             with self.base.adapter(self.dec_adapter):
                 h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
             loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])
@@ -262,7 +270,7 @@ class ATA(nn.Module):
         h, kv = self.encode(batch)
         L_hat = self.length(batch, h)
         k = self.policy_k(L_hat, ratio)
-        memory = self.memory(kv, k, batch["enc_len"])
+        memory = self.memory(kv, k, batch["enc_len"], batch["prefix"])
         memory.stats = {"k": k.float().tolist(), "probe_abs_err": (L_hat - batch["rel_len"]).abs().tolist()}
         return memory
 

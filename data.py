@@ -87,6 +87,7 @@ class Tokenizer:
         self.chat_template = None     # the checkpoint's: its text, "" = it has none (base), None = no config read
         self.bos_id, self.eos_ids = bos_id, list(eos_ids)
         self.pad_id = pad_id          # None until load_tokenizer falls back to eos
+        self.memo = None              # a dict: encode() keeps each text's ids (train.py: records tokenized once)
         if kind == "tiktoken":
             self.vocab_size = model.max_token_value + 1
         else:
@@ -95,6 +96,14 @@ class Tokenizer:
             self._marker = model.encode("<unk>")
 
     def encode(self, text, bos=False, eos=False, allow_special=False, start=True):
+        if self.memo is None:
+            return self._encode(text, bos, eos, allow_special, start)
+        key = (text, bos, eos, allow_special, start)
+        if key not in self.memo:
+            self.memo[key] = self._encode(text, bos, eos, allow_special, start)
+        return list(self.memo[key])  # a copy: callers extend what they get
+
+    def _encode(self, text, bos, eos, allow_special, start):
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         allowed = set(self.specials) if allow_special else self.always

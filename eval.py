@@ -243,6 +243,8 @@ def evaluate_run(run_dir, ecfg, device):
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
     key = teacher_key(cfg, ecfg, records, device)
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
+    if not shared and getattr(method, "trains_base", False):  # its weights are the method's now (gist --lora_r 0)
+        base = runs.load_base(cfg, device, torch.float32)[1]
     t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
     teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
     ratios = runs.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)

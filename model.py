@@ -193,6 +193,20 @@ def behind_prefix(model, prefix, embeds, mask):
     return Memory(embeds=torch.cat([e, embeds], 1), mask=torch.cat([torch.ones_like(ids, dtype=torch.bool), mask], 1))
 
 
+def behind_prefix_kv(model, prefix, kv, mask):
+    """K/V memory (per layer (B, Hkv, C, hd), mask (B, C)) behind the frozen base's K/V of the prefix ids (BOS, a
+    chat header), computed causally at positions 0..P-1 with no adapter, as the teacher reads them."""
+    B = len(mask)
+    ids = torch.as_tensor(prefix, dtype=torch.long, device=mask.device)
+    ids = ids.view(1, -1).expand(B, -1) if ids.dim() == 1 else ids  # collate_qa: one shared list
+    if ids.shape[1] == 0:
+        return kv, mask
+    with torch.no_grad(), model.adapter(None):
+        _, prefix_kv = model(ids, return_kv=True, output="hidden")  # (B, Hkv, P, hd) per layer
+    kv = [(torch.cat([pk.to(k.dtype), k], 2), torch.cat([pv.to(v.dtype), v], 2)) for (pk, pv), (k, v) in zip(prefix_kv, kv)]
+    return kv, torch.cat([torch.ones_like(ids, dtype=torch.bool), mask], 1)
+
+
 # -----------------------------------------------------------------------------
 # LoRA: W x + (alpha / r) B A x, several named adapters on one base weight
 #

@@ -1,11 +1,12 @@
 """A run: its flags, its method, its checkpoint files (SPEC §2.4-2.5). train.py writes runs
 and eval.py reads them (`load_run`); both import this file, neither imports the other."""
+import copy
 import inspect
 import json
 import os
 import random
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -35,11 +36,12 @@ class TrainConfig:
     prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
     out_dir: str = ""          # "" = out/<method>
     no_aids: bool = False      # tiny base only: none of tiny.py's aids (curriculum, attention KD, decoder LoRA)
-    pretrain: int = 0          # first N steps of the paper's pretraining (pic ae+lm, sac lm, ata rel), then qa from it
+    pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it; unset: the recipe's
+    pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = the contexts of --data
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
-    max_iters: int = 0
-    batch_size: int = 0
-    grad_accum: int = 1        # micro-batches a step: its examples sorted by context length (less padding)
+    max_iters: int = 0         # steps; with several stages, shared by them in the recipe's proportion (--pretrain aside)
+    batch_size: int = 0        # the global batch: examples a step over all ranks and --grad_accum micro-batches
+    grad_accum: int = 1        # micro-batches a step per rank: its examples sorted by context length (less padding)
     lr: float = 0.0
     min_lr_frac: float = 0.1   # cosine decays to lr * min_lr_frac
     warmup_frac: float = 0.05
@@ -119,7 +121,7 @@ def print_help(configs, usage=USAGE):
 
 def ratios_of(spec, flag="ratio"):
     try:
-        rs = [int(r) for r in str(spec).split(",") if r.strip()]
+        rs = [int(r) for r in str(spec).split(",")]  # "4,,8" and "4," are errors, not 4,8 and 4
     except ValueError:
         raise SystemExit(f"error: --{flag} {spec!r} must be an integer or a comma list like 4,8,16")
     if not rs or any(r <= 0 for r in rs):
@@ -138,9 +140,14 @@ class TeacherConfig:
 
 class Teacher(torch.nn.Module):
     """`--method teacher`: `sft` of a real checkpoint with a `teacher` LoRA adapter on full-context QA
-    (meanpool_multi_ratio §5.1: finetuned first, then frozen). Compressors merge it into the base with --teacher."""
+    (meanpool_multi_ratio §5.1: finetuned first, then frozen; Table 6 trains "all the models ... including the
+    teacher"). Compressors merge it into the base with --teacher."""
     objectives = ("sft",)
     TINY = dict(max_iters=200, batch_size=16, lr=1e-3)
+
+    @staticmethod
+    def recipe(mcfg):
+        return [dict(objective="sft", cite="meanpool_multi_ratio Table 6", paper=meanpool.TABLE6)]
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -184,6 +191,21 @@ def load_base(cfg, device, dtype):
     return tok, base
 
 
+def check_inputs(cfg, mcfg):
+    """The files a run names, looked at before any work: one line naming the flag and file that is wrong. Their
+    contents are checked where they are read (data before the model, the model before the first step)."""
+    for flag in ("data", "eval_data", "pretrain_data"):
+        path = getattr(cfg, flag)
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"error: --{flag} {path!r}: no such file")
+    for flag, path in (("init_from", tiny.base_path(cfg.init_from)), ("encoder", getattr(mcfg, "encoder", "")),
+                       ("decoder", getattr(mcfg, "decoder", ""))):
+        if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
+            raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
+    if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
+        raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
+
+
 def build(cfg, mcfg, device, dtype):
     tok, base = load_base(cfg, device, dtype)
     base.requires_grad_(cfg.method == "base")
@@ -222,30 +244,153 @@ def inherit_first_stage(cfg, mcfg, explicit, cls):
         setattr(mcfg, key, val)
 
 
-def apply_defaults(cfg, mcfg, explicit, cls):
-    """0 = method default: on the tiny base the method's TINY values, on real checkpoints the
-    paper's (PAPER, and STAGES[--stage] where a method has stages)."""
-    small = getattr(cls, "TINY", {}) if tiny.is_tiny(cfg.init_from) or cfg.method == "base" else {}
-    paper = {**getattr(cls, "PAPER", {}), **getattr(cls, "STAGES", {}).get(getattr(mcfg, "stage", None), {})}
-    for key, val in {**paper, **small}.items():
-        if key not in explicit:
-            setattr(cfg if hasattr(cfg, key) else mcfg, key, val)
-    if "ratio" in explicit and "eval_ratio" not in explicit:
-        cfg.eval_ratio = ""  # a method's reading ratios go with its default --ratio
-    cfg.max_iters = cfg.max_iters or 1000
-    cfg.batch_size = cfg.batch_size or 16
-    cfg.lr = cfg.lr or 1e-4
-    cfg.out_dir = cfg.out_dir or os.path.join("out", cfg.method)
-    if not cfg.objective:
-        cfg.objective = cls.default_objective(mcfg) if hasattr(cls, "default_objective") else cls.objectives[0]
-    if cfg.objective not in cls.objectives:
-        raise SystemExit(f"error: --objective {cfg.objective!r} does not apply to --method {cfg.method}; "
-                         f"choose from {', '.join(cls.objectives)}")
-    if cfg.pretrain and (cfg.objective != "qa" or not hasattr(cls, "pretraining")):
-        if "pretrain" in explicit:
-            raise SystemExit(f"error: --pretrain runs a pretraining stage before qa; --method {cfg.method} "
-                             f"--objective {cfg.objective} has none")
-        cfg.pretrain = 0  # a TINY pretrain precedes qa only (pic --mem single distils, as meanpool §5.1's tokens)
+# -----------------------------------------------------------------------------
+# the recipe: each paper's stages and values, resolved once (flag > recipe > dataclass default)
+
+@dataclass
+class Stage:
+    """One training stage of a method's recipe: its objective, the values its paper gives (cite: where) and
+    the values we chose where the paper is silent (`ours`; the method's docstring says why)."""
+    objective: str
+    cite: str
+    paper: dict
+    ours: dict = field(default_factory=dict)
+    name: str = "pretrain"  # its run dir under --out_dir when a later stage follows
+
+
+# what --no_aids keeps of the tiny recipe: a 1.1M-parameter base on a CPU needs its own steps, batch and lr
+SCALE = ("max_iters", "batch_size", "grad_accum", "lr", "warmup_iters", "warmup_frac", "ratio", "eval_ratio")
+FALLBACK = dict(max_iters=1000, batch_size=16, lr=1e-4)  # a recipe that names none of these (none does today)
+RECIPE_KEYS = ("objective", "ratio", "eval_ratio", "max_iters", "batch_size", "grad_accum", "lr", "min_lr_frac",
+               "warmup_frac", "warmup_iters", "weight_decay", "grad_clip", "max_context", "max_answer", "hotpot_distractors")
+
+
+def paper_stages(cls, mcfg):
+    return [Stage(**stage) for stage in cls.recipe(mcfg)]
+
+
+def split_steps(total, weights):
+    """total steps over stages in proportion to weights, each at least 1, summing to total (largest remainder)."""
+    shares = [total * w / sum(weights) for w in weights]
+    steps = [max(1, int(x)) for x in shares]
+    for i in sorted(range(len(shares)), key=lambda i: int(shares[i]) - shares[i])[:max(0, total - sum(steps))]:
+        steps[i] += 1
+    return steps
+
+
+def tiny_stages(cls, mcfg, pretrain=None):
+    """The tiny base's recipe: TINY's values over the paper's last stage (TINY's objective may change it), and the
+    paper's first stage before it for `pretrain` steps (a --pretrain flag, else TINY's: pic ae+lm 100, then qa)."""
+    paper, small = paper_stages(cls, mcfg), dict(cls.TINY)
+    objective, tiny_pretrain = small.pop("objective", None), small.pop("pretrain", 0)
+    pretrain = tiny_pretrain if pretrain is None else pretrain
+    if "stage" in small:  # sentence_gist: one of its paper's stages
+        last = next(s for s in paper if s.paper.get("stage") == small["stage"])
+    else:
+        last = next((s for s in paper if s.objective == objective), paper[-1])
+    last = Stage(objective or last.objective, "tiny", {**last.paper, **last.ours, **small}, name=last.name)
+    if not pretrain or len(paper) < 2:
+        return [last]
+    return [Stage(paper[0].objective, "tiny", {**paper[0].paper, **paper[0].ours, **small, "max_iters": pretrain}), last]
+
+
+def resolve(cfg, mcfg, explicit, cls, world=1):
+    """The run's stages as [(cfg, mcfg, sources)], sources naming where each value came from, in this order:
+    1. a flag given on the command line (it holds in every stage);
+    2. on a tiny base (tiny.py's): the method's TINY values (tiny_stages); with --no_aids the paper's stages and
+       values, but for what SCALE lists, taken from TINY (steps shared as below);
+    3. on a real checkpoint: the paper's stages (cls.recipe): the values its paper states, then ours;
+    4. the dataclass defaults.
+    Which stages run: --objective those with that objective (or the last, with it), sentence_gist's --stage that
+    one; --pretrain N runs the first of several for N steps (0: not at all); --max_iters N is shared by the other stages in their recipe's proportion
+    (each at least one step). --batch_size is the global batch: ranks x --grad_accum micro-batches. A stage
+    before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs the
+    stages after it. cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
+    small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
+    if small and not cfg.no_aids:
+        stages, source = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None), "tiny"
+    else:
+        stages, source = paper_stages(cls, mcfg), "paper"
+        if small:  # --no_aids: the paper's recipe at the tiny base's scale
+            scaled = tiny_stages(cls, mcfg)
+            scale = {k: v for k, v in scaled[-1].paper.items() if k in SCALE and k != "max_iters"}
+            steps = split_steps(sum(s.paper.get("max_iters", 1) for s in scaled),
+                                [s.paper.get("max_iters", 1) for s in stages])
+            stages = [Stage(s.objective, s.cite, {**s.paper, **scale, "max_iters": n}, s.ours, s.name)
+                      for s, n in zip(stages, steps)]
+    done = first_stage(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
+    if done and any(s.objective == done["train"]["objective"] for s in stages[:-1]):
+        stages = stages[[s.objective for s in stages].index(done["train"]["objective"]) + 1:]
+    if "objective" in explicit:  # its stages (sentence_gist: all three), else the last one with this objective
+        stages = [s for s in stages if s.objective == cfg.objective] or \
+            [Stage(cfg.objective, stages[-1].cite, stages[-1].paper, stages[-1].ours, stages[-1].name)]
+    if "stage" in explicit:  # sentence_gist: one of its paper's stages
+        stages = [s for s in stages if s.paper.get("stage") == mcfg.stage] or stages[-1:]
+    if "pretrain" in explicit:
+        if cfg.pretrain and len(stages) < 2:
+            raise SystemExit(f"error: --pretrain runs a pretraining stage before the last; --method {cfg.method} "
+                             f"--objective {stages[-1].objective} has none")
+        stages = stages[1:] if cfg.pretrain == 0 and len(stages) > 1 else stages
+    steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
+    fixed = 1 if "pretrain" in explicit and cfg.pretrain else 0
+    if fixed:
+        steps[0] = cfg.pretrain
+    if "max_iters" in explicit:
+        steps[fixed:] = split_steps(cfg.max_iters, steps[fixed:])
+    out_dir = cfg.out_dir or os.path.join("out", cfg.method)
+    resolved, init_from = [], cfg.init_from
+    for i, (stage, n) in enumerate(zip(stages, steps)):
+        c, m, sources = copy.deepcopy(cfg), copy.deepcopy(mcfg), {}
+        stage_source = source if source == "tiny" else f"paper ({stage.cite})"
+        for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.paper, source)):
+            for key, val in values.items():
+                if key not in explicit and (hasattr(c, key) or hasattr(m, key)):
+                    setattr(c if hasattr(c, key) else m, key, val)
+                    sources[key] = stage_source if origin == "paper" else origin
+        sources.update({key: "flag" for key in explicit})
+        c.objective, c.max_iters = stage.objective, n
+        sources["objective"] = "flag" if "objective" in explicit else stage_source
+        if fixed and i == 0:
+            sources["max_iters"] = "flag (--pretrain)"
+        elif "max_iters" in explicit:
+            sources["max_iters"] = "flag (--max_iters, shared by the stages)" if len(stages) > 1 else "flag"
+        if "ratio" in explicit and "eval_ratio" not in explicit:
+            c.eval_ratio = ""  # a method's reading ratios go with its default --ratio
+        c.pretrain, c.init_from = 0, init_from
+        if i < len(stages) - 1:
+            c.eval_examples = 0  # the last stage is the one evaluated
+        c.out_dir = out_dir if i == len(stages) - 1 else os.path.join(out_dir, stage.name)
+        c.resume = cfg.resume and os.path.exists(os.path.join(c.out_dir, "run.json"))
+        if c.objective not in cls.objectives:
+            raise SystemExit(f"error: --objective {c.objective!r} does not apply to --method {cfg.method}; "
+                             f"choose from {', '.join(cls.objectives)}")
+        while "grad_accum" not in explicit and c.grad_accum > 1 and c.batch_size % (world * c.grad_accum):
+            c.grad_accum -= 1  # a recipe's micro-batches divide the global batch (--batch_size 2 of gist's 4)
+        if c.batch_size % (world * c.grad_accum):
+            raise SystemExit(f"error: --batch_size {c.batch_size} (the global batch) must be a multiple of "
+                             f"{world} ranks x --grad_accum {c.grad_accum}")
+        inherit_first_stage(c, m, explicit, cls)
+        resolved.append((c, m, sources))
+        init_from = c.out_dir
+    if cfg.resume and not any(c.resume for c, _, _ in resolved):
+        raise SystemExit(f"error: --resume but {out_dir} has no checkpoint")
+    for target, value in zip((cfg, mcfg), resolved[-1][:2]):
+        target.__dict__.update(value.__dict__)
+    cfg.pretrain = sum(c.max_iters for c, _, _ in resolved[:-1])  # the steps before the last stage
+    return resolved
+
+
+def recipe_table(resolved):
+    """The block a run prints at start and keeps in run.json: every recipe value of every stage, with its source."""
+    keys = [*RECIPE_KEYS, *(f.name for f in fields(resolved[0][1]))]
+    stages = [{"objective": c.objective, "out_dir": c.out_dir, "init_from": c.init_from,
+               "values": {k: [getattr(c if hasattr(c, k) else m, k), src.get(k, "default")] for k in keys}}
+              for c, m, src in resolved]
+    lines = [f"recipe of --method {resolved[0][0].method}: {len(stages)} stage(s) (flag > recipe > default)"]
+    for i, st in enumerate(stages, 1):
+        lines.append(f"  stage {i}: {st['objective']} -> {st['out_dir']}")
+        lines += [f"    {k:<22} {str(v):<20} {src}" for k, (v, src) in st["values"].items()]
+    return stages, "\n".join(lines)
 
 
 def read_records(path, cfg, stats=None):
@@ -267,7 +412,7 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch RNG), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
@@ -285,6 +430,7 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=()):
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
+             "recipe": recipe,
              "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1])}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one

@@ -30,10 +30,9 @@ Choices the paper leaves open, made here:
   decoder reads the second half and predicts each next token from the memory of the first;
   texts are cut at 2 x max_context. No `ae+lm` (Table 5).
 - Several ratios in `--ratio`: one encoder pass per ratio (anchors differ), losses summed.
-- Hyperparameters (Table 6): LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0,
-  batch 16, 20k steps, constant lr after 300 warmup steps: 5e-5 finetuning (PAPER, `qa`),
-  1e-4 pretraining (`--objective lm --lr 1e-4`). One model per ratio (§4.1: r in {5, 15, 51}):
-  PAPER trains r = 5; pass `--ratio 15` or `--ratio 51` for the others.
+- Recipe (§4.1, Table 6; `recipe`): `lm` pretraining at lr 1e-4, then `qa` at 5e-5, each 20k steps of batch 16,
+  constant lr after 300 warmup steps; LoRA r 128, alpha 256; AdamW (0.9, 0.95), wd 0.1, clip 2.0. One model
+  per ratio (§4.1: r in {5, 15, 51}): the recipe trains r = 5; pass `--ratio 15` or `--ratio 51` for the others.
 On the tiny base, tiny.py's aids apply (curriculum, attention distillation with a token
 held by its nearest anchor, `qa` only; several QA pairs per context; a LoRA decoder), and the
 r = 5 model is also read at r = 15 (`--eval_ratio 5,15`), which keeps more of the teacher's gain
@@ -48,7 +47,7 @@ import torch
 import torch.nn as nn
 
 import kernels
-from model import Memory
+from model import Memory, behind_prefix_kv
 
 
 @dataclass
@@ -105,11 +104,15 @@ class SAC(nn.Module):
     Config = SACConfig
     objectives = ("qa", "lm")
     compresses_half_text = True  # lm compresses the first half: train.py reads 2 x max_context tokens
-    PAPER = dict(ratio="5", lr=5e-5, weight_decay=0.1, grad_clip=2.0, batch_size=16, max_iters=20000,
-                 warmup_iters=300, min_lr_frac=1.0)
-    TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=8, grad_accum=2, lora_r=64, lora_alpha=128,
+    TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=16, grad_accum=2, lora_r=64, lora_alpha=128,
                 eval_ratio="5,15")
-    pretraining = "lm"  # §3.2, §4.1: `--pretrain N` runs it for N steps, then qa from it
+
+    @staticmethod
+    def recipe(mcfg):  # §4.1, Table 6: L_LM pretraining (§3.2), then QA, each 20k steps; constant lr after warmup
+        both = dict(ratio="5", max_iters=20_000, batch_size=16, warmup_iters=300, min_lr_frac=1.0, weight_decay=0.1,
+                    grad_clip=2.0, lora_r=128, lora_alpha=256)
+        return [dict(objective="lm", cite="§3.2, §4.1, Table 6", paper={**both, "lr": 1e-4}),
+                dict(objective="qa", cite="§4.1, Table 6", paper={**both, "lr": 5e-5})]
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
@@ -157,7 +160,6 @@ class SAC(nn.Module):
         flat = nn.utils.rnn.pad_sequence(anchor_at, batch_first=True)  # (B, A), zero-padded
         counts = [len(g) for g in anchors]
         is_kept = torch.arange(flat.shape[1], device=dev)[None] < torch.tensor(counts, device=dev)[:, None]
-        mask = nn.functional.pad(is_kept, (P, 0), value=True)  # (B, P + A)
         e = self.base.model.embed_tokens(ids)  # (N, T, d)
         if self.anchor_emb is not None:  # eq. 1
             is_anchor = torch.zeros(len(ids) * T, dtype=torch.bool, device=dev)
@@ -168,11 +170,7 @@ class SAC(nn.Module):
                               output="hidden")
         # (N, Hkv, T, hd) -> (N*T, Hkv, hd) -> (B, A, Hkv, hd) -> (B, Hkv, A, hd)
         pick = lambda x: x.transpose(1, 2).flatten(0, 1)[flat].transpose(1, 2)  # noqa: E731
-        mem = [(pick(k), pick(v)) for k, v in kv]
-        if P:  # the prefix slots: the frozen base, causal, positions 0..P-1 (a constant, as in any decoder)
-            with torch.no_grad(), self.base.adapter(None):
-                _, prefix_kv = self.base(prefix, return_kv=True, output="hidden")  # (B, Hkv, P, hd) per layer
-            mem = [(torch.cat([pk, k], 2), torch.cat([pv, v], 2)) for (pk, pv), (k, v) in zip(prefix_kv, mem)]
+        mem, mask = behind_prefix_kv(self.base, prefix, [(pick(k), pick(v)) for k, v in kv], is_kept)  # (B, P + A)
         memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
         memory.stats = {"anchor_ratio": [n / max(c, 1) for n, c in zip(lengths.tolist(), counts)]}
         memory.anchors = anchors

@@ -21,17 +21,13 @@ Choices the paper leaves open (or that differ from it), made here:
 - The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take
   position ids. A guard (not in the paper) ends a sentence at `max_sentence_len` tokens.
 - A context's end ends its last sentence (a Memory has no token kinds to drop it by later).
-- Stages (§3.5, --stage; Table 3's values in STAGES): 1 gist rows; 2 + LoRA adapter `gist`
-  (the paper finetunes every weight); 3 as 2, lr linearly to 0. Stage 1 matters (Tables
-  4-5): on a checkpoint run the three in turn (same --gists), each from the one before,
-  with --max_context 4096 and 64 / 128 / 512 sequences a step (batch x grad_accum x GPUs);
-  a later stage inherits the earlier one's config but --stage (STAGE_FLAGS):
-      python train.py --method sentence_gist --init_from $HF --stage 1 --out_dir out/g1
-      python train.py --method sentence_gist --init_from out/g1 --stage 2 --out_dir out/g2
-      python train.py --method sentence_gist --init_from out/g2 --stage 3 --out_dir out/g3
-- Objectives: `lm` (the paper's; default on real checkpoints), `qa` (the tiny base's, scored
-  by QA F1; tiny.py's aids apply). --ratio does not apply (it is achieved). Tiny base: N_g 2 (~4x), lr 4e-3,
-  700 steps of 4 x 4, aid 2's K/V target; F1/teacher 0.54-0.83 over nine draws.
+- Stages (§3.5, Table 3, `recipe`): 1 the gist rows alone; 2 and every weight (`--lora_r 0`, the paper's and the
+  real-checkpoint default; `--lora_r R`: a LoRA adapter `gist` instead); 3 as 2, lr linearly to 0. On a real
+  checkpoint one command runs the three in turn, each from the one before (OUT_DIR/stage1, OUT_DIR/stage2,
+  OUT_DIR), with 4,096-token texts and 64 / 128 / 512 sequences a step; `--stage N` runs one alone, and a
+  later stage given `--init_from` an earlier one's dir inherits its config but --stage (STAGE_FLAGS).
+- Objectives: `lm` (the paper's; every real-checkpoint stage), `qa` (the tiny base's, scored by QA F1; tiny.py's
+  aids apply). --ratio does not apply (it is achieved). Tiny base: stage 2 alone, N_g 2 (~4x), LoRA.
 Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
 from dataclasses import dataclass
@@ -49,8 +45,8 @@ PAD, TOKEN, GIST, SINK = -1, 0, 1, 2  # token kinds
 class SentenceGistConfig:
     gists: int = 4              # N_g gist tokens after every sentence: 1, 2, 4 or 8 (Tables 1-2)
     max_sentence_len: int = 64  # guard (not in the paper): gists after this many tokens without . ! ?
-    stage: int = 2              # 1 gist rows only | 2 gist rows + LoRA | 3 as 2, lr decays linearly to 0
-    lora_r: int = 16            # LoRA `gist` on the shared base (the paper finetunes every weight)
+    stage: int = 2              # 1 gist rows only | 2 gist rows + the base (LoRA or all) | 3 as 2, lr linearly to 0
+    lora_r: int = 16            # LoRA `gist` on the shared base; 0 = every weight trains in stages 2-3 (§3.5)
     lora_alpha: int = 32        # LoRA scale alpha / r
 
 
@@ -130,13 +126,22 @@ def keep_slots(kv, keep, *more):
 class SentenceGist(nn.Module):
     Config = SentenceGistConfig
     objectives = ("lm", "qa")
-    # Table 3 per --stage (train.py puts STAGES[stage] over PAPER); App. A: AdamW wd 0.1, betas (0.9, 0.95)
-    STAGES = {1: dict(max_iters=1000, lr=1e-4, min_lr_frac=0.5, warmup_frac=100 / 1000, grad_clip=1.0),
-              2: dict(max_iters=9000, lr=1e-4, min_lr_frac=0.5, warmup_frac=1000 / 9000, grad_clip=2.0),
-              3: dict(max_iters=2000, lr=5e-5, min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0)}
     STAGE_FLAGS = ("stage",)  # what a later stage may change
-    PAPER = dict(weight_decay=0.1, ratio="1", **STAGES[2])  # ratio "1": see check_config
-    TINY = dict(objective="qa", gists=2, lr=4e-3, max_iters=700, batch_size=4, grad_accum=4, grad_clip=1.0, warmup_frac=0.1)
+    TINY = dict(objective="qa", stage=2, gists=2, lr=4e-3, max_iters=700, batch_size=16, grad_accum=4, grad_clip=1.0,
+                warmup_frac=0.1, max_context=1024, lora_r=16)
+
+    @staticmethod
+    def recipe(mcfg):
+        """Table 3's three stages of `lm` on 4,096-token texts, every weight trained from stage 2 (§3.5: lora_r 0);
+        App. A: AdamW wd 0.1, betas (0.9, 0.95). ratio "1": see check_config."""
+        every = dict(objective="lm", cite="Table 3, App. A")
+        both = dict(weight_decay=0.1, ratio="1", max_context=4096, lora_r=0)
+        return [dict(every, name="stage1", paper=dict(both, stage=1, max_iters=1000, batch_size=64, lr=1e-4,
+                                                       min_lr_frac=0.5, warmup_frac=100 / 1000, grad_clip=1.0)),
+                dict(every, name="stage2", paper=dict(both, stage=2, max_iters=9000, batch_size=128, lr=1e-4,
+                                                       min_lr_frac=0.5, warmup_frac=1000 / 9000, grad_clip=2.0)),
+                dict(every, name="stage3", paper=dict(both, stage=3, max_iters=2000, batch_size=512, lr=5e-5,
+                                                       min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0))]
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = "gist"  # the one adapter: the model reads (and writes) gists with it
 
@@ -147,9 +152,14 @@ class SentenceGist(nn.Module):
         self.is_end = torch.tensor([t.rstrip().endswith((".", "!", "?")) for t in texts] + [False] * (self.V - len(texts)))
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
         self.gist = nn.Parameter(mean_resize(base.model.embed_tokens.weight, cfg.gists, g))  # (N_g, d)
-        base.add_adapter("gist", cfg.lora_r, cfg.lora_alpha)
-        for A, B in base.adapter_state("gist").values():  # stage 1: the gist rows only
-            A.requires_grad_(cfg.stage >= 2), B.requires_grad_(cfg.stage >= 2)
+        self.trains_base = cfg.lora_r == 0  # eval.py: the teacher rows then read a fresh copy of the base
+        if cfg.lora_r == 0:  # §3.5: stage 1 trains the gist rows, stages 2-3 "unfreeze all parameters"
+            self.dec_adapter = None
+            base.requires_grad_(cfg.stage >= 2)
+        else:
+            base.add_adapter("gist", cfg.lora_r, cfg.lora_alpha)
+            for A, B in base.adapter_state("gist").values():  # stage 1: the gist rows only
+                A.requires_grad_(cfg.stage >= 2), B.requires_grad_(cfg.stage >= 2)
         self.lr_schedule = "linear" if cfg.stage == 3 else "cosine"  # for train.py: stage 3 decays to 0
 
     @staticmethod
@@ -158,6 +168,8 @@ class SentenceGist(nn.Module):
             raise SystemExit(f"error: --gists {mcfg.gists}: choose 1, 2, 4 or 8 (the paper's N_g)")
         if mcfg.stage not in (1, 2, 3):
             raise SystemExit(f"error: --stage {mcfg.stage}: choose 1 (gist rows), 2 (+ LoRA) or 3 (cool-down)")
+        if mcfg.lora_r < 0:
+            raise SystemExit(f"error: --lora_r {mcfg.lora_r}: a LoRA rank, or 0 to train every weight")
         if mcfg.max_sentence_len < 1:
             raise SystemExit(f"error: --max_sentence_len {mcfg.max_sentence_len} must be >= 1")
         if cfg.ratio != "1":

@@ -104,6 +104,10 @@ class Base(torch.nn.Module):
     TINY = dict(max_iters=3000, batch_size=16, lr=3e-3, weight_decay=0.1)
 
     @staticmethod
+    def recipe(mcfg):  # no paper: TINY is its whole recipe (SPEC §2.6)
+        return [dict(objective="lm", cite="SPEC §2.6", paper={})]
+
+    @staticmethod
     def curriculum(frac):
         """At fraction frac of the run: (min, max) people, (min, max) attributes, examples per batch
         slot, ramp in [0, 1] (while < 1, everyone shares the same attributes: each is a distractor).

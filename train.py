@@ -30,8 +30,9 @@ from tqdm import tqdm
 import data
 import tiny
 from model import compile_layers
-from runs import (TrainConfig, apply_defaults, build, inherit_first_stage, load_checkpoint, method_config,
-                  method_registry, parse_args, print_help, ratios_of, read_records, save_checkpoint, to_device)
+import runs
+from runs import (TrainConfig, build, check_inputs, load_checkpoint, method_config, method_registry, parse_args,
+                  print_help, ratios_of, read_records, recipe_table, resolve, save_checkpoint, to_device)
 
 
 STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the step
@@ -40,51 +41,83 @@ STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the ste
 # -----------------------------------------------------------------------------
 # data: batches for step s are a pure function of (seed, s, rank)
 
-class Batches:
-    """Micro-batches for every objective. Synthetic by default (a fresh sample per step,
-    with the base's curriculum), or records of --data shuffled per epoch."""
+def text_objective(cfg):
+    return cfg.objective in ("lm", "ae+lm") and cfg.method != "base"
 
-    def __init__(self, cfg, tok, method, rank=0, world=1):
+
+def read_items(path, cfg, text):
+    """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, else the
+    contexts of a QA file). A file with none is a one-line error."""
+    stats = {}
+    if text and path.endswith((".txt", ".text", ".jsonl")):
+        items = list(data.read_text(path))
+    else:
+        records = list(read_records(path, cfg, stats))
+        items = list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
+    if stats.get("skipped_bad") or stats.get("unanswerable"):
+        print(f"{path}: {stats}")
+    if not items:
+        raise SystemExit(f"error: {path!r} holds no usable records ({stats})")
+    return items
+
+
+def stage_data(cfg):
+    """(training items, validation items, a line saying what validation reads) of a stage, read before any work:
+    --data (a text objective: --pretrain_data, else --data's contexts); validation on --eval_data, else on a
+    held-out slice of the training file (2 %, at most 256 items) that training never sees. None: synthetic."""
+    text = text_objective(cfg)
+    path = (cfg.pretrain_data or cfg.data) if text else cfg.data
+    if not path:
+        return None, None, "validation: the synthetic benchmark's val split"
+    items = read_items(path, cfg, text)
+    if cfg.eval_data:
+        return items, read_items(cfg.eval_data, cfg, text), f"validation: {cfg.eval_data}"
+    if len(items) < 2:
+        return items, items, f"validation: {path} (one record: the training record itself)"
+    held = set(random.Random(cfg.seed).sample(range(len(items)), min(256, max(1, len(items) // 50))))
+    train_items = [it for i, it in enumerate(items) if i not in held]
+    return train_items, [items[i] for i in sorted(held)], f"validation: {len(held)} items of {path} held out of training"
+
+
+class Batches:
+    """Micro-batches for every objective: records of a file, each epoch one permutation of them (seed + epoch),
+    or synthetic ones (a fresh sample per step, with the base's curriculum; split "val" for validation)."""
+
+    def __init__(self, cfg, tok, method, records=None, rank=0, world=1, split="train"):
         self.cfg, self.tok, self.method, self.rank, self.world = cfg, tok, method, rank, world
-        self.text = cfg.objective in ("lm", "ae+lm") and cfg.method != "base"
-        self.records = None
-        if cfg.data:
-            stats = {}
-            if self.text and cfg.data.endswith((".txt", ".text", ".jsonl")):  # text or {"text"} lines
-                self.records = list(data.read_text(cfg.data))
-            else:  # QA records (their contexts for a text objective)
-                records = read_records(cfg.data, cfg, stats)
-                self.records = [r["context"] for r in records] if self.text else list(records)
-            if stats.get("skipped_bad") or stats.get("unanswerable"):
-                print(f"{cfg.data}: {stats}")
-            if not self.records:
-                raise SystemExit(f"error: --data {cfg.data!r} holds no usable records ({stats})")
-        self.synth = data.Synthetic(seed=cfg.seed, split="train")
-        synthetic = self.records is None  # aid 3 needs the synthetic items' extra QA pairs
+        self.text, self.records, self.order = text_objective(cfg), records, (None, None)
+        self.synth = data.Synthetic(seed=cfg.seed, split=split)
+        synthetic = records is None  # aid 3 needs the synthetic items' extra QA pairs
         self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if tiny.aided(cfg) and synthetic else 1
         self.stats = {}
 
+    def permutation(self, epoch):
+        """The records' order in epoch e: one shuffle an epoch (seed + e), kept while the epoch lasts."""
+        if self.order[0] != epoch:
+            perm = list(range(len(self.records)))
+            random.Random(self.cfg.seed + epoch).shuffle(perm)
+            self.order = (epoch, perm)
+        return self.order[1]
+
     def raw(self, step, n):
         """n raw items (QA records or texts) of the global batch of this step."""
-        if self.records is not None:  # epoch e: the records shuffled with seed + e
+        if self.records is not None:
             out = []
             for i in range(step * n, step * n + n):
                 epoch, j = divmod(i, len(self.records))
-                perm = list(range(len(self.records)))
-                random.Random(self.cfg.seed + epoch).shuffle(perm)
-                out.append(self.records[perm[j]])
+                out.append(self.records[self.permutation(epoch)[j]])
             return out
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
         kind = "text" if self.text else "base" if self.cfg.method == "base" else "qa"
         qas = self.method.cfg.qa_per_context if kind == "base" else self.questions
         return tiny.synthetic_items(self.synth, rng, n, step / max(1, self.cfg.max_iters), kind, qas,
-                                    aids=not self.cfg.no_aids)
+                                    aids=tiny.aided(self.cfg))
 
     def __call__(self, step):
         """This rank's micro-batches of step `step`: a list of grad_accum collated dicts."""
         cfg, accum = self.cfg, self.cfg.grad_accum
-        items = self.raw(step, cfg.batch_size * self.world * accum)
-        per_rank = len(items) // (self.world * accum)  # more than batch_size early in the base's curriculum
+        items = self.raw(step, cfg.batch_size)  # the global batch (more items early in the base's curriculum)
+        per_rank = len(items) // (self.world * accum)
         rng = random.Random(cfg.seed * 7919 + step)  # templates drawn per global item: ranks x batch keeps the data
         if not self.text:
             items = [dict(it, template=rng.randrange(len(data.QA_TEMPLATES))) for it in items]
@@ -124,10 +157,14 @@ def lr_at(step, cfg, schedule="cosine"):
 
 
 def configure(argv):
-    """(cfg, mcfg, explicit flags, method class, ratios) from argv; --method decides which flags exist."""
+    """(cfg, mcfg, explicit flags, method class) from argv; --method decides which flags exist."""
     methods = method_registry()
-    name = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
-                 for i, a in enumerate(argv) if a.split("=")[0] == "--method"), TrainConfig.method)
+    name = TrainConfig.method
+    for i, a in enumerate(argv):
+        if a.split("=")[0] == "--method":
+            if "=" not in a and i + 1 == len(argv):
+                raise SystemExit("error: flag --method needs a value")
+            name = a.split("=", 1)[1] if "=" in a else argv[i + 1]
     if name not in methods:
         raise SystemExit(f"error: unknown --method {name!r}; choose from {', '.join(methods)}")
     cls = methods[name]
@@ -137,20 +174,29 @@ def configure(argv):
         if key in others:
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, method_config(cls))
-    apply_defaults(cfg, mcfg, explicit, cls)
-    inherit_first_stage(cfg, mcfg, explicit, cls)
-    ratios = ratios_of(cfg.ratio)  # a bad --ratio is a one-line error before any method's own checks
+    return cfg, mcfg, explicit, cls
+
+
+def check_stage(cfg, mcfg, cls):
+    """A resolved stage's values: one-line errors before any work."""
+    ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
     if cfg.eval_ratio:
-        ratios_of(cfg.eval_ratio, "eval_ratio")  # and a bad --eval_ratio before training
+        ratios_of(cfg.eval_ratio, "eval_ratio")
+    for flag in ("max_iters", "batch_size", "grad_accum", "max_context", "max_answer"):
+        if getattr(cfg, flag) < 1:
+            raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
+    for flag in ("lr", "min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
+        value = getattr(cfg, flag)
+        if not math.isfinite(value) or value < 0 or (flag == "lr" and value == 0):
+            raise SystemExit(f"error: --{flag} {value!r} must be a finite number {'> 0' if flag == 'lr' else '>= 0'}")
+    if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
+        raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
     if cfg.prompt not in ("auto", "plain", *data.CHAT_FORMATS):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
-    if cfg.resume and not cfg.pretrain and not os.path.exists(os.path.join(cfg.out_dir, "run.json")):
-        raise SystemExit(f"error: --resume but {cfg.out_dir} has no checkpoint")
-    return cfg, mcfg, explicit, cls, ratios
 
 
 def init_distributed(cfg):
@@ -181,17 +227,6 @@ def prepare_base(cfg, mcfg, master, ddp):
               "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
     if ddp:
         dist.barrier()
-
-
-def pretrain_first(argv, cfg, cls):
-    """--pretrain N: the paper's pretraining objective (cls.pretraining) for N steps into OUT_DIR/pretrain,
-    then argv for the second stage from it, as `--objective ae+lm` and `--init_from` in two commands would
-    (PIC §4.1.2, SAC §4.1, ATA §3.5); both stages take this run's flags (two commands: each its own --lr).
-    None when the first stage was interrupted."""
-    first = main(argv + ["--objective", cls.pretraining, "--max_iters", str(cfg.pretrain), "--pretrain", "0",
-                         "--out_dir", os.path.join(cfg.out_dir, "pretrain"), "--eval_examples", "0"])
-    resume = cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "run.json"))
-    return None if STOP else argv + ["--init_from", first, "--pretrain", "0", f"--resume={resume}"]
 
 
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
@@ -239,23 +274,38 @@ def validation_loss(method, batches, device, autocast, ratios, n_steps=2):
 
 
 def main(argv):
+    """Every stage of the run's recipe, in order (runs.resolve); returns the last stage's run dir, or None after
+    --help or an interrupted stage."""
     if "-h" in argv or "--help" in argv:
         return print_help([TrainConfig] + [method_config(c) for c in method_registry().values()])
-    # 1) flags (after --pretrain's stage, this run starts from it), DDP, the base
-    cfg, mcfg, explicit, cls, ratios = configure(argv)
-    if cfg.pretrain:
-        argv = pretrain_first(argv, cfg, cls)
-        if not argv:
-            return None
-        cfg, mcfg, explicit, cls, ratios = configure(argv)
+    # 1) flags, the recipe, every input checked before any work
+    cfg, mcfg, explicit, cls = configure(argv)
+    stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))
+    for c, m, _ in stages:
+        check_stage(c, m, cls)
+    check_inputs(*stages[0][:2])
+    items = [stage_data(c) for c, _, _ in stages]
     ddp, rank, world, device = init_distributed(cfg)
+    recipe, text = recipe_table(stages)
+    if rank == 0:
+        print(text)
+    # 2) the stages: each starts from the one before
+    for (c, m, _), stage_items in zip(stages, items):
+        out = train(c, m, explicit, cls, recipe, stage_items, ddp, rank, world, device)
+        if STOP:
+            return None
+    return out
+
+
+def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
+    """One stage: build its method, train it for cfg.max_iters steps into cfg.out_dir; returns cfg.out_dir."""
     master = rank == 0
     dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     prepare_base(cfg, mcfg, master, ddp)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    # 2) the method (real checkpoints stay bf16 on CUDA), its optimizer, the resumed state
+    # 1) the method (real checkpoints stay bf16 on CUDA), its optimizer, the resumed state
     bf16_weights = device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base"
     tok, base, method = build(cfg, mcfg, device, torch.bfloat16 if bf16_weights else torch.float32)
     if tiny.aided(cfg) and tiny.distills_attention(method):
@@ -267,19 +317,28 @@ def main(argv):
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # decay on matrices only
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     step = load_checkpoint(cfg.out_dir, method, opt) if cfg.resume else 0
+    log = os.path.join(cfg.out_dir, "log.jsonl")
     if master and cfg.resume:
         print(f"resuming {cfg.out_dir} from step {step}")
-    # 3) compile, DDP wrap, data
+        if os.path.exists(log):  # the log continues where the checkpoint was taken: no step twice
+            kept = [line for line in open(log) if json.loads(line)["step"] <= step]
+            runs.atomic_write(log, lambda p: open(p, "w").writelines(kept))
+    # 2) compile, DDP wrap, data (tokenized once: the tokenizer keeps each text's ids)
     if cfg.compile:
         compile_layers(base)
     ddp_ids = [device] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
-    batches, val = Batches(cfg, tok, method, rank, world), Batches(cfg, tok, method, rank, world)
+    records, val_records, val_text = items
+    tok.memo = {} if records is not None else None
+    batches = Batches(cfg, tok, method, records, rank, world)
+    val = Batches(cfg, tok, method, val_records, rank, world, split="val")
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        print(f"{cfg.method} ({cfg.objective}) ratios {ratios}: {sum(p.numel() for p in params):,} trainable "
-              f"parameters, {cfg.max_iters} steps x {cfg.batch_size * cfg.grad_accum * world} examples, {device} {dtype}")
-    # 4) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps
+        print(f"{cfg.method} ({cfg.objective}) ratios {ratios_of(cfg.ratio)}: {sum(p.numel() for p in params):,} "
+              f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
+              f"{cfg.grad_accum} micro-batches), {device} {dtype} -> {cfg.out_dir}; {val_text}")
+    # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps
+    ratios = ratios_of(cfg.ratio)
     eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
     STOP.clear()
     old_handler = signal.signal(signal.SIGINT, lambda *a: STOP.append(1))
@@ -301,14 +360,14 @@ def main(argv):
         if checkpoint:
             record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
             bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
-        with open(os.path.join(cfg.out_dir, "log.jsonl"), "a") as f:
+        with open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
         if checkpoint:
-            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
-    # 5) an interrupted run saves where it stopped
+            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
+    # 4) an interrupted run saves where it stopped
     bar.close()
     if master and STOP:
-        save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit)
+        save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
     signal.signal(signal.SIGINT, old_handler)
     if ddp:  # DDP's reducer holds the group: free it before __main__ destroys the group (gloo can abort at exit)
@@ -316,7 +375,7 @@ def main(argv):
         dist.barrier()
     if master and batches.stats:
         print(f"truncated while training (--max_context / --max_answer): {batches.stats}")
-    if master and not STOP and cfg.method != "base":
+    if master and not STOP and cfg.method != "base" and cfg.eval_examples:
         print(f"trained {cfg.out_dir}; evaluate with: python eval.py {cfg.out_dir}")
     return cfg.out_dir
 

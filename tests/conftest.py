@@ -1,5 +1,6 @@
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ def torch_globals():
              "cuda tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn tf32": torch.backends.cudnn.allow_tf32}
     for name in ("torch._dynamo.config", "torch._inductor.config"):
         if config := sys.modules.get(name):  # a key pytest's monkeypatch undo deleted reads as hidden
-            state[name] = {key: getattr(config, key, "<hidden>") for key in config.get_config_copy()}
+            with warnings.catch_warnings():  # reading a deprecated key warns
+                warnings.simplefilter("ignore")
+                state[name] = {key: getattr(config, key, "<hidden>") for key in config.get_config_copy()}
     return state
 
 

@@ -123,9 +123,10 @@ def test_no_aac_fixed_k_is_a_flag_with_the_papers_value(base_dir):
     with torch.no_grad():
         metrics = m(batch, [10])[2]
         assert metrics["k_rel"] == metrics["k_qa"] == 6.0
-        assert m.compress(batch, 10).slots().tolist() == [6, 6, 6]  # the probe is not consulted
+        P = len(batch["prefix"])  # the prefix's slots lead the memory (issue 76: as in every method)
+        assert m.compress(batch, 10).slots().tolist() == [P + 6] * 3  # the probe is not consulted
         m.cfg.fixed_k = 3
-        assert m(batch, [10])[2]["k_rel"] == 3.0 and m.compress(batch, 1).slots().tolist() == [3, 3, 3]
+        assert m(batch, [10])[2]["k_rel"] == 3.0 and m.compress(batch, 1).slots().tolist() == [P + 3] * 3
 
 
 def test_r_is_drawn_per_step_for_the_whole_batch(base_dir):
@@ -158,8 +159,8 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
     """Issue 20 items 7 and 9: on a real checkpoint 300 warmup steps (Tables 4-5), whatever
     --max_iters is; HotpotQA keeps its distractor paragraphs (explicit flags win)."""
     cfg, mcfg = runs.TrainConfig(method="ata", init_from=base_dir), ata.ATAConfig()
-    runs.apply_defaults(cfg, mcfg, set(), ata.ATA)
-    assert cfg.warmup_iters == 300 and cfg.max_iters == 1000 and cfg.hotpot_distractors and cfg.ratio == "10"
+    runs.resolve(cfg, mcfg, set(), ata.ATA)
+    assert cfg.warmup_iters == 300 and cfg.max_iters == 17_500 and cfg.hotpot_distractors and cfg.ratio == "10"
     assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
     assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
     hotpot = tmp_path / "hotpot.json"
@@ -169,10 +170,10 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
     rec = next(runs.read_records(str(hotpot), cfg))
     assert len(rec["chunks"]) == 3 and len(rec["relevant"]) == 2
     gold_only = runs.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False)
-    runs.apply_defaults(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
+    runs.resolve(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
     assert len(next(runs.read_records(str(hotpot), gold_only))["chunks"]) == 2
     tiny_cfg = runs.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup
-    runs.apply_defaults(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
+    runs.resolve(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
 
 
@@ -204,7 +205,7 @@ def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
     k = torch.tensor(memory.stats["k"])
     with torch.no_grad():
         L_hat = m.length(batch, m.encode(batch)[0])
-    assert k.tolist() == ata.policy(L_hat, 10, 8).float().tolist() and (memory.slots() == k).all()
+    assert k.tolist() == ata.policy(L_hat, 10, 8).float().tolist() and (memory.slots() == len(batch["prefix"]) + k).all()
     assert memory.stats["probe_abs_err"] == pytest.approx((L_hat - batch["rel_len"]).abs().tolist(), rel=1e-5)
     memory.save(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
@@ -256,7 +257,7 @@ def test_real_checkpoint_smoke(tmp_path):
 def test_ddp_matches_single_process(base_dir, tmp_path):
     common = ["--method", "ata", "--init_from", base_dir, "--max_iters", "2", "--lora_r", "4", "--lora_dropout", "0",
               "--eval_examples", "2", "--lr", "1e-3", "--objective", "qa+rel", "--quiet"]
-    torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     train.main(common + ["--batch_size", "2", "--out_dir", str(tmp_path / "one")])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert a.keys() == b.keys() and len(a) > 3

@@ -100,14 +100,14 @@ def test_paper_defaults_on_a_real_checkpoint(base_dir):
     """Table 6 and §5.1 on a real checkpoint: R = {4..128}, 48k steps, answers up to 256
     tokens; the tiny default keeps 4,8,16; explicit flags win."""
     cfg, mcfg = runs.TrainConfig(method="meanpool", init_from=base_dir), meanpool.MeanPoolConfig()
-    runs.apply_defaults(cfg, mcfg, set(), meanpool.MeanPool)
+    runs.resolve(cfg, mcfg, set(), meanpool.MeanPool)
     assert runs.ratios_of(cfg.ratio) == [4, 8, 16, 32, 64, 128] and cfg.max_iters == 48000 and cfg.max_answer == 256
     assert cfg.lr == 2e-4 and cfg.batch_size == 32
     cfg = runs.TrainConfig(method="meanpool", init_from=base_dir, ratio="16")
-    runs.apply_defaults(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
+    runs.resolve(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
     assert cfg.ratio == "16"
     tiny_cfg = runs.TrainConfig(method="meanpool")
-    runs.apply_defaults(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
+    runs.resolve(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
     assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 700
 
 

@@ -357,7 +357,7 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     common = ["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--ratio", "8", "--pretrain", 1,
               "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 2, "--lr", "1e-2",
               "--eval_examples", 1]
-    torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert read_params(tmp_path / "ddp" / "pretrain").keys() >= {"ae", "mem_embed"}
@@ -388,7 +388,7 @@ def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
     assert pic_m.dec_adapter is None and len(pic_m.converter) == 3
     for mem, objective, pretrain in (("single", "kd", 0), ("table", "qa", 100)):  # PIC pretrains; the tokens do not
         cfg, mcfg = runs.TrainConfig(method="pic"), pic.PICConfig(mem=mem)
-        runs.apply_defaults(cfg, mcfg, set(), pic.PIC)  # on the tiny base both train at 4 and read at 4 and 16
+        runs.resolve(cfg, mcfg, set(), pic.PIC)  # on the tiny base both train at 4 and read at 4 and 16
         assert (cfg.objective, cfg.ratio, cfg.eval_ratio, cfg.max_iters, cfg.pretrain) == (
             objective, "4", "4,16", 1100, pretrain)
 

@@ -144,20 +144,20 @@ def test_paper_defaults_one_ratio_per_model_and_300_warmup_steps(base_dir):
     """Issue 20 items 5 and 9: on a real checkpoint one model per ratio, r = 5 (§4.1), and
     300 warmup steps (Table 6) whatever --max_iters is; an explicit --ratio wins."""
     cfg, mcfg = runs.TrainConfig(method="sac", init_from=base_dir), sac.SACConfig()
-    runs.apply_defaults(cfg, mcfg, set(), sac.SAC)
+    runs.resolve(cfg, mcfg, set(), sac.SAC)
     assert runs.ratios_of(cfg.ratio) == [5] and cfg.warmup_iters == 300 and cfg.max_iters == 20000
-    cfg = runs.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000)
-    runs.apply_defaults(cfg, mcfg, {"ratio", "max_iters"}, sac.SAC)
+    cfg = runs.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000, objective="qa")
+    runs.resolve(cfg, mcfg, {"ratio", "max_iters", "objective"}, sac.SAC)  # the qa stage alone
     assert cfg.ratio == "15" and cfg.max_iters == 1000
     assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
     assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
     assert cfg.eval_ratio == ""  # read at the trained ratio
     tiny_cfg = runs.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
-    runs.apply_defaults(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
+    runs.resolve(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
     assert runs.ratios_of(tiny_cfg.eval_ratio) == [5, 15]  # the r = 5 model read at 15 too
     tiny_cfg = runs.TrainConfig(method="sac", ratio="15")
-    runs.apply_defaults(tiny_cfg, sac.SACConfig(), {"ratio"}, sac.SAC)
+    runs.resolve(tiny_cfg, sac.SACConfig(), {"ratio"}, sac.SAC)
     assert tiny_cfg.eval_ratio == ""  # an explicit --ratio is read as trained
 
 
@@ -286,7 +286,7 @@ def test_ddp_matches_single_process(tmp_path, base_dir):
     # memory and decoder are the same code as for qa.
     args = ["--method", "sac", "--init_from", base_dir, "--objective", "lm", "--max_iters", 2, "--ratio", 4,
             "--lr", 1e-2, "--eval_examples", 2, "--device", "cpu", "--quiet", "--lora_r", 4]
-    torchrun(args + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    torchrun(args + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert a.keys() == b.keys() and "anchor_emb" in a

@@ -217,13 +217,13 @@ def test_stages_choose_the_trainables(base_dir):
 def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_lr):
     argv = ["--method", "sentence_gist", "--init_from", str(tmp_path / "hf"), "--stage", str(stage)]
     (cfg, mcfg), explicit = runs.parse_args(argv, runs.TrainConfig, sg.SentenceGistConfig)
-    runs.apply_defaults(cfg, mcfg, explicit, sg.SentenceGist)  # a real checkpoint: the paper's values
+    runs.resolve(cfg, mcfg, explicit, sg.SentenceGist)  # a real checkpoint: the paper's values
     assert (cfg.max_iters, cfg.lr, int(cfg.warmup_frac * cfg.max_iters), cfg.grad_clip) == (iters, lr, warmup, clip)
     assert (cfg.weight_decay, cfg.objective) == (0.1, "lm")
     schedule = "linear" if stage == 3 else "cosine"
     assert train.lr_at(warmup - 1, cfg, schedule) == lr and abs(train.lr_at(iters, cfg, schedule) - end_lr) < 1e-12
     (cfg, mcfg), explicit = runs.parse_args(argv + ["--grad_clip", "0.5"], runs.TrainConfig, sg.SentenceGistConfig)
-    runs.apply_defaults(cfg, mcfg, explicit, sg.SentenceGist)
+    runs.resolve(cfg, mcfg, explicit, sg.SentenceGist)
     assert cfg.grad_clip == 0.5  # a flag wins over the preset
 
 
@@ -258,9 +258,9 @@ def test_method_smoke_llama_lm(tmp_path):
 @pytest.mark.slow
 def test_ddp_matches_one_process(base_dir, tmp_path):
     # the default objective on a base that is not ours (lm); --lr 1e-3: Adam amplifies float noise of ~0 grads
-    args = ["--method", "sentence_gist", "--init_from", base_dir, "--objective", "lm", "--max_iters", 2,
+    args = ["--method", "sentence_gist", "--init_from", base_dir, "--stage", 2, "--lora_r", 16, "--max_iters", 2,
             "--lr", "1e-3", "--device", "cpu", "--quiet", "--eval_examples", 2, "--max_context", 128]
-    torchrun(args + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    torchrun(args + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert set(a) == set(b) and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)

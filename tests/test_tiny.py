@@ -69,7 +69,7 @@ def test_base_curriculum_batches(tmp_path):
     examples come 4 to a batch slot, split evenly over ranks and accumulation steps."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
-    cfg = runs.TrainConfig(method="base", max_iters=100, batch_size=2, grad_accum=2)
+    cfg = runs.TrainConfig(method="base", max_iters=100, batch_size=8, grad_accum=2)  # global: 2 ranks x 2 x 2
     method = tiny.Base.__new__(tiny.Base)
     method.cfg = tiny.BaseConfig()
     people = {}
@@ -104,7 +104,7 @@ def test_micro_batches_are_the_step_sorted_by_length(tmp_path):
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
     one = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8)
-    split = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4, grad_accum=2)
+    split = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8, grad_accum=2)
     whole, micro = train.Batches(one, tok, None)(80), train.Batches(split, tok, None)(80)
     lengths = [b["context_len"].tolist() for b in micro]
     assert sorted(lengths[0] + lengths[1]) == sorted(whole[0]["context_len"].tolist())

@@ -94,7 +94,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path,
 def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     common = ["--method", "meanpool", "--init_from", base_dir, "--max_iters", 3, "--ratio", "4",
               "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 3, "--lr", "1e-2"]
-    torchrun(common + ["--batch_size", 1, "--out_dir", tmp_path / "ddp"])
+    torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
@@ -133,8 +133,8 @@ def test_every_method_runs_on_gemma2(tmp_path):
     ckpt = hf_checkpoint(tmp_path / "hf", "gemma2")
     squad = squad_file(tmp_path / "squad.json")
     runs = []
-    for method, extra in (("meanpool", ["--ratio", 4]), ("pic", []), ("sac", ["--ratio", 5]),
-                          ("sentence_gist", ["--gists", 2]), ("ata", [])):
+    for method, extra in (("meanpool", ["--ratio", 4]), ("pic", ["--pretrain", 0]), ("sac", ["--ratio", 5, "--pretrain", 0]),
+                          ("sentence_gist", ["--gists", 2, "--stage", 2]), ("ata", ["--pretrain", 0])):  # one stage each
         runs.append(str(tmp_path / method))
         in_process(["--method", method, "--init_from", ckpt, "--data", squad, "--max_iters", 2, "--batch_size", 2,
                     "--out_dir", runs[-1], "--eval_examples", 0, "--device", "cpu", "--quiet", "--lora_r", 4, *extra])
@@ -166,7 +166,8 @@ def test_pretrain_runs_the_papers_first_stage(base_dir, tmp_path, method, extra)
     in_process(["--method", method, "--init_from", base_dir, "--max_iters", 1, "--pretrain", 1, "--batch_size", 2,
                 "--max_context", 128, "--out_dir", tmp_path, "--eval_examples", 0, "--quiet", *extra])
     first, second = (json.load(open(d / "run.json"))["train"] for d in (tmp_path / "pretrain", tmp_path))
-    assert (first["objective"], first["max_iters"]) == (train.method_registry()[method].pretraining, 1)
+    pretraining = train.method_registry()[method].recipe(None)[0]["objective"]  # the paper's first stage
+    assert (first["objective"], first["max_iters"]) == (pretraining, 1)
     assert (second["objective"], second["init_from"]) == ("qa", str(tmp_path / "pretrain"))
 
 
