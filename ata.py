@@ -134,6 +134,7 @@ class Probe(nn.Module):
 class ATA(nn.Module):
     Config = ATAConfig
     objectives = ("qa", "rel", "qa+rel")
+    memory_kind = "kv"  # what its Memory holds: per-layer K/V
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=16, grad_accum=2, lora_r=16, lora_alpha=32,
                 lora_dropout=0.0, max_context=1024)
 

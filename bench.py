@@ -4,6 +4,7 @@
     python bench.py train        # one optimizer step of every method at real shapes
     python bench.py attention    # flex + BlockMask vs SDPA + dense mask, fwd+bwd, 4K and 8K (CUDA)
     python bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
+    python bench.py batching     # host time to batch a step of --data (SQuAD-train-size records), vs before
     (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
     python scripts/hf_twins.py   # train's meanpool kd and pic ae+lm rows vs transformers + peft
 
@@ -30,7 +31,7 @@ import train
 from model import Memory, ModelConfig, Transformer, compile_layers
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("what", choices=["loss", "train", "attention", "ttft"])
+parser.add_argument("what", choices=["loss", "train", "attention", "ttft", "batching"])
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
 parser.add_argument("--burn_in", type=int, default=2, help="untimed iterations first")
@@ -431,7 +432,34 @@ def bench_ttft():
         del base
 
 
+def bench_batching():
+    """train.Batches on SQuAD v1.1 dev's records repeated to 95k (train-v1.1 has 87,599) with Llama 3's
+    tokenizer, the papers' global batch 32: host ms a step on its first visits (tokenizing) and after, and
+    the per-item shuffle of the sampler before (one permutation of the records per item drawn)."""
+    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "assets")
+    records = list(data.read_dataset(os.path.join(assets, "qa", "squad", "dev-v1.1.json.zip")))
+    records = [dict(r, id=f"{r['id']}-{i}") for i in range(9) for r in records]
+    tok = data.load_tokenizer(os.path.join(assets, "tokenizers", "llama3_tokenizer.model"))
+    tok.memo = {}
+    cfg = runs.TrainConfig(method="meanpool", objective="kd", init_from="/real", batch_size=32, max_context=1024,
+                           max_answer=256, prompt="plain")
+    batches = train.Batches(cfg, tok, None, records)
+    for name, steps in (("first visits", range(0, args.iters * 10)), ("again (epoch 2)", range(0, args.iters * 10))):
+        if name.startswith("again"):  # the same records a second time: their ids come from the tokenizer's memo
+            steps = range(len(records) // 32 + 1, len(records) // 32 + 1 + args.iters * 10)
+        t = time.perf_counter()
+        for s in steps:
+            batches(s)
+        print(f"  {name:16s} {(time.perf_counter() - t) / len(steps) * 1000:7.1f} ms a step of 32")
+    t = time.perf_counter()
+    for i in range(32):  # before: a fresh permutation of every record for each item
+        perm = list(range(len(records)))
+        random.Random(cfg.seed).shuffle(perm)
+    print(f"  {'before: sampler':16s} {(time.perf_counter() - t) * 1000:7.1f} ms a step of 32 (shuffles alone)")
+
+
 if __name__ == "__main__":
     set_threads()
-    benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft}
+    benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft,
+               "batching": bench_batching}
     bench_one_loss(args.only) if args.only else benches[args.what]()

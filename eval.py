@@ -365,16 +365,41 @@ def compare(path_a, path_b, row_a="", row_b=""):
 # one-shot: answer a question about a text file
 
 @torch.no_grad()
+def memory_mismatch(memory, decoder, method):
+    """What makes a saved Memory unreadable by this run's decoder ("" when nothing): its kind, layers, widths."""
+    cfg, kind = decoder.config, "K/V" if memory.kv else "embeddings"
+    wants = {"kv": "K/V", "embeds": "embeddings"}[method.memory_kind]
+    if kind != wants:
+        return f"it holds {kind}; this run's method answers from {wants}"
+    if memory.kv and (len(memory.kv), *memory.kv[0][0].shape[1::2]) != (cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                        cfg.head_dim):
+        k = memory.kv[0][0]
+        return (f"its K/V is {len(memory.kv)} layers x {k.shape[1]} heads x {k.shape[3]}; the decoder has "
+                f"{cfg.num_hidden_layers} x {cfg.num_key_value_heads} x {cfg.head_dim}")
+    if memory.embeds is not None and memory.embeds.shape[-1] != cfg.hidden_size:
+        return f"its embeddings are {memory.embeds.shape[-1]} wide; the decoder's are {cfg.hidden_size}"
+    return ""
+
+
 def one_shot(ecfg, run_dir, device):
     if not ecfg.context and not ecfg.memory:
         raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
+    for flag in ("context", "memory"):
+        if getattr(ecfg, flag) and not os.path.isfile(getattr(ecfg, flag)):
+            raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)!r}: no such file")
+    try:
+        context = Path(ecfg.context).read_text(encoding="utf-8") if ecfg.context else ""
+    except UnicodeDecodeError:
+        raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
-    record = {"id": "one-shot", "context": open(ecfg.context).read() if ecfg.context else "",
+    record = {"id": "one-shot", "context": context,
               "question": ecfg.question or "What is this text about?", "answers": [""]}
     batch = runs.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
     if not ecfg.memory and batch["context_len"][0] > cfg.max_context:
         raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
+    if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
+        raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
     ratio = runs.ratios_of(ecfg.ratio or cfg.ratio)[0]
     (outs, memory), dt = timed(lambda: answer(method, batch, ratio, ecfg.max_new_tokens, memory))
     print(f"answer: {decode(tok, outs)[0]}")
@@ -411,5 +436,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")

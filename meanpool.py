@@ -72,6 +72,7 @@ def mean_pool(h, lengths, r):
 class MeanPool(nn.Module):
     Config = MeanPoolConfig
     objectives = ("kd", "qa")
+    memory_kind = "embeds"  # what its Memory holds: prefix embeddings
 
     @staticmethod
     def recipe(mcfg):  # the stages on a real checkpoint (runs.resolve; the tiny base: TINY over the last)

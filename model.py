@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
@@ -48,6 +49,24 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def id_list(ids):  # an eos id or list of ids (None: none) as a list
     return [ids] if isinstance(ids, int) else list(ids or [])
+
+
+def read_json(path):
+    """A JSON file; a broken one is a ValueError naming it and the line."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+
+
+def read_tensors(path, device="cpu"):
+    """The tensors of one safetensors file; a missing or broken one is a ValueError naming it."""
+    try:
+        return load_file(path, device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 @dataclass
@@ -91,7 +110,17 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path):
-        raw = json.loads(Path(path).read_text())
+        raw = read_json(path)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: not a config object")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in raw:
+                raise ValueError(f"{path}: missing key {key!r}")
+        for f in fields(cls):  # the scalar keys we read have their field's type (a JSON int is a float too)
+            value, want = raw.get(f.name), {float: (int, float)}.get(f.type, f.type)
+            if f.type in (int, float, bool, str) and value is not None and (
+                    not isinstance(value, want) or (f.type is not bool and isinstance(value, bool))):
+                raise ValueError(f"{path}: key {f.name!r} is {value!r}, expected {f.type.__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{path}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -174,7 +203,9 @@ class Memory:
 
     @classmethod
     def load(cls, path, device="cpu"):
-        t = load_file(path, device=str(device))
+        t = read_tensors(path, device)
+        if "mask" not in t or "next_pos" not in t:
+            raise ValueError(f"{path}: not a saved Memory (no mask / next_pos tensors)")
         kv = [(t[f"k.{i}"], t[f"v.{i}"]) for i in range(sum(k.startswith("k.") for k in t))] or None
         return cls(embeds=t.get("embeds"), kv=kv, mask=t["mask"], next_pos=t["next_pos"])
 
@@ -464,7 +495,7 @@ class Transformer(nn.Module):
         nothing is unpickled); generation stops at generation_config.json's eos ids when it has them."""
         cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
         gen = os.path.join(path, "generation_config.json")
-        eos = json.loads(Path(gen).read_text()).get("eos_token_id") if os.path.exists(gen) else None
+        eos = read_json(gen).get("eos_token_id") if os.path.exists(gen) else None
         cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos)
         with torch.device("meta"):
             model = cls(cfg)
@@ -639,10 +670,14 @@ class Transformer(nn.Module):
         Path(path, "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2))
 
     def load_adapter(self, path, name):
-        c = json.loads(Path(path, "adapter_config.json").read_text())
+        config = os.path.join(path, "adapter_config.json")
+        c = read_json(config)
+        for key in ("r", "lora_alpha", "target_modules"):
+            if key not in c:
+                raise ValueError(f"{config}: missing key {key!r} (a PEFT LoRA adapter has r, lora_alpha, target_modules)")
         self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
         mods = self.lora_modules()
-        for key, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+        for key, t in read_tensors(os.path.join(path, "adapter_model.safetensors")).items():
             module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
             which = "lora_" + ab.split(".")[0]
             if module not in mods or name not in getattr(mods[module], which):
@@ -679,11 +714,11 @@ def read_safetensors(path, device="cpu"):
     if os.path.exists(single):
         files = [single]
     elif os.path.exists(index):
-        shards = json.loads(Path(index).read_text())["weight_map"].values()
+        shards = read_json(index).get("weight_map", {}).values()
         files = [os.path.join(path, s) for s in sorted(set(shards))]
         for s in files:
             if not os.path.exists(s):
                 raise ValueError(f"{index}: shard file {os.path.basename(s)} is missing")
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints are read)")
-    return {k: t for s in files for k, t in load_file(s, device=str(device)).items()}
+    return {k: t for s in files for k, t in read_tensors(s, device).items()}

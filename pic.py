@@ -118,6 +118,7 @@ def layout(lengths, L, ratios, centre=False):
 class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
+    memory_kind = "embeds"  # what its Memory holds: prefix embeddings
 
     @staticmethod
     def recipe(mcfg):

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import ata
 import data
@@ -18,7 +18,7 @@ import pic
 import sac
 import sentence_gist
 import tiny
-from model import Transformer
+from model import Transformer, read_json, read_tensors
 
 
 @dataclass
@@ -226,7 +226,7 @@ def first_stage(init_from, method):
     path = os.path.join(init_from, "run.json")
     if not init_from or not os.path.exists(path):
         return None
-    state = json.load(open(path))
+    state = read_json(path)
     return state if state["train"]["method"] == method else None
 
 
@@ -394,7 +394,11 @@ def recipe_table(resolved):
 
 
 def read_records(path, cfg, stats=None):
-    return data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
+    """The records of a QA file (one that is not UTF-8 text: one line naming it)."""
+    try:
+        yield from data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
 def to_device(batch, device):
@@ -440,9 +444,11 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None
 
 def load_checkpoint(out_dir, method, opt=None):
     """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
-    state = json.load(open(os.path.join(out_dir, "run.json")))
+    state = read_json(os.path.join(out_dir, "run.json"))
+    if not isinstance(state, dict) or not {"step", "files"} <= state.keys():
+        raise ValueError(f"{out_dir}/run.json: not a run.json written by train.py (needs step, files)")
     params = {n: p for n, p in method.named_parameters() if p.requires_grad or opt is None}  # --resume: trainable only
-    tensors = load_file(os.path.join(out_dir, state["files"]["ckpt"]))
+    tensors = read_tensors(os.path.join(out_dir, state["files"]["ckpt"]))
     unknown = [k for k in tensors if k not in params]
     if unknown:
         raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters")
@@ -451,7 +457,7 @@ def load_checkpoint(out_dir, method, opt=None):
             params[k].copy_(v)
     if opt is not None:
         optim = {}
-        for key, v in load_file(os.path.join(out_dir, state["files"]["optim"])).items():
+        for key, v in read_tensors(os.path.join(out_dir, state["files"]["optim"])).items():
             i, _, slot = key.partition("::")
             optim.setdefault(i, {})[slot] = v
         torch.set_rng_state(optim.pop("rng")["torch"])
@@ -467,10 +473,9 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
     path = os.path.join(run_dir, "run.json")
     if not os.path.exists(path):
         raise SystemExit(f"error: {run_dir!r} is not a run dir (no run.json)")
-    try:
-        state = json.load(open(path))
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: {path}: corrupt run.json ({e})")
+    state = read_json(path)
+    if not isinstance(state, dict) or not {"step", "files", "train", "method"} <= state.keys():
+        raise ValueError(f"{path}: not a run.json written by train.py (needs step, files, train, method)")
     methods = method_registry()
     name = state["train"]["method"]
     if name not in methods:

@@ -103,6 +103,7 @@ def sac_encoder_mask(key_valid, causal):
 class SAC(nn.Module):
     Config = SACConfig
     objectives = ("qa", "lm")
+    memory_kind = "kv"  # what its Memory holds: per-layer K/V
     compresses_half_text = True  # lm compresses the first half: train.py reads 2 x max_context tokens
     TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=16, grad_accum=2, lora_r=64, lora_alpha=128,
                 eval_ratio="5,15")

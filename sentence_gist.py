@@ -126,6 +126,7 @@ def keep_slots(kv, keep, *more):
 class SentenceGist(nn.Module):
     Config = SentenceGistConfig
     objectives = ("lm", "qa")
+    memory_kind = "kv"  # what its Memory holds: per-layer K/V
     STAGE_FLAGS = ("stage",)  # what a later stage may change
     TINY = dict(objective="qa", stage=2, gists=2, lr=4e-3, max_iters=700, batch_size=16, grad_accum=4, grad_clip=1.0,
                 warmup_frac=0.1, max_context=1024, lora_r=16)

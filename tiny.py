@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import ModelConfig, Transformer, head_log_attention, keep_attention_inputs
+from model import ModelConfig, Transformer, head_log_attention, keep_attention_inputs, read_json
 from sentence_gist import GIST, TOKEN
 
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
@@ -35,7 +35,7 @@ def base_path(init_from):
     """The HF checkpoint dir behind --init_from: itself, or the base of a run dir."""
     path = init_from or BASE_DIR
     while os.path.exists(os.path.join(path, "run.json")) and not os.path.exists(os.path.join(path, "config.json")):
-        path = json.load(open(os.path.join(path, "run.json")))["train"]["init_from"] or BASE_DIR
+        path = read_json(os.path.join(path, "run.json"))["train"]["init_from"] or BASE_DIR
     return path
 
 

@@ -50,7 +50,10 @@ def read_items(path, cfg, text):
     contexts of a QA file). A file with none is a one-line error."""
     stats = {}
     if text and path.endswith((".txt", ".text", ".jsonl")):
-        items = list(data.read_text(path))
+        try:
+            items = list(data.read_text(path))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
     else:
         records = list(read_records(path, cfg, stats))
         items = list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
@@ -383,7 +386,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
 if __name__ == "__main__":
     try:
         out = main(sys.argv[1:])
-    except ValueError as e:  # user errors raised by data.py / model.py readers
+    except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
     finally:
         if dist.is_initialized():

@@ -96,6 +96,8 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
               "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 3, "--lr", "1e-2"]
     torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    recipes = [json.load(open(tmp_path / d / "run.json"))["recipe"][0]["values"] for d in ("ddp", "one")]
+    assert recipes[0] == recipes[1] and recipes[0]["batch_size"] == [2, "flag"]  # --batch_size: the global batch
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:

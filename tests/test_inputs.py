@@ -1,0 +1,107 @@
+"""Every input a run names is checked before work (issue 76): a broken file or flag gets one line
+naming the file (and line or key) or the flag, exit != 0, no traceback, and nothing already written
+is lost; --resume continues the log where its checkpoint was taken."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from common import hf_checkpoint, run, squad_file
+
+FAST = ["--max_iters", 1, "--batch_size", 2, "--eval_examples", 0, "--quiet", "--device", "cpu", "--lora_r", 4]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    ckpt = Path(hf_checkpoint(root / "hf"))
+    squad_file(root / "squad.json")
+
+    def broken(name, edit):
+        d = root / name
+        shutil.copytree(ckpt, d)
+        edit(d)
+
+    def config(d, change):
+        c = json.loads((d / "config.json").read_text())
+        change(c)
+        (d / "config.json").write_text(json.dumps(c))
+    broken("config-json", lambda d: (d / "config.json").write_text('{"model_type": "llama",'))
+    broken("config-key", lambda d: config(d, lambda c: c.pop("hidden_size")))
+    broken("config-type", lambda d: config(d, lambda c: c.update(num_hidden_layers="two")))
+    broken("weights-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:999]))
+    broken("tokenizer", lambda d: (d / "tokenizer.json").write_text("{oops"))
+    (root / "bad.json").write_text('{"data": [')
+    (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["a"]}\n{oops\n')
+    (root / "latin1.json").write_bytes(b"\xff\xfe garbage")
+    (root / "teacher" / "teacher").mkdir(parents=True)
+    (root / "teacher" / "teacher" / "adapter_config.json").write_text("{}")
+    return root
+
+
+CASES = [  # (what is broken, flags, what the one line says)
+    ("config.json", ["--init_from", "config-json"], "config-json/config.json:1: invalid JSON"),
+    ("config key", ["--init_from", "config-key"], "config-key/config.json: missing key 'hidden_size'"),
+    ("config type", ["--init_from", "config-type"], "key 'num_hidden_layers' is 'two', expected int"),
+    ("weights", ["--init_from", "weights-cut"], "weights-cut/model.safetensors: not a readable safetensors file"),
+    ("tokenizer", ["--init_from", "tokenizer"], "tokenizer/tokenizer.json:1: invalid JSON"),
+    ("data", ["--data", "bad.json"], "bad.json:1: invalid JSON"),
+    ("data line", ["--data", "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
+    ("data bytes", ["--data", "latin1.json"], "latin1.json: not UTF-8 text"),
+    ("data missing", ["--data", "nothere.json"], "--data"),
+    ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),
+    ("teacher", ["--teacher", "teacher"], "teacher/adapter_config.json: missing key 'r'"),
+    ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
+    ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
+    ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be an integer"),
+    ("method value", ["--method"], "flag --method needs a value"),
+    ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
+]
+
+
+@pytest.mark.parametrize("what, flags, message", CASES, ids=[c[0] for c in CASES])
+def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags, message):
+    flags = [str(files / f) if (files / str(f)).exists() or str(f).endswith(".json") else f for f in flags]
+    argv = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+            "--out_dir", tmp_path / "out", *flags]
+    p = run(argv, check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
+    out = tmp_path / "run"
+    common = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST[2:],
+              "--out_dir", out, "--eval_interval", 2]
+    run(common + ["--max_iters", 3])  # checkpoints at 2 and 3; the log has 3 lines
+    state = json.loads((out / "run.json").read_text())
+    (out / "log.jsonl").write_text((out / "log.jsonl").read_text() + json.dumps({"step": 4, "loss": 0.0}) + "\n")
+    run(common + ["--max_iters", 5, "--resume"])  # a log line past the checkpoint (a kill after it) goes
+    assert [json.loads(line)["step"] for line in open(out / "log.jsonl")] == [1, 2, 3, 4, 5]
+    assert json.loads(open(out / "log.jsonl").readlines()[3])["loss"] != 0.0
+    (out / json.loads((out / "run.json").read_text())["files"]["ckpt"]).write_bytes(b"cut")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    p = run(common + ["--max_iters", 6, "--resume"], check=False)
+    assert p.returncode != 0 and "not a readable safetensors file" in p.stderr and "Traceback" not in p.stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before and state["step"] == 3
+
+
+def test_eval_inputs_are_one_line(files, tmp_path):
+    run_dir = tmp_path / "mp"
+    run(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST, "--out_dir", run_dir])
+    (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
+    sac = tmp_path / "sac"
+    run(["--method", "sac", "--init_from", files / "hf", "--data", files / "squad.json", *FAST, "--pretrain", 0,
+         "--out_dir", sac])
+    run([sac, "--context", tmp_path / "doc.txt", "--question", "Where?", "--save_memory", tmp_path / "doc.mem"],
+        script="eval.py")
+    for argv, message in (([run_dir, "--memory", tmp_path / "doc.mem"], "it holds K/V; this run's method answers from"),
+                          ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
+                          ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
+                          ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
+                          ([tmp_path / "nothing", "--n", 2], "is not a run dir")):
+        p = run(argv + (["--question", "Where?"] if "--n" not in argv else []), script="eval.py", check=False)
+        assert p.returncode != 0 and "Traceback" not in p.stderr and message in p.stderr, (argv, p.stderr[-1500:])
