@@ -47,11 +47,10 @@ Choices the paper leaves open, made here:
 - On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
   its output form, as compression tokens that read the whole prompt hold no fixed chunk, plus its
   writer loss: c_j learn to read the answer one layer below the last). The frozen decoder answers
-  from the answer tokens' K/V alone, which without the writer loss c_j do not learn to hold (F1 4-11).
-  There a `rel` stage before `qa` stalled `qa` on some seeds, so the tiny default is `qa` alone.
+  from the answer tokens' K/V alone, which without the writer loss c_j do not learn to hold. There a `rel`
+  stage before `qa` stalled `qa`, so the tiny default is `qa` alone.
 - Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
-  (C_rel = the whole context, 500xCompressor-like; L_rel follows it). On the tiny default ATA minus
-  --no_selective is -1.4 to +8.0 F1 over seeds 1337, 1-3 (one interval above 0), at 40-44x against 23-24x.
+  (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
 import math
 import random
@@ -82,6 +81,7 @@ class ATAConfig:
     no_aac: bool = False            # Table 2 ablation: k = fixed_k always, no probe
     fixed_k: int = 6                # k under --no_aac (Table 2 "w/o AAC": 6.00)
     no_selective: bool = False      # Table 2 ablation: reconstruct the whole context
+    prefix: bool = True             # qa: the prefix's K/V (BOS, chat header) before the memory, as every method's
 
 
 def encoder_prompt(question, chunks):
@@ -136,7 +136,7 @@ class ATA(nn.Module):
     objectives = ("qa", "rel", "qa+rel")
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=16, grad_accum=2, lora_r=16, lora_alpha=32,
-                lora_dropout=0.0, max_context=1024)
+                lora_dropout=0.0, max_context=1024, prefix=False)  # its BOS sink before the memory stalled qa
 
     @staticmethod
     def recipe(mcfg):
@@ -254,7 +254,7 @@ class ATA(nn.Module):
                 continue
             metrics[f"r_{obj}"] = r = draw_ratio(choices, self.run.seed, step, obj)
             k = self.policy_k(L, r)
-            memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if obj == "qa" else ())
+            memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if obj == "qa" and self.cfg.prefix else ())
             with self.base.adapter(self.dec_adapter):
                 h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
             loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])
@@ -271,14 +271,9 @@ class ATA(nn.Module):
         h, kv = self.encode(batch)
         L_hat = self.length(batch, h)
         k = self.policy_k(L_hat, ratio)
-        memory = self.memory(kv, k, batch["enc_len"], batch["prefix"])
+        memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if self.cfg.prefix else ())
         memory.stats = {"k": k.float().tolist(), "probe_abs_err": (L_hat - batch["rel_len"]).abs().tolist()}
         return memory
-
-    @torch.no_grad()
-    def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter(self.dec_adapter):
-            return self.base.generate(prompts, max_new_tokens, memory=memory)
 
 
 def main():

@@ -126,11 +126,22 @@ def batches_of(records, tok, cfg, size, prepare=None):
 
 
 @torch.no_grad()
+def answer_from_memory(method, memory, prompts, max_new_tokens):
+    """Greedy answers (id lists) to prompts after a Memory: the method's own rule where it has one (sentence_gist
+    gists the prompt), else its decoder (the base, or pic's --decoder) under its decoder adapter."""
+    if hasattr(method, "answer_from_memory"):
+        return method.answer_from_memory(memory, prompts, max_new_tokens)
+    decoder = getattr(method, "dec", method.base)
+    with decoder.adapter(method.dec_adapter):
+        return decoder.generate(prompts, max_new_tokens, memory=memory)
+
+
+@torch.no_grad()
 def answer(method, batch, ratio, max_new_tokens, memory=None):
     """Greedy answers (id lists) from `memory`, else from the batch's context compressed; and the Memory."""
     memory = method.compress(batch, ratio) if memory is None else memory
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
-    return method.answer_from_memory(memory, prompts, max_new_tokens), memory
+    return answer_from_memory(method, memory, prompts, max_new_tokens), memory
 
 
 def decode(tok, outs):
@@ -236,7 +247,7 @@ def evaluate_run(run_dir, ecfg, device):
         except json.JSONDecodeError as e:
             raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
-    if not hasattr(method, "answer_from_memory"):
+    if not hasattr(method, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     records = eval_records(cfg, ecfg)
     if not records:

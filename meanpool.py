@@ -147,11 +147,6 @@ class MeanPool(nn.Module):
             total = total + loss
         return total, n, metrics
 
-    @torch.no_grad()
-    def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter(self.dec_adapter):
-            return self.base.generate(prompts, max_new_tokens, memory=memory)
-
 
 def main():
     """Print the pooling layout for a toy context: which window each token falls into."""

@@ -113,9 +113,6 @@ class ModelConfig:
         raw = read_json(path)
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: not a config object")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if key not in raw:
-                raise ValueError(f"{path}: missing key {key!r}")
         for f in fields(cls):  # the scalar keys we read have their field's type (a JSON int is a float too)
             value, want = raw.get(f.name), {float: (int, float)}.get(f.type, f.type)
             if f.type in (int, float, bool, str) and value is not None and (
@@ -124,6 +121,9 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{path}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in raw:
+                raise ValueError(f"{path}: missing key {key!r}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers v5 | v4
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:

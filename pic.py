@@ -19,10 +19,9 @@ Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_caus
 
 Choices the paper leaves open, made here:
 - Layout: memory after the *padded* context, padding keys masked (an example's memory is the same in any batch);
-  context i at position i, memory t at L_b + t (`--mem_pos after`) or at chunk t's centre min(t r + (r - 1) // 2,
-  L_b - 1) (`centre`: EPL, arXiv:2409.14364, in SAC's Table 1). --mem single defaults to centre: on the tiny base
-  its tokens learn there (4x 0.96 / 0.92 causal / bidir, seed 1337), not after (0.20 / 0.19). PIC: after, eq. 4's
-  order [c, m]; centre vs after, tiny, seeds 1 / 4 / 5 / 6: 4x -9.8 / +5.5 / +1.1 / +9.0 F1, 16x -3.1 to +2.8: no winner.
+  context i at i, memory t at L_b + t (`--mem_pos after`: eq. 4's order, and meanpool §5.1's appended tokens) or
+  at chunk t's centre min(t r + (r - 1) // 2, L_b - 1) (`centre`: EPL's idea, in the encoder only, not the official
+  EPL; the tiny base's token default, where appended tokens did not learn).
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
   §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
@@ -33,9 +32,8 @@ Choices the paper leaves open, made here:
   pretraining compresses the lengths finetuning will; eq. 6-7 are per-example means, so a batch's loss sums
   eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
-Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it, in one command (`--pretrain N`
-sets the first one's steps; or two commands: `--objective ae+lm`, then `--init_from` its dir). Tiny base: tiny.py's
-aids (KD per slot first where the slots are fixed; then output).
+Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it. Tiny base: tiny.py's aids
+(KD per slot first where the slots are fixed; then output).
 """
 import math
 from dataclasses import dataclass
@@ -121,21 +119,16 @@ class PIC(nn.Module):
     memory_kind = "embeds"  # what its Memory holds: prefix embeddings
 
     @staticmethod
-    def recipe(mcfg):
-        """--mem single: meanpool §5.1's token baseline, under that paper's Table 6 (A.2: the same values for every
-        method), its tokens appended. PIC: ae+lm, then qa on SQuAD (§3.4, §4.1): the paper gives the pretraining
-        lr and steps; for qa it follows PCC's settings unstated, so ours: the same lr, one epoch of SQuAD's 86,821
-        training examples at batch 16 (5,427 steps). Batch: not stated, ours 16."""
+    def recipe(mcfg):  # PIC's qa follows PCC's unstated settings: ours the same lr, one epoch of SQuAD's 86,821 at 16
         if mcfg.mem == "single":
-            return [dict(objective="kd", cite="meanpool_multi_ratio Table 6, §5.1",
-                         paper={**TABLE6, "ratio": "4,8,16,32,64,128", "mem_pos": "after"})]
-        return [dict(objective="ae+lm", cite="§4.1.2, Fig. 2; Table 4 at 16x", paper=dict(lr=1e-4, max_iters=90_000, ratio="16"),
+            return [dict(objective="kd", cite="meanpool Table 6, §5.1", paper={**TABLE6, "ratio": "4,8,16,32,64,128",
+                                                                              "mem_pos": "after"})]
+        return [dict(objective="ae+lm", cite="§4.1.2, Fig. 2; Table 4", paper=dict(lr=1e-4, max_iters=90_000, ratio="16"),
                      ours=dict(batch_size=16)),
-                dict(objective="qa", cite="§4.1.1, §4.2.1; Table 4 at 16x", paper=dict(ratio="16"),
-                     ours=dict(lr=1e-4, max_iters=5427, batch_size=16))]
+                dict(objective="qa", cite="§4.2.1; Table 4", paper=dict(ratio="16"), ours=dict(lr=1e-4, max_iters=5427,
+                                                                                           batch_size=16))]
 
-    # tiny: ae+lm 100 steps, then qa 1100 at ratio 4, read at 4 and 16, kept 0.61-0.96 / 0.29-0.38 over 8 seeds (qa
-    # alone: 0.73-0.88 / 0.18-0.44); training at 4,8, 4,16, 8 or 16 kept less, as for --mem single (kd).
+    # the tiny base: ae+lm, then qa at ratio 4 read at 4 and 16 (other training ratios kept less)
     TINY = dict(lr=2e-3, pretrain=100, max_iters=1100, batch_size=8, grad_accum=2, ratio="4", eval_ratio="4,16",
                 mem_pos="")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
@@ -291,11 +284,6 @@ class PIC(nn.Module):
         return total, len(texts), metrics
 
     # --- answering ----------------------------------------------------------------
-
-    @torch.no_grad()
-    def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.dec.adapter(self.dec_adapter):
-            return self.dec.generate(prompts, max_new_tokens, memory=memory)
 
 
 def main():

@@ -25,17 +25,17 @@ from model import Transformer, read_json, read_tensors
 class TrainConfig:
     # --- run
     method: str = "meanpool"   # base | teacher | meanpool | pic | sentence_gist | sac | ata
-    objective: str = ""        # "" = the method's first objective; see --help of each method
+    objective: str = ""        # "" = every stage of the method's recipe; a name: its stages alone
     ratio: str = "4,8,16"      # one compression ratio, or a set trained together: 4,8,16
     init_from: str = ""        # HF checkpoint dir or one of our run dirs; "" = tiny_base/ (shipped)
     teacher: str = ""          # a --method teacher run dir whose adapter is merged into the base
     data: str = ""             # QA / text file (SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, .txt); "" = synthetic
-    eval_data: str = ""        # held-out file for the final evaluation; "" = synthetic test split
+    eval_data: str = ""        # held-out file for validation and the final evaluation; "" = synthetic test split
     skip_bad: bool = False     # skip (and count) malformed records instead of stopping
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
     prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
     out_dir: str = ""          # "" = out/<method>
-    no_aids: bool = False      # tiny base only: none of tiny.py's aids (curriculum, attention KD, decoder LoRA)
+    no_aids: bool = False      # tiny base only: no aids (tiny.py), the papers' recipes at its steps, batch, lr, ratios
     pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it; unset: the recipe's
     pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = the contexts of --data
     # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
@@ -474,8 +474,8 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
     if not os.path.exists(path):
         raise SystemExit(f"error: {run_dir!r} is not a run dir (no run.json)")
     state = read_json(path)
-    if not isinstance(state, dict) or not {"step", "files", "train", "method"} <= state.keys():
-        raise ValueError(f"{path}: not a run.json written by train.py (needs step, files, train, method)")
+    if not isinstance(state, dict) or not {"train", "method"} <= state.keys() or "method" not in state["train"]:
+        raise ValueError(f"{path}: not a run.json written by train.py (needs train.method and method)")
     methods = method_registry()
     name = state["train"]["method"]
     if name not in methods:

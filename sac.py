@@ -211,11 +211,6 @@ class SAC(nn.Module):
             metrics[f"loss_r{r}"] = loss.item() / max(n, 1)
         return total, n, metrics
 
-    @torch.no_grad()
-    def answer_from_memory(self, memory, prompts, max_new_tokens):
-        with self.base.adapter(self.dec_adapter):
-            return self.base.generate(prompts, max_new_tokens, memory=memory)
-
 
 def main():
     """Print the anchor layout and the encoder masks for a toy context."""

@@ -13,22 +13,16 @@ Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs"
                 answer, whose tokens then leave the cache (sink, gists, open sentence stay)
 
 Choices the paper leaves open (or that differ from it), made here:
-- The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id
-  V + j embeds as row j; gists are inserted by rule, never predicted: no LM-head rows.
-- Mean-resizing as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma (HF's mean_resizing: 1e-9).
+- The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id V + j embeds as row j,
+  mean-resized as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma (HF's: 1e-9); never predicted: no LM-head rows.
 - Targets as App. C.3: a sentence's final gist predicts the next sentence's first token
   (its last token and other gists predict nothing): perplexity is Fig. 2's "no Gist Tokens".
-- The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take
-  position ids. A guard (not in the paper) ends a sentence at `max_sentence_len` tokens.
-- A context's end ends its last sentence (a Memory has no token kinds to drop it by later).
-- Stages (§3.5, Table 3, `recipe`): 1 the gist rows alone; 2 and every weight (`--lora_r 0`, the paper's and the
-  real-checkpoint default; `--lora_r R`: a LoRA adapter `gist` instead); 3 as 2, lr linearly to 0. On a real
-  checkpoint one command runs the three in turn, each from the one before (OUT_DIR/stage1, OUT_DIR/stage2,
-  OUT_DIR), with 4,096-token texts and 64 / 128 / 512 sequences a step; `--stage N` runs one alone, and a
-  later stage given `--init_from` an earlier one's dir inherits its config but --stage (STAGE_FLAGS).
-- Objectives: `lm` (the paper's; every real-checkpoint stage), `qa` (the tiny base's, scored by QA F1; tiny.py's
-  aids apply). --ratio does not apply (it is achieved). Tiny base: stage 2 alone, N_g 2 (~4x), LoRA.
-Ablation flags: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
+- The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take position ids. A guard
+  (not in the paper) ends a sentence at `max_sentence_len` tokens; a context's end ends its last sentence.
+- Stages (§3.5, `recipe`): 1 the gist rows; 2 and every weight (`--lora_r 0`; `--lora_r R`: a LoRA `gist`); 3 as
+  2, lr linearly to 0. One command runs the three, each from the one before; `--stage N` one alone.
+- Objectives: `lm` (the paper's), `qa` (the tiny base's: stage 2, N_g 2, LoRA, tiny.py's aids). --ratio does
+  not apply (it is achieved). Ablations: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
 from dataclasses import dataclass
 
@@ -132,19 +126,14 @@ class SentenceGist(nn.Module):
                 warmup_frac=0.1, max_context=1024, lora_r=16)
 
     @staticmethod
-    def recipe(mcfg):
-        """Table 3's three stages of `lm` on 4,096-token texts, every weight trained from stage 2 (§3.5: lora_r 0);
-        App. A: AdamW wd 0.1, betas (0.9, 0.95). ratio "1": see check_config."""
-        every = dict(objective="lm", cite="Table 3, App. A")
-        both = dict(weight_decay=0.1, ratio="1", max_context=4096, lora_r=0)
-        return [dict(every, name="stage1", paper=dict(both, stage=1, max_iters=1000, batch_size=64, lr=1e-4,
-                                                       min_lr_frac=0.5, warmup_frac=100 / 1000, grad_clip=1.0)),
-                dict(every, name="stage2", paper=dict(both, stage=2, max_iters=9000, batch_size=128, lr=1e-4,
-                                                       min_lr_frac=0.5, warmup_frac=1000 / 9000, grad_clip=2.0)),
-                dict(every, name="stage3", paper=dict(both, stage=3, max_iters=2000, batch_size=512, lr=5e-5,
-                                                       min_lr_frac=0.0, warmup_frac=100 / 2000, grad_clip=2.0))]
+    def recipe(mcfg):  # Table 3, App. A (wd 0.1): `lm` on 4,096-token texts; ratio "1": see check_config
+        table3 = ((1, 1000, 64, 1e-4, 0.5, 100, 1.0), (2, 9000, 128, 1e-4, 0.5, 1000, 2.0),  # stage, steps, batch,
+                  (3, 2000, 512, 5e-5, 0.0, 100, 2.0))  # peak lr, end lr / peak, warmup steps, clip
+        return [dict(objective="lm", cite="Table 3, App. A", name=f"stage{stage}", paper=dict(
+            weight_decay=0.1, ratio="1", max_context=4096, lora_r=0, stage=stage, max_iters=steps, batch_size=batch,
+            lr=lr, min_lr_frac=end, warmup_frac=warmup / steps, grad_clip=clip))
+            for stage, steps, batch, lr, end, warmup, clip in table3]
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
-    dec_adapter = "gist"  # the one adapter: the model reads (and writes) gists with it
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -153,14 +142,12 @@ class SentenceGist(nn.Module):
         self.is_end = torch.tensor([t.rstrip().endswith((".", "!", "?")) for t in texts] + [False] * (self.V - len(texts)))
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
         self.gist = nn.Parameter(mean_resize(base.model.embed_tokens.weight, cfg.gists, g))  # (N_g, d)
-        self.trains_base = cfg.lora_r == 0  # eval.py: the teacher rows then read a fresh copy of the base
-        if cfg.lora_r == 0:  # §3.5: stage 1 trains the gist rows, stages 2-3 "unfreeze all parameters"
-            self.dec_adapter = None
-            base.requires_grad_(cfg.stage >= 2)
-        else:
+        self.trains_base = cfg.lora_r == 0  # §3.5: stages 2-3 "unfreeze all parameters" (eval.py: teacher rows apart)
+        self.dec_adapter = None if self.trains_base else "gist"  # the one adapter: it reads (and writes) gists
+        if self.dec_adapter:
             base.add_adapter("gist", cfg.lora_r, cfg.lora_alpha)
-            for A, B in base.adapter_state("gist").values():  # stage 1: the gist rows only
-                A.requires_grad_(cfg.stage >= 2), B.requires_grad_(cfg.stage >= 2)
+        for name, p in base.named_parameters():  # stage 1: the gist rows alone; then the adapter, or every weight
+            p.requires_grad_(cfg.stage >= 2 and (self.trains_base or ".lora_" in name))
         self.lr_schedule = "linear" if cfg.stage == 3 else "cosine"  # for train.py: stage 3 decays to 0
 
     @staticmethod
@@ -264,8 +251,7 @@ class SentenceGist(nn.Module):
             logits, cache, is_open = self.extend(cache, is_open, [[t] for t in tok])
         return out
 
-    def heldout_metrics(self, texts):
-        """eval.py's extra columns for this method: perplexity with the compressed cache."""
+    def heldout_metrics(self, texts):  # eval.py's extra columns for this method: perplexity from the compressed cache
         return {f"ppl_{k}": v for k, v in perplexity(self, texts).items() if k != "tokens"}
 
 

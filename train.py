@@ -9,9 +9,11 @@ On a real checkpoint and SQuAD, one GPU:
 Several GPUs (DDP; gloo on CPU):
     torchrun --nproc_per_node=8 train.py --method meanpool --init_from ... --data ...
 
-A step's loss is the sum of per-token losses over the global batch over its token count, so
-2 ranks x batch b and 1 rank x batch 2b give the same update. Data for step s is a pure
-function of (seed, s), so --resume continues exactly where a run stopped.
+A run is its method's recipe (runs.resolve: the paper's stages and values on a real checkpoint,
+TINY on the tiny base; a flag wins), printed at start; each stage trains into its own dir and the
+next starts from it. --batch_size is the global batch: a step's loss is the sum of per-token
+losses over it over its token count, so 2 ranks and 1 give the same update. Data for step s is a
+pure function of (seed, s), so --resume continues exactly where a run stopped.
 """
 import json
 import math

@@ -209,7 +209,7 @@ def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
     assert memory.stats["probe_abs_err"] == pytest.approx((L_hat - batch["rel_len"]).abs().tolist(), rel=1e-5)
     memory.save(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
-    assert m.answer_from_memory(Memory.load(tmp_path / "m.safetensors"), prompts, 6) == outs
+    assert evaluate.answer_from_memory(m, Memory.load(tmp_path / "m.safetensors"), prompts, 6) == outs
 
 
 @pytest.mark.slow

@@ -278,7 +278,7 @@ def test_memory_round_trip(base_dir, tmp_path):
     mem.save(tmp_path / "mem.safetensors")
     loaded = Memory.load(tmp_path / "mem.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]
-    assert torch.equal(loaded.embeds, mem.embeds) and m.answer_from_memory(loaded, prompts, 6) == outs
+    assert torch.equal(loaded.embeds, mem.embeds) and evaluate.answer_from_memory(m, loaded, prompts, 6) == outs
 
 
 def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):

@@ -307,7 +307,7 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
     mem.save(tmp_path / "m.safetensors")
     loaded = Memory.load(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
-    assert method.answer_from_memory(loaded, prompts, 8) == outs
+    assert evaluate.answer_from_memory(method, loaded, prompts, 8) == outs
     (tmp_path / "doc.txt").write_text(batch["records"][0]["context"])
     q = batch["questions"][0]
     first = run([out, "--context", tmp_path / "doc.txt", "--question", q, "--save_memory", tmp_path / "doc.mem"],
