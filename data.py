@@ -416,13 +416,19 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
     `prompt` ends with the answer cue ("\\nAnswer:" or the assistant header); `answer` ends with the first eos id
     (chat: the turn-end token). template: an index into QA_TEMPLATES or a string with {question}; None draws one
     with rng, or takes 0 without rng. format: "plain", "llama3", "chatml", "gemma", or "auto" (chat_format(tok),
-    else plain). Chat formats add no system turn (Gemma has none)."""
+    else plain). Chat formats add no system turn (Gemma has none). "sac": the official SAC code's, no prefix: BOS
+    and "### Context:\n" lead the context, then "\n### Question:\n" q "\n### Answer:\n" (no template), answer, eos."""
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
     text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
     fmt = (chat_format(tok) or "plain") if format == "auto" else format
     bos = [tok.bos_id] if tok.bos_id is not None else []
     enc = lambda s: tok.encode(s, start=False)  # noqa: E731
+    if fmt == "sac":
+        head = bos + enc("### Context:\n")
+        ctx, spans = encode_chunks(tok, context, chunks, start=False)
+        return {"bos": bos, "prefix": [], "context": head + ctx, "chunk_spans": [(s + len(head), e + len(head)) for s, e in spans],
+                "prompt": enc(f"\n### Question:\n{question}\n### Answer:\n"), "answer": enc(answer) + tok.eos_ids[:1]}
     if fmt == "plain":
         if not tok.eos_ids:
             raise ValueError("tokenizer has no eos token; answers need one")
@@ -438,7 +444,7 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
         reply = "assistant\n" if fmt == "chatml" else "model\n"
         prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc(reply)
     else:
-        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, auto")
+        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, sac, auto")
     ctx, spans = encode_chunks(tok, context, chunks, start=not prefix[len(bos):])
     return {"bos": bos, "prefix": prefix, "context": ctx, "prompt": prompt, "answer": enc(answer) + end, "chunk_spans": spans}
 
@@ -851,6 +857,8 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
         f = format_qa(tok, r["context"], r["question"], answer, r.get("template"), rng, r.get("chunks"), format)
         ctx, spans, prefix, prompt, ans = f["context"], f["chunk_spans"], f["prefix"], f["prompt"], f["answer"]
         if len(ctx) > max_context:
+            if stats is not None:
+                stats["context_tokens_cut"] = stats.get("context_tokens_cut", 0) + len(ctx) - max_context
             ctx, spans = ctx[:max_context], [(s, min(e, max_context)) for s, e in spans if s < max_context]
             _count(stats, "truncated_context")
         if len(ans) > max_answer:

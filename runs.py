@@ -6,7 +6,7 @@ import json
 import os
 import random
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from safetensors.torch import save_file
@@ -33,7 +33,7 @@ class TrainConfig:
     eval_data: str = ""        # held-out file for validation and the final evaluation; "" = synthetic test split
     skip_bad: bool = False     # skip (and count) malformed records instead of stopping
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
-    prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma
+    prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma | sac
     out_dir: str = ""          # "" = out/<method>
     no_aids: bool = False      # tiny base only: no aids (tiny.py), the papers' recipes at its steps, batch, lr, ratios
     pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it; unset: the recipe's
@@ -255,6 +255,7 @@ class Stage:
     cite: str
     paper: dict
     ours: dict = field(default_factory=dict)
+    official: dict = field(default_factory=dict)  # from the authors' code, where the paper is silent
     name: str = "pretrain"  # its run dir under --out_dir when a later stage follows
 
 
@@ -288,10 +289,12 @@ def tiny_stages(cls, mcfg, pretrain=None):
         last = next(s for s in paper if s.paper.get("stage") == small["stage"])
     else:
         last = next((s for s in paper if s.objective == objective), paper[-1])
-    last = Stage(objective or last.objective, "tiny", {**last.paper, **last.ours, **small}, name=last.name)
+    last = Stage(objective or last.objective, "tiny", {**last.ours, **last.official, **last.paper, **small}, name=last.name)
     if not pretrain or len(paper) < 2:
         return [last]
-    return [Stage(paper[0].objective, "tiny", {**paper[0].paper, **paper[0].ours, **small, "max_iters": pretrain}), last]
+    first = paper[0]
+    return [Stage(first.objective, "tiny", {**first.ours, **first.official, **first.paper, **small, "max_iters": pretrain}),
+            last]
 
 
 def resolve(cfg, mcfg, explicit, cls, world=1):
@@ -316,14 +319,13 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             scale = {k: v for k, v in scaled[-1].paper.items() if k in SCALE and k != "max_iters"}
             steps = split_steps(sum(s.paper.get("max_iters", 1) for s in scaled),
                                 [s.paper.get("max_iters", 1) for s in stages])
-            stages = [Stage(s.objective, s.cite, {**s.paper, **scale, "max_iters": n}, s.ours, s.name)
-                      for s, n in zip(stages, steps)]
+            stages = [replace(s, paper={**s.paper, **scale, "max_iters": n}) for s, n in zip(stages, steps)]
     done = first_stage(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
     if done and any(s.objective == done["train"]["objective"] for s in stages[:-1]):
         stages = stages[[s.objective for s in stages].index(done["train"]["objective"]) + 1:]
     if "objective" in explicit:  # its stages (sentence_gist: all three), else the last one with this objective
         stages = [s for s in stages if s.objective == cfg.objective] or \
-            [Stage(cfg.objective, stages[-1].cite, stages[-1].paper, stages[-1].ours, stages[-1].name)]
+            [replace(stages[-1], objective=cfg.objective)]
     if "stage" in explicit:  # sentence_gist: one of its paper's stages
         stages = [s for s in stages if s.paper.get("stage") == mcfg.stage] or stages[-1:]
     if "pretrain" in explicit:
@@ -342,7 +344,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     for i, (stage, n) in enumerate(zip(stages, steps)):
         c, m, sources = copy.deepcopy(cfg), copy.deepcopy(mcfg), {}
         stage_source = source if source == "tiny" else f"paper ({stage.cite})"
-        for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.paper, source)):
+        for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.official, "official code"),
+                               (stage.paper, source)):
             for key, val in values.items():
                 if key not in explicit and (hasattr(c, key) or hasattr(m, key)):
                     setattr(c if hasattr(c, key) else m, key, val)

@@ -14,17 +14,27 @@ Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt),
                   L_LM = -log P(C' | M~)      (pretraining, `--objective lm`, §3.1)
                   L_QA = -log P(A | M~, Q)    (finetuning, `--objective qa`, the default)
 
-Choices the paper leaves open, made here:
-- Chunk t of a sub-context of n tokens with k = |S| anchors is [s, e) = [t*n // k, (t+1)*n // k)
-  (sizes differ by at most one); its middle is s + (e - s) // 2 (the right one of two).
-  A sub-context shorter than r still gets one anchor.
-- The sequence prefix (BOS; `batch["prefix"]`) leads every sub-context in the encoder (its
-  attention sink); the memory's P prefix slots hold the frozen base's own causal K/V of it,
-  as any decoder has, so with r = 1, a causal encoder and no adapter, SAC is the teacher.
-  They count in the achieved ratio L / (P + |S|); `memory.stats["anchor_ratio"]` is L / |S|.
+Choices, each marked paper, official code (the authors' public repository, where the paper is silent) or ours:
+- Anchors (paper): chunk t of a sub-context of n tokens with k = |S| = max(1, floor(n / r)) anchors is
+  [t*n // k, (t+1)*n // k), its middle s + (e - s) // 2. On a full 510-token sub-context at r = 5, 15, 51 this
+  is the official code's h, h + r, ... (h = (r - 1) // 2); on a partial one the official code takes those too,
+  ceil((n - h) / r) of them (23 tokens at r = 5: 2, 7, 12, 17, 22), the paper's |S| four middles: 2, 8, 14, 20.
+- Anchor embedding: eq. 1's one e_A, zero at start (paper; `--anchor_emb one`), or the official code's table,
+  row k added to the k-th anchor of every sub-context, N(0, 0.02) at start (`--anchor_emb table`).
+- Encoder LoRA targets: the official code's q_proj and v_proj on a real checkpoint (the paper gives only r 128,
+  alpha 256); all seven projections on the tiny base (ours; `--lora_targets all`).
+- Context length: the official code compresses any length; a real checkpoint's --max_context is 2^20 (ours: the
+  whole context), the tiny base's 1024; train.py says how many tokens a cut dropped.
+- Decoder entry (ours): the sequence prefix (BOS, a chat header; `batch["prefix"]`) leads every sub-context in
+  the encoder, and the memory's P prefix slots hold the frozen base's own causal K/V of it, so with r = 1, a
+  causal encoder and no adapter, SAC is the teacher; then our QA prompt at P + L. The official code's form is
+  `--prompt sac`: BOS only as context token 0 after which "### Context:\n", no prefix slots, a learned [LM] at
+  position L, then "### Question:" / "### Answer:" text (data.format_qa). The achieved ratio is
+  L / (P + |S|); `memory.stats["anchor_ratio"]` is L / |S|.
+- Pretraining (paper): L_LM alone (§3.2, Table 5); the official config averages AE and LM.
 - Positions: prefix 0..P-1, token i of sub-context j at P + 510*j + i in the encoder, so the
   concatenated memory reads as one subsampled cache; the decoder continues at P + L.
-- The encoder LoRA skips the last layer's q, o and MLP: they cannot reach the memory (K/V).
+- The encoder LoRA skips the last layer's q, o and MLP (ours): they cannot reach the memory (K/V).
 - e_A starts at zero (and LoRA B at zero), so training starts from the base's own cache.
 - `lm` on `collate_lm` batches: the text after the prefix is cut in half (Appendix A); the
   decoder reads the second half and predicts each next token from the memory of the first;
@@ -38,8 +48,9 @@ held by its nearest anchor, `qa` only; several QA pairs per context; a LoRA deco
 r = 5 model is also read at r = 15 (`--eval_ratio 5,15`), which keeps more of the teacher's gain
 there than 800 steps trained at r = 15 do.
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"),
-`--anchors random` (Table 4 "Random"). On the tiny default `--causal` keeps as much: SAC - causal is
--3.9 to +1.6 F1 at 5x over seeds 1337, 1-3, no interval above 0.
+`--anchors random` (Table 4 "Random"). The baselines SAC is compared with (official 500xCompressor / ICAE /
+EPL: appended tokens' K/V with EPL positions kept in decoding) are not here; pic.py's `--mem single
+--mem_pos centre` is an embedding memory with EPL-like positions in the encoder only, not the official EPL.
 """
 from dataclasses import dataclass
 
@@ -47,7 +58,9 @@ import torch
 import torch.nn as nn
 
 import kernels
-from model import Memory, behind_prefix_kv
+from model import LORA_TARGETS, Memory, behind_prefix_kv
+
+WHOLE = 1 << 20  # --max_context of real checkpoints: the whole context, as 510-token sub-contexts (official code)
 
 
 @dataclass
@@ -58,6 +71,8 @@ class SACConfig:
     no_anchor_embedding: bool = False  # Table 3 "w/o anchor": no e_A (eq. 1)
     lora_r: int = 128                  # encoder LoRA (§4.1)
     lora_alpha: int = 256
+    lora_targets: str = "all"          # all: the seven projections (ours) | q_proj,v_proj (official code) | a list
+    anchor_emb: str = "one"            # one: eq. 1's single e_A (paper) | table: row k to a sub-context's anchor k (official)
 
 
 # -----------------------------------------------------------------------------
@@ -106,14 +121,15 @@ class SAC(nn.Module):
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
     compresses_half_text = True  # lm compresses the first half: train.py reads 2 x max_context tokens
     TINY = dict(lr=1e-3, max_iters=800, warmup_iters=4, batch_size=16, grad_accum=2, lora_r=64, lora_alpha=128,
-                eval_ratio="5,15")
+                eval_ratio="5,15", lora_targets="all", max_context=1024)
 
     @staticmethod
     def recipe(mcfg):  # §4.1, Table 6: L_LM pretraining (§3.2), then QA, each 20k steps; constant lr after warmup
         both = dict(ratio="5", max_iters=20_000, batch_size=16, warmup_iters=300, min_lr_frac=1.0, weight_decay=0.1,
                     grad_clip=2.0, lora_r=128, lora_alpha=256)
-        return [dict(objective="lm", cite="§3.2, §4.1, Table 6", paper={**both, "lr": 1e-4}),
-                dict(objective="qa", cite="§4.1, Table 6", paper={**both, "lr": 5e-5})]
+        official, ours = dict(lora_targets="q_proj,v_proj"), dict(max_context=WHOLE)
+        return [dict(objective="lm", cite="§3.2, §4.1, Table 6", paper={**both, "lr": 1e-4}, official=official, ours=ours),
+                dict(objective="qa", cite="§4.1, Table 6", paper={**both, "lr": 5e-5}, official=official, ours=ours)]
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
@@ -123,17 +139,27 @@ class SAC(nn.Module):
             raise SystemExit(f"error: --anchors {mcfg.anchors!r}; choose from {', '.join(ANCHORS)}")
         if mcfg.sub_len < 1:
             raise SystemExit(f"error: --sub_len {mcfg.sub_len} must be a positive number of tokens")
+        if mcfg.anchor_emb not in ("one", "table"):
+            raise SystemExit(f"error: --anchor_emb {mcfg.anchor_emb!r}; choose one (eq. 1) or table (official code)")
+        if mcfg.lora_targets != "all" and not set(mcfg.lora_targets.split(",")) <= set(LORA_TARGETS):
+            raise SystemExit(f"error: --lora_targets {mcfg.lora_targets!r}: all, or a comma list of {', '.join(LORA_TARGETS)}")
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.run = base, cfg, run
         self.pad_id = tok.pad_id if tok.pad_id is not None else 0
-        self.n_prefix = int(tok.bos_id is not None)  # collate_lm rows start with [bos]
-        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha)
+        self.n_prefix = int(tok.bos_id is not None and run.prompt != "sac")  # collate_lm rows start with [bos]
+        targets = LORA_TARGETS if cfg.lora_targets == "all" else tuple(cfg.lora_targets.split(","))
+        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, targets=targets)
         last = base.model.layers[-1]  # the memory is K/V: the last layer's q, o and MLP never reach it
         for mod in (last.self_attn.q_proj, last.self_attn.o_proj, *last.mlp.children()):
-            del mod.lora_A["encoder"], mod.lora_B["encoder"]  # (no dead parameters; DDP needs none)
-        self.anchor_emb = None if cfg.no_anchor_embedding else nn.Parameter(torch.zeros(base.config.hidden_size))
+            if "encoder" in mod.lora_A:  # (no dead parameters; DDP needs none)
+                del mod.lora_A["encoder"], mod.lora_B["encoder"]
+        d, r_min = base.config.hidden_size, min(int(r) for r in f"{run.ratio},{run.eval_ratio}".strip(",").split(","))
+        self.anchor_emb = None if cfg.no_anchor_embedding else nn.Parameter(  # e_A (d,), or a row per anchor slot
+            torch.zeros(d) if cfg.anchor_emb == "one" else torch.randn(max(1, cfg.sub_len // r_min), d) * 0.02)
+        std = base.model.embed_tokens.input_std()  # --prompt sac: the official decoder's learned [LM] before Q
+        self.lm_token = nn.Parameter(torch.randn(1, 1, d) * std) if run.prompt == "sac" else None
 
     def compress(self, batch, ratio):
         """Memory: the frozen base's K/V of the prefix, then the anchors' K/V from the encoder:
@@ -162,10 +188,16 @@ class SAC(nn.Module):
         counts = [len(g) for g in anchors]
         is_kept = torch.arange(flat.shape[1], device=dev)[None] < torch.tensor(counts, device=dev)[:, None]
         e = self.base.model.embed_tokens(ids)  # (N, T, d)
-        if self.anchor_emb is not None:  # eq. 1
+        if self.anchor_emb is not None and self.anchor_emb.dim() == 1:  # eq. 1: one e_A
             is_anchor = torch.zeros(len(ids) * T, dtype=torch.bool, device=dev)
             is_anchor[torch.cat(anchor_at)] = True
             e = e + is_anchor.view(-1, T, 1) * self.anchor_emb.to(e.dtype)
+        elif self.anchor_emb is not None:  # the official code's table: row k to the k-th anchor of its sub-context
+            per_sub = max(1, W // ratio)  # a full sub-context's anchors (only the last one may hold fewer)
+            rows = torch.cat([torch.arange(len(g), device=dev) - g // W * per_sub for g in anchors])
+            add = torch.zeros(len(ids) * T, e.shape[-1], dtype=e.dtype, device=dev)
+            add[torch.cat(anchor_at)] = self.anchor_emb.to(e.dtype).index_select(0, rows.clamp(max=len(self.anchor_emb) - 1))
+            e = e + add.view(len(ids), T, -1)
         with self.base.adapter("encoder"):
             _, kv = self.base(embeds=e, pos=pos, mask=sac_encoder_mask(valid, self.cfg.causal), return_kv=True,
                               output="hidden")
@@ -173,6 +205,11 @@ class SAC(nn.Module):
         pick = lambda x: x.transpose(1, 2).flatten(0, 1)[flat].transpose(1, 2)  # noqa: E731
         mem, mask = behind_prefix_kv(self.base, prefix, [(pick(k), pick(v)) for k, v in kv], is_kept)  # (B, P + A)
         memory = Memory(kv=mem, mask=mask, next_pos=P + lengths)
+        if self.lm_token is not None:  # --prompt sac: the decoder reads [LM] at position L first (official code)
+            with self.base.adapter(self.dec_adapter):
+                _, mem = self.base(embeds=self.lm_token.to(e.dtype).expand(B, 1, -1), memory=memory, return_kv=True,
+                                   output="hidden")
+            memory = Memory(kv=mem, mask=nn.functional.pad(mask, (0, 1), value=True), next_pos=memory.next_pos + 1)
         memory.stats = {"anchor_ratio": [n / max(c, 1) for n, c in zip(lengths.tolist(), counts)]}
         memory.anchors = anchors
         return memory

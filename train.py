@@ -196,8 +196,8 @@ def check_stage(cfg, mcfg, cls):
             raise SystemExit(f"error: --{flag} {value!r} must be a finite number {'> 0' if flag == 'lr' else '>= 0'}")
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
         raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
-    if cfg.prompt not in ("auto", "plain", *data.CHAT_FORMATS):
-        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, {', '.join(data.CHAT_FORMATS)}")
+    if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
+        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, sac, {', '.join(data.CHAT_FORMATS)}")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
     if cfg.dtype not in ("", "float32", "bfloat16"):

@@ -340,3 +340,85 @@ def test_bad_input_is_one_line_error(tmp_path, base_dir, flags, message):
 def test_bad_sac_flags(tmp_path, base_dir, flags):
     with pytest.raises(SystemExit, match=f"^error: .*{flags[0]}"):
         train.main(["--method", "sac", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *flags])
+
+
+# --- beside the official SAC code (issue 81) -----------------------------------------
+
+
+def official_anchors(n, r):
+    """The official code's rule for a sub-context of n tokens, as issue 81 states it: h, h + r, ... below n."""
+    h = (r - 1) // 2
+    return list(range(h, n, r)) if h < n else [0]
+
+
+@pytest.mark.parametrize("r", [5, 15, 51])
+def test_anchors_equal_the_official_rule_on_full_sub_contexts(r):
+    assert sac.anchor_positions(510, r).tolist() == official_anchors(510, r)
+    assert sac.anchor_positions(1020, r).tolist() == official_anchors(510, r) + [510 + a for a in official_anchors(510, r)]
+
+
+def test_a_partial_sub_context_keeps_the_papers_count():
+    assert sac.anchor_positions(23, 5).tolist() == [2, 8, 14, 20]  # floor(23 / 5) middles, by hand
+    assert official_anchors(23, 5) == [2, 7, 12, 17, 22]  # the official code's, documented in sac.py
+
+
+def test_a_real_checkpoint_compresses_the_whole_context_with_the_official_lora_targets(base_dir):
+    cfg, mcfg = runs.TrainConfig(method="sac", init_from=base_dir, objective="qa"), sac.SACConfig()
+    runs.resolve(cfg, mcfg, {"objective"}, sac.SAC)
+    assert cfg.max_context >= 3000 and mcfg.lora_targets == "q_proj,v_proj"
+    tok = data.load_tokenizer(base_dir)
+    base = Transformer.from_pretrained(base_dir).requires_grad_(False)
+    m = sac.SAC(base, mcfg, tok, cfg)
+    adapted = [n for n, mod in base.lora_modules().items() if "encoder" in mod.lora_A]
+    layers = base.config.num_hidden_layers
+    assert sorted({n.split(".")[-1] for n in adapted}) == ["q_proj", "v_proj"] and len(adapted) == 2 * layers - 1
+    words = " ".join(f"w{i % 97}" for i in range(4000))
+    stats = {}
+    batch = data.collate_qa([{"id": "x", "context": words, "question": "q?", "answers": ["w1"]}], tok,
+                            max_context=cfg.max_context, stats=stats, pad_multiple=8)
+    L = int(batch["context_len"][0])
+    assert L >= 3000 and not stats  # nothing cut
+    with torch.no_grad():
+        memory = m.compress(batch, 5)
+    anchors = memory.anchors[0]
+    assert int(anchors.max()) >= L - 5 and len(anchors) == sum(max(1, n // 5) for n in
+                                                                [min(510, L - s) for s in range(0, L, 510)])
+    stats = {}
+    data.collate_qa(batch["records"], tok, max_context=1000, stats=stats)  # a limit given: the cut is counted
+    assert stats["truncated_context"] == 1 and stats["context_tokens_cut"] == L - 1000
+
+
+def test_the_official_anchor_table_trains_saves_and_loads(tmp_path, base_dir):
+    out = tmp_path / "run"
+    run(["--method", "sac", "--init_from", base_dir, "--objective", "qa", "--anchor_emb", "table", "--ratio", 5,
+         "--max_iters", 2, "--batch_size", 2, "--lora_r", 4, "--lr", "1e-2", "--max_context", 128, "--out_dir", out,
+         "--eval_examples", 0, "--quiet", "--device", "cpu"])
+    saved = read_params(out)["anchor_emb"]
+    assert saved.shape == (510 // 5, Transformer.from_pretrained(base_dir).config.hidden_size)
+    cfg, mcfg, tok, base, method = runs.load_run(str(out))
+    assert mcfg.anchor_emb == "table" and torch.equal(method.anchor_emb.detach(), saved)
+    method.train()
+    batch = ctx_batch(tok, [23, 12])  # 4 and 2 anchors at r = 5: rows 0..3 get a gradient, the rest none
+    batch.update(qa=torch.tensor([[5, 6, 7], [5, 6, 7]]), qa_labels=torch.tensor([[-100, 6, 7], [-100, 6, 7]]))
+    loss, _, _ = method(batch, [5])
+    loss.backward()
+    used = method.anchor_emb.grad.abs().sum(1) > 0
+    assert used[:4].all() and not used[4:].any()
+
+
+def test_the_official_prompt_reads_an_lm_token_after_the_anchors(base_dir):
+    tok = data.load_tokenizer(base_dir)
+    f = data.format_qa(tok, "The sky is blue.", "What colour?", "blue", format="sac")
+    assert f["prefix"] == [] and f["context"][0] == tok.bos_id
+    assert tok.decode(f["context"]).startswith("### Context:\n") or "### Context:" in tok.decode(f["context"])
+    assert tok.decode(f["prompt"]) == "\n### Question:\nWhat colour?\n### Answer:\n"
+    base = Transformer.from_pretrained(base_dir).requires_grad_(False)
+    m = sac.SAC(base, sac.SACConfig(lora_r=4), tok, runs.TrainConfig(objective="qa", prompt="sac", ratio="5"))
+    batch = data.collate_qa([{"id": "x", "context": "The sky is blue. " * 20, "question": "What colour?",
+                              "answers": ["blue"]}], tok, format="sac", pad_multiple=8)
+    memory = m.compress(batch, 5)
+    L, anchors = int(batch["context_len"][0]), len(m.compress(batch, 5).anchors[0])
+    assert memory.slots().tolist() == [anchors + 1] and memory.next_pos.tolist() == [L + 1]  # [LM] at L, no sink
+    loss, n, _ = m(batch, [5])
+    loss.backward()
+    assert m.lm_token.grad.abs().sum() > 0
