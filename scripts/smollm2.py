@@ -7,6 +7,7 @@ package (a Q4_1 GGUF file, 93 MB) turned into an HF checkpoint dir that
     python scripts/smollm2.py out/smollm2 --squad dev-v1.1.json.zip       # + squad-{train,heldout}.json
     python scripts/smollm2.py out/smollm2 --zero_shot 50                  # teacher rows, no training
     python scripts/smollm2.py out/smollm2 --zero_shot 50 --teacher out/t  # the same after SFT
+    python scripts/smollm2.py out/tiny --random --squad dev.zip          # a tiny random stand-in (CPU smoke runs)
     bash scripts/smollm2_squad.sh                                         # teacher, meanpool, tokens on SQuAD
 
 Writes config.json, model.safetensors (fp32), generation_config.json, tokenizer.json and
@@ -104,6 +105,40 @@ def convert(out_dir, gguf_file=None):
     return out_dir
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def random_standin(out_dir, texts, seed=0):
+    """A tiny random checkpoint on SmolLM2's code path: a Llama with tied embeddings and rope theta 1e5, a
+    byte-level BPE tokenizer.json (digits split one by one, as SmolLM2's) trained on `texts`, and its
+    specials and ChatML chat template. For CPU smoke runs of the real-model suite; returns out_dir."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from model import ModelConfig, Transformer
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(out_dir, exist_ok=True)
+    tk.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {s: tk.token_to_id(s) for s in specials}
+    json.dump({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+               "tokenizer_class": "GPT2Tokenizer", "chat_template": CHATML},
+              open(os.path.join(out_dir, "tokenizer_config.json"), "w"))
+    json.dump({"bos_token_id": ids["<|im_start|>"], "eos_token_id": ids["<|im_end|>"],
+               "pad_token_id": ids["<|im_end|>"]}, open(os.path.join(out_dir, "generation_config.json"), "w"))
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=100000.0, tie_word_embeddings=True,
+                      max_position_embeddings=8192, bos_token_id=ids["<|im_start|>"], eos_token_id=[ids["<|im_end|>"]])
+    Transformer(cfg).save_pretrained(out_dir)
+    return out_dir
+
+
 def split_squad(path, out_dir, heldout_articles=10, seed=0):
     """SQuAD v1.1 (JSON or .zip) split by article: `heldout_articles` titles drawn with
     `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both).
@@ -148,10 +183,16 @@ def main(argv):
     parser.add_argument("--heldout_articles", type=int, default=10, help="articles held out (dev v1.1: 48 in all)")
     parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
     parser.add_argument("--teacher", default="", help="--zero_shot: merge this --method teacher run's adapter first")
+    parser.add_argument("--random", action="store_true", help="a tiny random stand-in, its tokenizer trained on --squad")
     args = parser.parse_args(argv)
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
         if path and not os.path.exists(path):
             raise SystemExit(f"error: {flag} {path}: file not found")
+    if args.random:
+        if not args.squad:
+            raise SystemExit("error: --random trains its tokenizer on --squad's contexts: give --squad")
+        import data
+        random_standin(args.out_dir, [r["context"] for r in data.read_dataset(args.squad)][::5])
     if not os.path.exists(os.path.join(args.out_dir, "model.safetensors")):
         convert(args.out_dir, args.gguf or None)
         print(f"wrote {args.out_dir}: " + ", ".join(sorted(os.listdir(args.out_dir))))

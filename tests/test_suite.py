@@ -67,3 +67,57 @@ def test_suite_ata_rows_pretrain_with_rel_only_on_a_real_checkpoint(tmp_path, in
     ata = [l for l in (tmp_path / "calls").read_text().splitlines() if "--method ata" in l]
     pretrain = [l for l in ata if "--pretrain 100" in l]  # train.py's --pretrain runs rel, then qa from it
     assert len(ata) == 3 and len(pretrain) == (3 if init_from else 0), ata
+
+
+SQUAD_ZIP = ROOT.parent / "shared" / "assets" / "qa" / "squad" / "dev-v1.1.json.zip"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
+def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
+    """scripts/real_suite.sh --smoke: the GPU suite's code path on CPU (a random stand-in with a byte-level
+    tokenizer.json and ChatML; SQuAD dev split by article): the teacher, 13 compressor runs from it, one
+    table, the claims, RESULTS.md's section."""
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    entries = [line.split(":")[0][3:] for line in p.stdout.splitlines() if line.startswith("== ")]
+    assert entries[0] == "teacher" and len(entries) == 14
+    out = tmp_path / "real-smoke"
+    results = json.load(open(out / "results.json"))
+    assert [os.path.basename(r["run"]) for r in results] == entries[1:]
+    for name, objectives in (("pic-blockwise", ["ae+lm", "qa"]), ("gist-4", ["lm"] * 3), ("ata", ["rel", "qa"])):
+        recipe = json.load(open(out / name / "run.json"))["recipe"]
+        assert [st["objective"] for st in recipe] == objectives and recipe[0]["values"]["max_iters"][1].startswith("flag")
+    report = (out / "RESULTS.md").read_text()
+    assert "## SmolLM2-135M-Instruct on SQuAD: every method on one GPU" in report
+    assert "38 articles" in report and "held out" in report and "| teacher | 1.0x |" in report
+    assert "| pic_blockwise_causal T4 |" in report and "ppl" in report
+
+
+def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
+    """prepare splits it (each part well under a call's 64 MiB), part1 parks part 1 there, part2 joins (sha256
+    checked), runs the suite and keeps a few small files for $OUT; part2 with part 1 gone stops at once."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(3_000_001))
+    squad = tmp_path / "squad.zip"
+    squad.write_bytes(b"zip")
+    stub = tmp_path / "suite.sh"  # the suite's stand-in: it checks the joined file and writes a result
+    stub.write_text(f'cmp "$GGUF" {gguf} && mkdir -p "$OUT" && echo "{{}}" > "$OUT/results.json" && echo ran\n')
+    env = dict(os.environ, DIR=str(tmp_path / "dev"), STATE=str(tmp_path / "state"), GGUF=str(gguf), SQUAD=str(squad),
+               WHEEL_DIR="", SUITE=f"bash {stub}", OUT=str(tmp_path / "back"))
+    sh = lambda verb: subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), verb], cwd=ROOT, env=env,  # noqa: E731
+                                     capture_output=True, text=True)
+    assert sh("prepare").returncode == 0
+    parts = [(tmp_path / "dev" / f"gguf.part{i}").stat().st_size for i in (1, 2)]
+    assert sum(parts) == 3_000_001 and max(parts) <= 1_500_001
+    p = sh("part2")
+    assert p.returncode != 0 and "gguf.part1 is gone" in p.stderr
+    assert sh("part1").returncode == 0
+    p = sh("part2")
+    assert p.returncode == 0 and "ran" in p.stdout, p.stderr
+    assert sorted(f.name for f in (tmp_path / "back").iterdir()) == ["results.json", "runs.log", "suite.log"]
+    (tmp_path / "dev" / "gguf.sha256").write_text("0" * 64)
+    p = sh("part2")
+    assert p.returncode != 0 and "sha256 differs" in p.stderr

