@@ -40,7 +40,7 @@ else
   python scripts/smollm2.py "$MODEL" --squad "$SQUAD" ${GGUF:+--gguf "$GGUF"} > "$OUT/model.log"
 fi
 COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODEL/squad-heldout.json"
-        --eval_examples "$EXAMPLES" --seed "$SEED" --quiet "${EXTRA[@]}")
+        --eval_examples 0 --seed "$SEED" --quiet "${EXTRA[@]}")  # evaluated below, the teacher rows once
 if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu.csv" &
   smi=$!
@@ -53,7 +53,7 @@ train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log, its wall time
   echo "   $name: $(( SECONDS - t )) s"
 }
 # 2) the teacher (meanpool_multi_ratio §5.1: finetuned, then frozen; Table 6), then the compressors from it
-train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --eval_examples 0
+train_one teacher --method teacher --max_iters "$TEACHER_STEPS"
 RUNS=(  # name and flags; names as scripts/claims.py's rows
   "pic-blockwise    --method pic"                              # PIC Table 4: ae+lm, then qa at 16x
   "pic-causal       --method pic --mask causal"
@@ -78,10 +78,20 @@ for spec in "${RUNS[@]}"; do
 done
 failed=0
 for p in "${pids[@]}"; do wait "$p" || failed=1; done
-[ -n "${smi:-}" ] && kill "$smi" 2> /dev/null || true
 [ "$failed" = 0 ] || { echo "error: a run failed (its log is named above)" >&2; exit 1; }
-# 3) one table (the teacher and no-context rows once), the claims, RESULTS.md's section
-python eval.py "${names[@]}" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
+# 3) each run's rows (the first computes the teacher and no-context rows, which the others then share),
+#    JOBS at a time; one table, the claims, RESULTS.md's section
+evaluate() { python eval.py "$1" --n "$EXAMPLES" > "$1.eval.log" 2>&1 || { echo "error: eval of $1 failed; see $1.eval.log" >&2; return 1; }; }
+evaluate "${names[0]}"
+pids=()
+for d in "${names[@]:1}"; do
+  while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  evaluate "$d" & pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+[ -n "${smi:-}" ] && kill "$smi" 2> /dev/null || true
+[ "$failed" = 0 ] || exit 1
+python eval.py "${names[@]}" --n "$EXAMPLES" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
 python scripts/claims.py "$OUT/results.json" > "$OUT/claims.md"
 wall=$(( $(date +%s) - start ))
 gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
