@@ -6,7 +6,7 @@
   with a byte-level BPE ``tokenizer.json`` trained here (no download).
 - ``squad_file(path)``: a small SQuAD v1.1 file.
 - ``run(args)`` / ``torchrun(args)``: train.py / eval.py in a subprocess; raise on failure.
-- ``load_script(name)``: scripts/<name>.py as a module.
+- ``load_script(name, folder)``: scripts/<name>.py (or benchmarks/) as a module.
 """
 import importlib.util
 import json
@@ -26,9 +26,9 @@ from model import ModelConfig, Transformer  # noqa: E402
 _TOKENIZER_CACHE = {}
 
 
-def load_script(name):
-    """scripts/<name>.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def load_script(name, folder="scripts"):
+    """<folder>/<name>.py as a module (scripts/ and benchmarks/ are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

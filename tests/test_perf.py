@@ -1,4 +1,4 @@
-"""Issue 23 on CPU: --grad_ckpt changes memory, not numbers; scripts/hf_twins.py's HF + peft
+"""Issue 23 on CPU: --grad_ckpt changes memory, not numbers; benchmarks/hf_twins.py's HF + peft
 reference steps compute the same losses as ours (so its speed ratio is a fair one)."""
 import torch
 
@@ -64,10 +64,10 @@ def test_grad_ckpt_prefix_kv_model(base_dir):
 
 
 def test_hf_peft_twins_give_our_losses():
-    """scripts/hf_twins.py's transformers + peft steps (meanpool kd, pic ae+lm) compute our
+    """benchmarks/hf_twins.py's transformers + peft steps (meanpool kd, pic ae+lm) compute our
     loss on the same weights and batch, and the same gradients on the shared trainable tensors
     (pic at 4,16: our one encoder pass for both ratios against the twin's pass per ratio)."""
-    twins = load_script("hf_twins")
+    twins = load_script("hf_twins", "benchmarks")
     bench = twins.bench
     tok = data.load_tokenizer(str(ROOT / "tiny_base"))
     for (name, method, objective, _), ratio in ((bench.ROWS[0], "4,8"), (bench.ROWS[1], "4,16")):
@@ -93,7 +93,7 @@ def test_bench_counts_flops_in_a_step_like_the_timed_ones(monkeypatch):
     --grad_ckpt its layers run checkpointed (pic ae+lm at Llama-3.1-8B fits an H200 only so;
     counted without, the row ran out of memory), and the count is the same."""
     import model
-    bench = load_script("hf_twins").bench
+    bench = load_script("hf_twins", "benchmarks").bench
     tok = data.load_tokenizer(str(ROOT / "tiny_base"))
     checkpointed, at_close = [], []
     real_checkpointed, real_close = model.checkpointed, bench.FlopCounter.close

@@ -1,7 +1,7 @@
 """bench.py train's meanpool kd and pic ae+lm rows beside their transformers + peft twins.
 
-    python scripts/hf_twins.py --shapes llama-3.1-8b --iters 3   # any `bench.py train` flag
-    python scripts/hf_twins.py --tiny                              # CPU, seconds
+    python benchmarks/hf_twins.py --shapes llama-3.1-8b --iters 3   # any `bench.py train` flag
+    python benchmarks/hf_twins.py --tiny                              # CPU, seconds
 
 Each twin is written as the papers' official code is (peft adapters switched per pass, a
 4-D mask, pooling by reshape, inputs_embeds, full-vocabulary logits), shares our weights and
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repo; bench beside this
 import bench  # noqa: E402
 import data  # noqa: E402
 import kernels  # noqa: E402

@@ -1,12 +1,12 @@
 """Benchmarks, nanoGPT style: burn-in, then timed iterations between synchronize calls.
 
-    python bench.py loss         # time and peak memory: chunked_kd vs naive_kd at vocab 152k
-    python bench.py train        # one optimizer step of every method at real shapes
-    python bench.py attention    # flex + BlockMask vs SDPA + dense mask, fwd+bwd, 4K and 8K (CUDA)
-    python bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
-    python bench.py batching     # host time to batch a step of --data (SQuAD-train-size records), vs before
+    python benchmarks/bench.py loss         # time and peak memory: chunked_kd vs naive_kd at vocab 152k
+    python benchmarks/bench.py train        # one optimizer step of every method at real shapes
+    python benchmarks/bench.py attention    # flex + BlockMask vs SDPA + dense mask, fwd+bwd, 4K and 8K (CUDA)
+    python benchmarks/bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
+    python benchmarks/bench.py batching     # host time to batch a step of --data (SQuAD-train-size records), vs before
     (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
-    python scripts/hf_twins.py   # train's meanpool kd and pic ae+lm rows vs transformers + peft
+    python benchmarks/hf_twins.py   # train's meanpool kd and pic ae+lm rows vs transformers + peft
 
 Peak memory is torch.cuda.max_memory_allocated; on CPU the loss benchmark runs each variant in
 a fresh subprocess and reports the growth of its peak RSS over the inputs. Real shapes (SHAPES) are
@@ -24,11 +24,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-import data
-import kernels
-import runs
-import train
-from model import Memory, ModelConfig, Transformer, compile_layers
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+import data  # noqa: E402
+import kernels  # noqa: E402
+import runs  # noqa: E402
+import train  # noqa: E402
+from model import Memory, ModelConfig, Transformer, compile_layers  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("what", choices=["loss", "train", "attention", "ttft", "batching"])
@@ -67,7 +69,7 @@ def set_threads():
 
 
 configure(None if __name__ == "__main__" else ["train", "--tiny"])  # imported by tests and scripts: defaults
-TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
+TINY_BASE = os.path.join(ROOT, "tiny_base")
 
 
 def timeit(step, burn_in, iters):
@@ -436,7 +438,7 @@ def bench_batching():
     """train.Batches on SQuAD v1.1 dev's records repeated to 95k (train-v1.1 has 87,599) with Llama 3's
     tokenizer, the papers' global batch 32: host ms a step on its first visits (tokenizing) and after, and
     the per-item shuffle of the sampler before (one permutation of the records per item drawn)."""
-    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "assets")
+    assets = os.path.join(ROOT, "..", "shared", "assets")
     records = list(data.read_dataset(os.path.join(assets, "qa", "squad", "dev-v1.1.json.zip")))
     records = [dict(r, id=f"{r['id']}-{i}") for i in range(9) for r in records]
     tok = data.load_tokenizer(os.path.join(assets, "tokenizers", "llama3_tokenizer.model"))
