@@ -115,7 +115,7 @@ def eval_records(cfg, ecfg):
     path = ecfg.eval_data or cfg.eval_data
     if path:
         return list(runs.read_records(path, cfg))[:n]
-    return data.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
+    return tiny.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 
 def batches_of(records, tok, cfg, size, prepare=None):

@@ -17,10 +17,15 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it (a real LLM
      reads soft memory frozen, a tiny base trained from scratch does not).
 """
-import json
+import io
 import math
 import os
+import random
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,172 @@ from model import ModelConfig, Transformer, head_log_attention, keep_attention_i
 from sentence_gist import GIST, TOKEN
 
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
+
+
+# -----------------------------------------------------------------------------
+# the synthetic benchmark (SPEC §2.6): biographies of invented people. Values avoid
+# long digit strings (a small tokenizer splits them into digits); each attribute has many
+# values, drawn uniformly, so the answer cannot be guessed without the context.
+
+FIRST_NAMES = """Ada Alan Alma Amir Anna Arlo Aurora Basil Bianca Boris Carmen Cedric Clara Dario Delia Dmitri Edith
+Elias Elsa Emil Farah Felix Flora Gideon Greta Hana Hugo Ilse Ines Ivan Jonas Juno Kai Kira Lars Leona Linus Lucia
+Magnus Maren Milo Mira Nadia Nico Nora Olaf Olive Oscar Petra Quinn Rafael Rosa Silas Sofia Tariq Thea Tobias Una Vera
+Viktor Wanda Yusuf Zara Zeno""".split()
+LAST_NAMES = """Abbott Alvarez Baker Bauer Becker Castillo Chen Dubois Eriksen Fischer Fontaine Garcia Gupta Hansen
+Hartmann Ito Jansen Kaur Keller Kowalski Larsen Lindqvist Lopez Marino Moreau Murphy Nakamura Novak Okafor Olsen Patel
+Petrov Quinlan Reyes Rossi Russo Sato Schmidt Silva Sokolov Suzuki Tanaka Torres Varga Vogel Walsh Weber Wright
+Yamamoto Zielinski Brennan Delgado Holm Ivanova Kim Mendes Nilsen Park Romero Stone Tran Ward Young""".split()
+MONTHS = "January February March April May June July August September October November December".split()
+CITIES = """Amsterdam Athens Austin Bangkok Barcelona Berlin Bogota Boston Brisbane Cairo Chicago Denver Dublin Geneva
+Glasgow Hamburg Havana Helsinki Istanbul Jakarta Kyoto Lagos Lima Lisbon London Lyon Madrid Manila Marseille Melbourne
+Miami Milan Montreal Mumbai Munich Nairobi Naples Oslo Ottawa Paris Porto Prague Quito Riga Rome Santiago Seattle
+Seoul Seville Sydney Taipei Tallinn Tokyo Toronto Tunis Valencia Vienna Warsaw Zagreb Zurich""".split()
+COMPANY = """Acme Bluebird Copperleaf Driftwood Evergreen Foxglove Granite Harbor Ironwood Juniper Kestrel Lighthouse
+Maple Northwind Orchid Pinecrest Quartz Redwood Silverline Tidewater Umber Violet Willow Zephyr""".split()
+UNIVERSITY = """Ashford Bellmont Carrow Dunmore Elmhurst Fairhaven Glenwood Hollis Kingsley Lakeside Marlow Norwood
+Oakridge Preston Ravenscroft Stanmore Thornbury Westbrook""".split()
+
+ATTRIBUTES = {  # name -> (values, sentence templates, question templates)
+    "birthday": (
+        [f"{m} {d}" for m in MONTHS for d in range(1, 29)],
+        ["{name} was born on {value}.", "{name} celebrates a birthday on {value}.",
+         "The birthday of {name} is {value}.", "{name} came into the world on {value}.",
+         "On {value}, {name} was born."],
+        ["When was {name} born?", "What is the birthday of {name}?", "On what day was {name} born?"]),
+    "city": (
+        CITIES,
+        ["{name} lives in {value}.", "{name} has a home in {value}.", "{name} moved to {value} years ago.",
+         "These days {name} resides in {value}.", "The city where {name} lives is {value}."],
+        ["Where does {name} live?", "In which city does {name} live?", "What city is home to {name}?"]),
+    "employer": (
+        [f"{a} {b}" for a in COMPANY for b in ("Labs", "Foods", "Motors", "Bank", "Studios", "Systems", "Airlines")],
+        ["{name} works for {value}.", "{name} is employed by {value}.", "{name} has a job at {value}.",
+         "The employer of {name} is {value}.", "Every weekday {name} goes to work at {value}."],
+        ["Where does {name} work?", "Which company employs {name}?", "Who is the employer of {name}?"]),
+    "university": (
+        [f"{a} {b}" for a in UNIVERSITY for b in ("University", "College", "Institute", "Academy", "Polytechnic")],
+        ["{name} studied at {value}.", "{name} graduated from {value}.", "{name} earned a degree at {value}.",
+         "{name} is an alumnus of {value}.", "As a student, {name} attended {value}."],
+        ["Where did {name} study?", "Which school did {name} graduate from?", "What university did {name} attend?"]),
+    "profession": (
+        """accountant actor architect baker biologist carpenter chef chemist dentist designer economist editor
+        electrician engineer farmer firefighter florist geologist historian journalist judge lawyer librarian mechanic
+        musician nurse optician painter pharmacist photographer physicist pilot plumber poet professor programmer
+        sculptor surgeon tailor teacher translator veterinarian writer""".split(),
+        ["{name} works as {a_value}.", "By profession, {name} is {a_value}.", "{name} earns a living as {a_value}.",
+         "{name} trained to be {a_value}.", "The job of {name} is {a_value}."],
+        ["What does {name} do for a living?", "What is the profession of {name}?", "What job does {name} have?"]),
+    "hobby": (
+        ["archery", "baking bread", "birdwatching", "bouldering", "calligraphy", "chess", "cycling",
+         "fencing", "fishing", "gardening", "hiking", "juggling", "kayaking", "knitting", "origami",
+         "painting", "pottery", "rowing", "sailing", "salsa dancing", "skiing", "stargazing", "surfing",
+         "swimming", "tennis", "woodworking", "yoga", "playing the cello", "writing poems", "solving puzzles"],
+        ["In free time, {name} enjoys {value}.", "The favourite hobby of {name} is {value}.",
+         "{name} spends most weekends on {value}.", "{name} has a passion for {value}.",
+         "{name} took up {value} as a hobby."],
+        ["What hobby does {name} enjoy?", "What is the favourite hobby of {name}?", "How does {name} spend free time?"]),
+    "colour": (
+        """amber beige black blue bronze coral crimson cyan gold green grey indigo ivory lavender lilac magenta maroon
+        mint navy olive orange peach pink purple red rust scarlet silver teal turquoise violet white yellow""".split(),
+        ["The favourite colour of {name} is {value}.", "{name} loves the colour {value}.",
+         "{name} likes {value} more than any other colour.", "{name} always picks {value} clothes.",
+         "No colour pleases {name} more than {value}."],
+        ["What is the favourite colour of {name}?", "Which colour does {name} like best?"]),
+    "pet": (
+        """beagle budgie canary cat chameleon chinchilla cockatoo corgi dalmatian donkey ferret gecko goat goldfish
+        hamster hedgehog iguana lizard parrot pony poodle rabbit snake spaniel terrier tortoise""".split(),
+        ["{name} has a pet {value}.", "{name} owns {a_value}.", "{name} takes care of {a_value}.",
+         "At home, {name} keeps {a_value}.", "The pet of {name} is {a_value}."],
+        ["What pet does {name} have?", "What animal does {name} own?", "What kind of pet does {name} keep?"]),
+}
+SPLITS = {"train": range(0, 8), "val": range(8, 9), "test": range(9, 10)}
+EVAL_PEOPLE, EVAL_ATTRS = (2, 8), (3, 6)  # the eval sets' mix: people per context, attributes per person
+
+
+def _render(template, name, value=""):
+    article = "an" if value[:1] in "aeiou" else "a"
+    return template.format(name=name, value=value, a_value=f"{article} {value}")
+
+
+class Synthetic:
+    """Reading comprehension over biographies of invented people, deterministic from a seed.
+    Splits are disjoint by person: every (first, last) name belongs to one split."""
+
+    def __init__(self, seed=0, split="train"):
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+        self.seed, self.split = seed, split
+        names = (f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES)
+        self.names = [n for n in names if zlib.crc32(n.encode()) % 10 in SPLITS[split]]  # a stable hash: 8/1/1
+
+    def example(self, rng, n_people, n_attrs, same_attrs=True, n_questions=1):
+        """A context of n_people biographies (one chunk each) and n_questions QA pairs whose
+        answers are attribute values as written in the context. same_attrs: every person
+        carries the same attributes, so each is a distractor."""
+        n_attrs = min(n_attrs, len(ATTRIBUTES))
+        shared = rng.sample(list(ATTRIBUTES), n_attrs)
+        bios, facts = [], []
+        for name in rng.sample(self.names, n_people):
+            attrs = shared[:] if same_attrs else rng.sample(list(ATTRIBUTES), n_attrs)
+            rng.shuffle(attrs)
+            sentences = []
+            for a in attrs:
+                values, sentence_templates, _ = ATTRIBUTES[a]
+                value = rng.choice(values)
+                sentences.append(_render(rng.choice(sentence_templates), name, value))
+                facts.append((len(bios), name, a, value))
+            bios.append(" ".join(sentences))
+        asked = rng.sample(facts, min(n_questions, len(facts)))
+        qas = [(_render(rng.choice(ATTRIBUTES[a][2]), name), value) for _, name, a, value in asked]
+        relevant = [bios[i] for i, _, _, _ in asked]
+        return {"id": f"syn-{self.split}-{rng.getrandbits(48):012x}", "context": "\n".join(bios), "chunks": bios,
+                "qas": qas, "question": qas[0][0], "answers": [qas[0][1]], "relevant": relevant[:1],
+                "qa_relevant": relevant, "qa_people": [name for _, name, _, _ in asked]}
+
+    def qa_examples(self, n, n_people=EVAL_PEOPLE, n_attrs=EVAL_ATTRS, seed_offset=0):
+        """n fixed examples (eval sets, or a fixed training set); same arguments, same list."""
+        rng = random.Random(f"{self.seed}/{self.split}/{seed_offset}")
+        return [dict(self.example(rng, rng.randint(*n_people), rng.randint(*n_attrs), same_attrs=rng.random() < 0.5),
+                     id=f"syn-{self.split}-{self.seed}-{seed_offset}-{i}") for i in range(n)]
+
+    def lm_text(self, rng, n_people):
+        """Plain biography text (one per line) for LM streams."""
+        return self.example(rng, n_people, rng.randint(3, len(ATTRIBUTES)), same_attrs=False)["context"]
+
+
+def synthetic_corpus(seed, n_chars):
+    """Text to train the default tokenizer: every name and value, the QA template words,
+    then biographies followed by questions and answers, until n_chars."""
+    rng, syn = random.Random(seed), Synthetic(seed, "train")
+    lines = [" ".join(FIRST_NAMES), " ".join(LAST_NAMES)] + [" ".join(v[0]) for v in ATTRIBUTES.values()]
+    lines += [t.format(question="Q") + data.ANSWER_CUE + " A" for t in data.QA_TEMPLATES]
+    n = sum(map(len, lines))
+    while n < n_chars:
+        ex = syn.example(rng, rng.randint(1, 4), rng.randint(1, len(ATTRIBUTES)), same_attrs=False, n_questions=3)
+        new = ex["chunks"] + [f"{rng.choice(data.QA_TEMPLATES).format(question=q)[1:]}{data.ANSWER_CUE} {a}" for q, a in ex["qas"]]
+        lines += new
+        n += sum(map(len, new))
+    return "\n".join(lines)
+
+
+def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
+    """Train the default tokenizer (sentencepiece BPE) on synthetic_corpus into out_path: a .model
+    file or a directory (then DIR/tokenizer.model). Deterministic: fixed input order, one thread,
+    no sampling. Byte fallback covers any character; no dummy-prefix space and identity
+    normalisation, so text round-trips exactly and spans tokenized apart concatenate cleanly."""
+    out = Path(out_path)
+    out = out if out.suffix == ".model" else out / "tokenizer.model"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in synthetic_corpus(seed, n_chars).split("\n") if line]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
+        character_coverage=1.0, byte_fallback=True, split_digits=False, num_threads=1, user_defined_symbols=["."],
+        add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0,
+        bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2)
+    out.write_bytes(buf.getvalue())
+    return data.load_tokenizer(out)
+
 
 
 def base_path(init_from):
@@ -147,7 +318,7 @@ def init_base(out_dir, bc, seed):
     os.makedirs(out_dir, exist_ok=True)
     tok_path = os.path.join(out_dir, "tokenizer.model")
     tok = data.load_tokenizer(tok_path) if os.path.exists(tok_path) else \
-        data.train_default_tokenizer(tok_path, seed=0, vocab_size=bc.vocab_size)
+        train_default_tokenizer(tok_path, seed=0, vocab_size=bc.vocab_size)
     mc = ModelConfig(vocab_size=tok.vocab_size, hidden_size=bc.d_model, intermediate_size=3 * bc.d_model,
                      num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads, rope_theta=10000.0,
                      max_position_embeddings=2048, tie_word_embeddings=True,
@@ -224,7 +395,7 @@ def compressor_curriculum(frac):
         return (1, 2), (1, 3), 2, 0.0
     ramp = min(1.0, (frac - SHORT_STAGE) / 0.4)
     if ramp == 1.0:
-        return data.EVAL_PEOPLE, data.EVAL_ATTRS, 1, 1.0
+        return EVAL_PEOPLE, EVAL_ATTRS, 1, 1.0
     return (1, 2 + round(6 * ramp)), (1, 3 + round(3 * ramp)), 1, ramp
 
 

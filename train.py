@@ -91,7 +91,7 @@ class Batches:
     def __init__(self, cfg, tok, method, records=None, rank=0, world=1, split="train"):
         self.cfg, self.tok, self.method, self.rank, self.world = cfg, tok, method, rank, world
         self.text, self.records, self.order = text_objective(cfg), records, (None, None)
-        self.synth = data.Synthetic(seed=cfg.seed, split=split)
+        self.synth = tiny.Synthetic(seed=cfg.seed, split=split)
         synthetic = records is None  # aid 3 needs the synthetic items' extra QA pairs
         self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if tiny.aided(cfg) and synthetic else 1
         self.stats = {}

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
+import tiny  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 _TOKENIZER_CACHE = {}
@@ -39,7 +40,7 @@ def default_tokenizer(dir):
     key = "spm"
     if key not in _TOKENIZER_CACHE:
         path = Path(dir) / "tokenizer.model"
-        data.train_default_tokenizer(path, seed=0, vocab_size=512, n_chars=60_000)
+        tiny.train_default_tokenizer(path, seed=0, vocab_size=512, n_chars=60_000)
         _TOKENIZER_CACHE[key] = path.read_bytes()
     Path(dir).mkdir(parents=True, exist_ok=True)
     (Path(dir) / "tokenizer.model").write_bytes(_TOKENIZER_CACHE[key])
@@ -96,7 +97,7 @@ def hf_checkpoint(dir, family="llama", chat=False):
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [t for ctx, q, a, _ in SQUAD_TEXTS for t in (ctx, q, a)] * 20 + \
-        [data.synthetic_corpus(0, 20_000)]
+        [tiny.synthetic_corpus(0, 20_000)]
     tk.train_from_iterator(corpus, trainer)
     tk.save(str(dir / "tokenizer.json"))
     ids = {s: tk.token_to_id(s) for s in specials}

@@ -9,6 +9,7 @@ import torch
 
 import ata
 import data
+import tiny
 import eval as evaluate
 import runs
 import train
@@ -28,7 +29,7 @@ def _method(base_dir, objective="qa+rel", n=3, **kw):
     for name, p in m.named_parameters():  # non-zero adapters so the encoder is not the base
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
-    recs = data.Synthetic(0, "val").qa_examples(n, n_people=(2, 4))
+    recs = tiny.Synthetic(0, "val").qa_examples(n, n_people=(2, 4))
     return m, m.prepare(data.collate_qa(recs, tok, pad_multiple=8))
 
 
@@ -180,7 +181,7 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
 def test_training_batch_with_every_chunk_relevant_warns(base_dir):
     """Issue 20 item 7: gold-only contexts make selective reconstruction --no_selective."""
     m, _ = _method(base_dir)
-    one = data.Synthetic(0, "val").qa_examples(3, n_people=(1, 1))  # one biography, the relevant one
+    one = tiny.Synthetic(0, "val").qa_examples(3, n_people=(1, 1))  # one biography, the relevant one
     assert all(len(r["chunks"]) == 1 for r in one)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -188,7 +189,7 @@ def test_training_batch_with_every_chunk_relevant_warns(base_dir):
     m.run.data = "gold_only.json"  # stands for a user's file
     with pytest.warns(UserWarning, match="every chunk"):
         m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))
-    many = data.Synthetic(0, "val").qa_examples(3, n_people=(2, 4))
+    many = tiny.Synthetic(0, "val").qa_examples(3, n_people=(2, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m.prepare(data.collate_qa(many, m.tok, pad_multiple=8))  # distractors: no warning

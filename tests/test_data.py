@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import data
+import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("NANOCOMPRESS_ASSETS", ROOT.parent / "shared" / "assets"))
@@ -74,7 +75,7 @@ def train_hf_bpe(pattern, specials_first, nfc, vocab_size=600):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=SPECIALS if specials_first else [], show_progress=False)
-    corpus = varied_texts(400, seed=1) + data.synthetic_corpus(0, 30_000).split("\n")
+    corpus = varied_texts(400, seed=1) + tiny.synthetic_corpus(0, 30_000).split("\n")
     tok.train_from_iterator(corpus, trainer)
     if not specials_first:
         tok.add_special_tokens(SPECIALS)
@@ -187,7 +188,7 @@ def train_gpt2_style(kind):
     tok.pre_tokenizer = byte_level if kind == "gpt2" else pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), byte_level])
     tok.decoder = decoders.ByteLevel()
-    corpus = varied_texts(300, seed=1) + data.synthetic_corpus(0, 20_000).split("\n")
+    corpus = varied_texts(300, seed=1) + tiny.synthetic_corpus(0, 20_000).split("\n")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if kind.startswith("lacking"):
         alphabet = [data.bytes_to_unicode()[b] for b in range(256) if b not in LACKED]
@@ -476,21 +477,21 @@ def test_real_qa_files():
 # synthetic benchmark and default tokenizer
 
 def test_synthetic_deterministic_and_disjoint():
-    a = data.Synthetic(seed=3, split="train").qa_examples(20)
-    assert a == data.Synthetic(seed=3, split="train").qa_examples(20)
-    assert a != data.Synthetic(seed=4, split="train").qa_examples(20)
-    names = {s: set(data.Synthetic(0, s).names) for s in data.SPLITS}
+    a = tiny.Synthetic(seed=3, split="train").qa_examples(20)
+    assert a == tiny.Synthetic(seed=3, split="train").qa_examples(20)
+    assert a != tiny.Synthetic(seed=4, split="train").qa_examples(20)
+    names = {s: set(tiny.Synthetic(0, s).names) for s in tiny.SPLITS}
     assert all(len(v) > 100 for v in names.values())
     assert not (names["train"] & names["val"] or names["train"] & names["test"] or names["val"] & names["test"])
     every = re.compile(r"\b(" + "|".join(n for v in names.values() for n in v) + r")\b")
     for split in ("val", "test"):
-        for ex in data.Synthetic(0, split).qa_examples(30):
+        for ex in tiny.Synthetic(0, split).qa_examples(30):
             people = set(every.findall(ex["context"]))
             assert people and people <= names[split]
 
 
 def test_synthetic_answers_in_context():
-    syn = data.Synthetic(seed=0, split="test")
+    syn = tiny.Synthetic(seed=0, split="test")
     rng = random.Random(0)
     for _ in range(200):
         ex = syn.example(rng, rng.randint(1, 8), rng.randint(1, 8), same_attrs=rng.random() < 0.5, n_questions=4)
@@ -498,8 +499,8 @@ def test_synthetic_answers_in_context():
         assert ex["answers"][0] in ex["relevant"][0] and ex["question"] == ex["qas"][0][0]
         for (q, a), bio in zip(ex["qas"], ex["qa_relevant"]):
             assert a in bio and a in ex["context"]
-    assert max(len(v[1]) for v in data.ATTRIBUTES.values()) >= 5 and min(len(v[2]) for v in data.ATTRIBUTES.values()) >= 2
-    assert not any(len(tok) > 2 for v in data.ATTRIBUTES.values() for val in v[0] for tok in val.split() if tok.isdigit())
+    assert max(len(v[1]) for v in tiny.ATTRIBUTES.values()) >= 5 and min(len(v[2]) for v in tiny.ATTRIBUTES.values()) >= 2
+    assert not any(len(tok) > 2 for v in tiny.ATTRIBUTES.values() for val in v[0] for tok in val.split() if tok.isdigit())
 
 
 def test_synthetic_answers_not_guessable():
@@ -508,17 +509,17 @@ def test_synthetic_answers_not_guessable():
         common = sum((Counter(pred.lower().split()) & Counter(gold.lower().split())).values())
         return 0.0 if common == 0 else 2 * common / (len(pred.split()) + len(gold.split()))
     best = {a: max(sum(f1(v, u) for u in values) / len(values) for v in values)
-            for a, (values, _, _) in data.ATTRIBUTES.items()}
+            for a, (values, _, _) in tiny.ATTRIBUTES.items()}
     assert sum(best.values()) / len(best) < 0.10, best
-    assert all(len(values) >= 20 for values, _, _ in data.ATTRIBUTES.values())
+    assert all(len(values) >= 20 for values, _, _ in tiny.ATTRIBUTES.values())
 
 
 def test_default_tokenizer_deterministic(tmp_path):
-    a = data.train_default_tokenizer(tmp_path / "a", seed=0, vocab_size=800, n_chars=120_000)
-    data.train_default_tokenizer(tmp_path / "b" / "tok.model", seed=0, vocab_size=800, n_chars=120_000)
+    a = tiny.train_default_tokenizer(tmp_path / "a", seed=0, vocab_size=800, n_chars=120_000)
+    tiny.train_default_tokenizer(tmp_path / "b" / "tok.model", seed=0, vocab_size=800, n_chars=120_000)
     assert (tmp_path / "a" / "tokenizer.model").read_bytes() == (tmp_path / "b" / "tok.model").read_bytes()
     assert a.vocab_size == 800 and a.bos_id == 1 and a.eos_ids == [2] and a.pad_id == 3
-    ex = data.Synthetic(seed=1, split="val").example(random.Random(1), 8, 6)
+    ex = tiny.Synthetic(seed=1, split="val").example(random.Random(1), 8, 6)
     text = ex["context"] + "\n" + data.QA_TEMPLATES[1].format(question=ex["question"]) + data.ANSWER_CUE
     ids = a.encode(text)
     assert a.decode(ids) == text and 0 not in ids  # round trip, no <unk>
@@ -534,12 +535,12 @@ def test_default_tokenizer_deterministic(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_tok(tmp_path_factory):
-    return data.train_default_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=600, n_chars=60_000)
+    return tiny.train_default_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=600, n_chars=60_000)
 
 
 def test_collate_qa_labels(small_tok):
     tok = small_tok
-    recs = data.Synthetic(0, "val").qa_examples(6, n_people=(1, 4))
+    recs = tiny.Synthetic(0, "val").qa_examples(6, n_people=(1, 4))
     stats = {}
     b = data.collate_qa(recs, tok, rng=random.Random(0), stats=stats)
     B = len(recs)
@@ -569,7 +570,7 @@ def test_collate_qa_labels(small_tok):
 
 def test_collate_qa_truncation_and_padding(small_tok):
     tok = small_tok
-    recs = data.Synthetic(0, "train").qa_examples(4, n_people=(6, 8), n_attrs=(6, 8))
+    recs = tiny.Synthetic(0, "train").qa_examples(4, n_people=(6, 8), n_attrs=(6, 8))
     stats = {}
     b = data.collate_qa(recs, tok, max_context=50, max_answer=2, pad_multiple=1, stats=stats)
     assert stats["truncated_context"] == 4 and stats["truncated_answer"] >= 1

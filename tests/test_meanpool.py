@@ -2,6 +2,7 @@
 import torch
 
 import data
+import tiny
 import kernels
 import meanpool
 import runs
@@ -42,7 +43,7 @@ def _method(tmp_path, **kw):
     for n, p in m.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05)
-    recs = data.Synthetic(0, "val").qa_examples(3)
+    recs = tiny.Synthetic(0, "val").qa_examples(3)
     batch = data.collate_qa(recs, tok, pad_multiple=8)
     return m, batch
 
@@ -82,7 +83,7 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
     tok = data.load_tokenizer(base_dir)
     base = Transformer.from_pretrained(base_dir)
     m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(), tok, runs.TrainConfig())
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
     real = torch.arange(batch["context"].shape[1])[None] < batch["context_len"][:, None]
     with torch.no_grad():
         h = base(batch["context"], mask=kernels.bidirectional(real), output="hidden")

@@ -3,6 +3,7 @@ reference steps compute the same losses as ours (so its speed ratio is a fair on
 import torch
 
 import data
+import tiny
 import runs
 from common import ROOT, load_script
 from model import Transformer
@@ -26,7 +27,7 @@ def test_grad_ckpt_same_loss_and_grads(base_dir):
     for ckpt in (False, True):
         tok, base, m = build(base_dir, "meanpool", "kd", ckpt)
         assert base.grad_ckpt is ckpt
-        batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+        batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
         loss, n, _ = m(batch, [4, 8])
         loss.backward()
         losses.append(loss.item())

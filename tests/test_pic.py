@@ -11,6 +11,7 @@ import eval as evaluate
 import torch.nn.functional as F
 
 import data
+import tiny
 import kernels
 import pic
 import runs
@@ -144,7 +145,7 @@ def test_one_encoder_pass_equals_a_pass_per_ratio(base_dir, mask, mem):
     """--ratio 4,8,16 encodes [context, memory at 4, at 8, at 16] once: each ratio's memory equals
     its own pass over [context, its memory] (padded contexts of three lengths; after / centre positions)."""
     m, tok = make(base_dir, mask=mask, mem=mem)
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
     assert len(set(batch["context_len"].tolist())) == 3
     with torch.no_grad():
         for r, packed in zip((4, 8, 16), m.memories(batch, [4, 8, 16])):
@@ -163,7 +164,7 @@ def test_single_memory_token_is_one_row(base_dir):
 
 def test_batch_padding_and_positions_match_one_example_alone(base_dir):
     m, tok = make(base_dir, mask="blockwise")
-    recs = data.Synthetic(0, "val").qa_examples(3)
+    recs = tiny.Synthetic(0, "val").qa_examples(3)
     batch = data.collate_qa(recs, tok, pad_multiple=64)  # training padding, pad id in the gaps
     batch["context"][batch["context"] == tok.pad_id] = 9  # garbage in the padding
     with torch.no_grad():
@@ -181,7 +182,7 @@ def test_flex_backend_gives_the_dense_memory(base_dir, monkeypatch, mask):
     """The same mask_mods as a BlockMask (the CUDA path; flex forward runs on CPU too), at one
     ratio and at two in one pass."""
     m, tok = make(base_dir, mask=mask)
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=64)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=64)
     with torch.no_grad():
         dense = [m.compress(batch, 8)] + m.memories(batch, [4, 8])
         monkeypatch.setattr(kernels, "BACKEND", "flex")
@@ -197,7 +198,7 @@ def test_flex_backend_gives_the_dense_memory(base_dir, monkeypatch, mask):
 def test_ae_lm_is_eq8_per_example_by_hand(base_dir):
     m, tok = make(base_dir, objective="ae+lm")
     rng = random.Random(0)
-    syn = data.Synthetic(0, "train")
+    syn = tiny.Synthetic(0, "train")
     texts = [syn.lm_text(rng, n) for n in (1, 2, 3)]
     batch = data.collate_lm(texts, tok, 1024)
     loss, n, metrics = m(batch, [4])
@@ -223,7 +224,7 @@ def test_ae_lm_is_eq8_per_example_by_hand(base_dir):
 def test_qa_loss_counts_answer_tokens_and_trains_the_encoder(base_dir):
     m, tok = make(base_dir)
     assert not m.ae.requires_grad  # <AE> is only trained by ae+lm
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
     loss, n, metrics = m(batch, [4, 8])
     assert n == int((batch["qa_labels"] != -100).sum()) and set(metrics) == {"loss_r4", "loss_r8"}
     loss.backward()
@@ -250,7 +251,7 @@ def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
     batch = None
     for objective, lora_r in (("kd", 4), ("qa", 0)):
         m, tok = make(base_dir, objective=objective, encoder=enc, decoder=dec, lora_r=lora_r)
-        batch = batch or data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+        batch = batch or data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
         mem = m.compress(batch, 4)
         assert mem.embeds.shape[2] == 48 and m.enc.config.hidden_size == 32
         loss, n, _ = m(batch, [4])
@@ -273,7 +274,7 @@ def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
 def test_memory_round_trip(base_dir, tmp_path):
     m, tok = make(base_dir)
     m.eval()
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
     outs, mem = evaluate.answer(m, batch, 8, 6)
     mem.save(tmp_path / "mem.safetensors")
     loaded = Memory.load(tmp_path / "mem.safetensors")
@@ -286,7 +287,7 @@ def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):
     train.main([str(a) for a in ["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2,
                                  "--out_dir", out, "--device", "cpu", "--quiet", "--max_context", 256]])
     ctx = tmp_path / "doc.txt"
-    ctx.write_text(data.Synthetic(0, "val").qa_examples(1)[0]["context"])
+    ctx.write_text(tiny.Synthetic(0, "val").qa_examples(1)[0]["context"])
     q = "Where was the first person born?"
     first = run([out, "--context", ctx, "--question", q, "--save_memory", tmp_path / "doc.mem"], script="eval.py")
     again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
@@ -380,7 +381,7 @@ def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
     m, tok = make(base_dir, objective="kd", mem="single", mask="bidir")
     assert m.dec_adapter == "decoder" and len(m.converter) == 1
     assert torch.equal(m.converter[0].weight, torch.eye(m.base.config.hidden_size))
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
     loss, n, _ = m(batch, [4])
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for k, p in m.named_parameters() if "lora_B.decoder" in k)
@@ -421,7 +422,7 @@ def test_encoder_with_its_own_tokenizer(base_dir, tmp_path):
     enc = hf_checkpoint(tmp_path / "enc", "llama")  # byte-level BPE, vocab 400+, width 64
     m, tok = make(base_dir, objective="qa", encoder=enc, lora_r=4)
     assert m.enc_tok is not None and m.enc.config.vocab_size != m.base.config.vocab_size
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
     ids, lengths = m.encoder_context(batch)
     for b in range(2):
         text = tok.decode(batch["context"][b, :batch["context_len"][b]].tolist())

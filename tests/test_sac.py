@@ -6,6 +6,7 @@ import torch
 import eval as evaluate
 
 import data
+import tiny
 import kernels
 import sac
 import runs
@@ -196,7 +197,7 @@ def test_flex_backend_matches_dense(base_dir, monkeypatch):
 
 def test_r1_causal_memory_reproduces_the_teacher(base_dir):
     m, tok = make(base_dir, causal=True, no_anchor_embedding=True)
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, max_context=510, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(3), tok, max_context=510, pad_multiple=8)
     assert int(batch["context_len"].min()) < 510 and batch["context_len"].max() == 510  # one sub-context
     with torch.no_grad():
         mem = m.compress(batch, 1)
@@ -246,7 +247,7 @@ def test_lm_split_and_loss(base_dir):
 
 def test_qa_loss_multi_ratio_and_training_lowers_it(base_dir):
     m, tok = make(base_dir)
-    batch = data.collate_qa(data.Synthetic(0, "train").qa_examples(2), tok, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "train").qa_examples(2), tok, pad_multiple=8)
     assert {n for n, p in m.named_parameters() if p.requires_grad} == \
         {"anchor_emb"} | {n for n, _ in m.named_parameters() if ".encoder" in n}
     loss, n, metrics = m(batch, [8, 16])  # one compression per ratio, losses summed
@@ -302,7 +303,7 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
          "--sub_len", 64, "--out_dir", out, "--eval_examples", 2, "--device", "cpu", "--quiet", "--lora_r", 4])
     cfg, mcfg, tok, base, method = runs.load_run(str(out))
     assert mcfg.sub_len == 64
-    batch = data.collate_qa(data.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
+    batch = data.collate_qa(tiny.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
     outs, mem = evaluate.answer(method, batch, 4, 8)
     mem.save(tmp_path / "m.safetensors")
     loaded = Memory.load(tmp_path / "m.safetensors")

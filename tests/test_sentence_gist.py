@@ -8,6 +8,7 @@ import torch
 import eval as evaluate
 
 import data
+import tiny
 import kernels
 import sentence_gist as sg
 import runs
@@ -158,7 +159,7 @@ def test_answer_equals_one_pass_over_the_gisted_prompt_and_answer(base_dir, monk
     the cache. guard: a sentence ends every 3 tokens, also in the answer (gists and eviction
     while decoding)."""
     m = make(base_dir, objective="qa", max_sentence_len=3 if case == "guard" else 64)
-    batch = data.collate_qa(data.Synthetic(seed=0, split="val").qa_examples(3), m.tok, pad_multiple=1)
+    batch = data.collate_qa(tiny.Synthetic(seed=0, split="val").qa_examples(3), m.tok, pad_multiple=1)
     steps, caches, extend = [], [], m.extend
     hook = m.base.lm_head.register_forward_hook(lambda mod, inp, out: steps.append(out[:, -1] if out.dim() == 3 else out))
     monkeypatch.setattr(m, "extend", lambda *a: caches.append(extend(*a)) or caches[-1])
@@ -279,7 +280,7 @@ def test_memory_round_trip_one_shot_and_stage_chain(base_dir, tmp_path):
     assert mcfg.stage == 3 and method.lr_schedule == "linear"
     built = runs.build(runs.TrainConfig(**{**vars(cfg), "init_from": str(s1)}), mcfg, "cpu", torch.float32)[2]
     assert torch.equal(built.gist.detach(), read_params(s1)["gist"])  # stage 3 starts from stage 1's rows
-    batch = data.collate_qa(data.Synthetic(seed=0, split="test").qa_examples(2), tok, pad_multiple=1)
+    batch = data.collate_qa(tiny.Synthetic(seed=0, split="test").qa_examples(2), tok, pad_multiple=1)
     outs, memory = evaluate.answer(method, batch, 1, 8)
     memory.save(str(tmp_path / "m.safetensors"))
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]

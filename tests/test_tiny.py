@@ -19,7 +19,7 @@ def test_base_attention_targets(tmp_path):
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
     rng = random.Random(0)
-    syn = data.Synthetic(0, "train")
+    syn = tiny.Synthetic(0, "train")
     exs = [dict(syn.example(rng, 4, 3, n_questions=4), template=i) for i in range(6)]
     batch = tiny.collate_base(exs, tok, 0.3)
     ids, labels = batch["ids"], batch["labels"]
@@ -209,7 +209,7 @@ def _with_aid(base_dir, name, **kw):
     cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
     m = cls(base, cls.Config(**kw), tok, runs.TrainConfig(method=name, objective="qa"))
     m.aid = tiny.AttentionDistillation(m, 1.0)
-    batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
     return m, (m.prepare(batch) if name == "ata" else batch)
 
 
@@ -407,7 +407,7 @@ def test_shipped_base_reads_its_context():
     import eval as evaluate
     from model import Transformer
     base, tok = Transformer.from_pretrained(tiny.BASE_DIR).eval(), data.load_tokenizer(tiny.BASE_DIR)
-    records = data.Synthetic(seed=runs.TrainConfig.seed, split="test").qa_examples(64)
+    records = tiny.Synthetic(seed=runs.TrainConfig.seed, split="test").qa_examples(64)
     rows = evaluate.teacher_rows(base, tok, records, runs.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
     assert rows["teacher"]["f1"] >= 85 and rows["no-context"]["f1"] < 20, rows
     assert tiny.is_tiny("") and not tiny.needs_training("")
@@ -428,7 +428,7 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
         assert any("lora_A.decoder" in n for n, p in m.named_parameters() if p.requires_grad) != no_aids
         used, adapter = [], base.adapter
         base.adapter = lambda a: used.append(a) or adapter(a)
-        batch = data.collate_qa(data.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+        batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
         m(m.prepare(batch) if name == "ata" else batch, [r])
         assert ("decoder" in used) != no_aids
 
