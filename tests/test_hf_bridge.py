@@ -1,0 +1,86 @@
+"""scripts/hf_generate.py (issue 80): a Memory answered by transformers' `generate` gives our greedy
+tokens, for every method that bridges (embeddings: meanpool, pic, the token baseline; K/V: sac, ata),
+on Llama and Qwen3 checkpoints, two prompts of different lengths; first-token logits within 1e-4.
+sentence_gist, whose answering rule changes the cache while decoding, and a Memory that does not fit
+get one line each."""
+import pytest
+import torch
+
+import data
+import eval as evaluate
+import runs
+from common import SQUAD_TEXTS, hf_checkpoint, load_script, run, squad_file
+from model import Memory
+
+hf_generate = load_script("hf_generate")
+METHODS = [("meanpool", dict(), "4"), ("pic", dict(), "4"), ("pic", dict(mem="single", mask="bidir"), "4"),
+           ("sac", dict(), "5"), ("ata", dict(lora_dropout=0.0), "10")]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def ckpt(request, tmp_path_factory):
+    return hf_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+
+
+def batch_of_two(tok, method, cfg):
+    recs = [dict(id=str(i), context=c, question=q, answers=[a]) for i, (c, q, a, _) in enumerate(SQUAD_TEXTS[:2])]
+    recs[1]["question"] += " Answer in a few words, please."  # prompts of different lengths
+    b = data.collate_qa(recs, tok, pad_multiple=1, format=cfg.prompt)
+    return method.prepare(b) if hasattr(method, "prepare") else b
+
+
+@pytest.mark.parametrize("name, mkw, ratio", METHODS, ids=[m[0] + ("-tokens" if m[1].get("mem") else "") for m in METHODS])
+def test_transformers_generate_from_the_bridged_memory_gives_our_tokens(ckpt, name, mkw, ratio):
+    cfg = runs.TrainConfig(method=name, init_from=ckpt, ratio=ratio, objective="kd" if mkw.get("mem") else "qa")
+    mcfg = runs.method_config(runs.method_registry()[name])(lora_r=4, **mkw)
+    torch.manual_seed(0)
+    tok, base, method = runs.build(cfg, mcfg, "cpu", torch.float32)
+    for n, p in method.named_parameters():  # trained-looking adapters, so merging them matters
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    method.eval()
+    b = batch_of_two(tok, method, cfg)
+    prompts = [b["qa"][i, :b["prompt_len"][i]].tolist() for i in range(2)]
+    assert len(set(map(len, prompts))) == 2
+    with torch.no_grad():
+        memory = method.compress(b, int(ratio))
+        ours = evaluate.answer_from_memory(method, memory, prompts, 8)
+        decoder = getattr(method, "dec", method.base)
+        with decoder.adapter(method.dec_adapter):  # our first answer token's logits, as generate starts
+            T = max(map(len, prompts))
+            ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+            valid = ids.new_tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts]).bool()
+            pos = (valid.long().cumsum(1) - 1).clamp(min=0) + memory.next_pos[:, None]
+            first = decoder(ids, pos=pos, memory=memory, valid=valid)[:, -1]
+    hf = hf_generate.hf_decoder(method, cfg)
+    theirs, logits = hf_generate.hf_answer(hf, memory, prompts, 8, tok.eos_ids)
+    assert theirs == ours
+    torch.testing.assert_close(logits, first, atol=1e-4, rtol=1e-4)
+
+
+def test_sentence_gist_and_a_memory_that_does_not_fit_are_one_line(tmp_path):
+    ckpt, squad = hf_checkpoint(tmp_path / "hf"), squad_file(tmp_path / "squad.json")
+    common = ["--init_from", ckpt, "--data", squad, "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0,
+              "--quiet", "--lora_r", 4, "--device", "cpu"]
+    run(["--method", "sentence_gist", "--stage", 2, "--out_dir", tmp_path / "gist", *common])
+    run(["--method", "meanpool", "--out_dir", tmp_path / "mp", *common])
+    run(["--method", "sac", "--pretrain", 0, "--out_dir", tmp_path / "sac", *common])
+    (tmp_path / "doc.txt").write_text(SQUAD_TEXTS[0][0])
+    for name in ("gist", "sac"):
+        run([tmp_path / name, "--context", tmp_path / "doc.txt", "--question", "Where?", "--save_memory",
+             tmp_path / f"{name}.mem"], script="eval.py")
+    p = run([tmp_path / "sac", "--memory", tmp_path / "sac.mem", "--question", "Where?", "--max_new_tokens", 4],
+            script="scripts/hf_generate.py")
+    assert p.stdout.startswith("answer:")
+    for run_dir, mem, message in (("gist", "gist.mem", "answers under its own rule"),
+                                  ("mp", "sac.mem", "it holds K/V; this run's method answers from embeddings")):
+        p = run([tmp_path / run_dir, "--memory", tmp_path / mem, "--question", "Where?"], script="scripts/hf_generate.py",
+                check=False)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode != 0 and len(lines) == 1 and message in lines[0], p.stderr[-1500:]
+    other = Memory.load(str(tmp_path / "sac.mem"))
+    other.kv = [(k[:, :1], v[:, :1]) for k, v in other.kv]  # another model's: 1 K/V head, not 2
+    other.save(str(tmp_path / "other.mem"))
+    p = run([tmp_path / "sac", "--memory", tmp_path / "other.mem", "--question", "Where?"], script="scripts/hf_generate.py",
+            check=False)
+    assert p.returncode != 0 and "its K/V is" in p.stderr and "Traceback" not in p.stderr
