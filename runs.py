@@ -305,8 +305,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     3. on a real checkpoint: the paper's stages (cls.recipe): the values its paper states, then ours;
     4. the dataclass defaults.
     Which stages run: --objective those with that objective (or the last, with it), sentence_gist's --stage that
-    one; --pretrain N runs the first of several for N steps (0: not at all); --max_iters N is shared by the other stages in their recipe's proportion
-    (each at least one step). --batch_size is the global batch: ranks x --grad_accum micro-batches. A stage
+    one; --pretrain N runs the first of several for N steps (0: not at all); --max_iters N is shared by the other
+    stages in their recipe's proportion (each at least one step). --batch_size is the global batch: ranks x --grad_accum micro-batches. A stage
     before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs the
     stages after it. cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
