@@ -389,40 +389,6 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
-def keep_attention_inputs(model, layers):
-    """{layer: (x, cos, sin, mask, prefix_kv)}: the inputs of each of `layers`' attention in the last forward."""
-    kept = {}
-    for i in layers:
-        model.model.layers[i].self_attn.register_forward_pre_hook(lambda m, args, i=i: kept.__setitem__(i, args))
-    return kept
-
-
-def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
-    """(N, C + T) fp32 log attention probabilities of head 0 of `attn` from the queries (rows, pos)
-    onto every key of their sequence, under the causal mask (and keys_valid (B, C + T)). The first
-    C keys are memory: the layer's prefix K/V, or the first n_memory rows of x; pos counts the
-    tokens after them. inputs: from keep_attention_inputs. SDPA returns no weights: q, k are recomputed.
-    Rows repeat, so k is gathered by index_select: on more than one CPU thread the backward of k[rows]
-    adds the repeats in no fixed order, and two identical runs would drift apart; index_select's does not."""
-    x, cos, sin = (t.float() for t in inputs[:3])  # (B, T, d), (B, 1, T, hd) x 2
-    prefix = inputs[4]  # the layer's prefix K/V, or None
-    at = pos if prefix is not None else pos + n_memory  # the query's row of x
-    q, k = attn.q_proj(x[rows, at])[:, :attn.hd], attn.k_proj(x)[..., :attn.hd]  # head 0 and its kv head
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rope(q, cos[rows, 0, at], sin[rows, 0, at])  # (N, hd)
-    k = apply_rope(k, cos[:, 0], sin[:, 0])  # (B, T, hd)
-    if prefix is not None:
-        k = torch.cat([prefix[0][:, 0].float(), k], 1)  # (B, C + T, hd), memory keys already rotated
-    scores = torch.einsum("nd,ntd->nt", q, k.index_select(0, rows)) * attn.scale
-    if attn.score_mod is not None:
-        scores = attn.score_mod(scores, None, None, None, None)
-    hidden = torch.arange(k.shape[1], device=x.device)[None] > (at + k.shape[1] - x.shape[1])[:, None]
-    if keys_valid is not None:
-        hidden = hidden | ~keys_valid[rows]
-    return scores.masked_fill(hidden, -1e9).log_softmax(-1)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()

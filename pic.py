@@ -203,7 +203,7 @@ class PIC(nn.Module):
                              f"encoder's max_position_embeddings {self.enc.config.max_position_embeddings}")
         x = self.enc.model.embed_tokens(context)  # (B, L, d_enc)
         rows = torch.cat([torch.arange(N, device=x.device) for N in widths]) * (self.cfg.mem == "table")
-        m = self.mem_embed.index_select(0, rows).to(x.dtype)  # rows repeat (model.head_log_attention says why)
+        m = self.mem_embed.index_select(0, rows).to(x.dtype)  # rows repeat (tiny.head_log_attention says why)
         m = m[None].expand(B, len(rows), -1)  # (B, N, d_enc)
         with self.enc.adapter(self.enc_adapter):
             h = self.enc(embeds=torch.cat([x, m], 1), pos=z["pos"], mask=MASKS[self.cfg.mask](z), output="hidden")

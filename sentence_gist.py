@@ -171,7 +171,7 @@ class SentenceGist(nn.Module):
         return layout(rows, self.is_end, cfg.gists, cfg.max_sentence_len, labels, self.gist.device, self.run.pad_multiple)
 
     def embed(self, ids):
-        """(B, T) ids, gist j = V + j -> (B, T, d), base not resized; embedding, not gist[ids]: model.head_log_attention."""
+        """(B, T) ids, gist j = V + j -> (B, T, d), base not resized; embedding, not gist[ids]: tiny.head_log_attention."""
         is_gist, gist_ids = ids >= self.V, (ids - self.V).clamp(0, self.cfg.gists - 1)
         e = self.base.model.embed_tokens(ids.masked_fill(is_gist, 0))  # (B, T, d)
         scale = self.base.model.embed_tokens.scale or 1.0  # rows live in weight space, as the vocabulary's (Gemma)

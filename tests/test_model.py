@@ -216,7 +216,7 @@ def test_memory_embeds_equals_one_pass(decoder):
 def test_head_attention_behind_memory_equals_one_pass(llama, kind):
     """head_log_attention read after a pass behind a memory (K/V prefix, or embedding
     slots) equals the same queries' attention in one pass over memory tokens + tokens."""
-    from model import head_log_attention, keep_attention_inputs
+    from tiny import head_log_attention, keep_attention_inputs
     model = copy.deepcopy(llama)
     last = model.config.num_hidden_layers - 1
     kept, attn = keep_attention_inputs(model, [last]), model.model.layers[last].self_attn
@@ -235,8 +235,9 @@ def test_head_attention_behind_memory_equals_one_pass(llama, kind):
 
 def test_head_attention_grad_repeats_on_two_threads():
     """Every query of a row reads that row's keys, so their gradient sums repeats: on two CPU threads
-    it comes out the same each time (a k[rows] gather's backward would not; model.head_log_attention)."""
-    from model import ModelConfig, head_log_attention, keep_attention_inputs
+    it comes out the same each time (a k[rows] gather's backward would not; tiny.head_log_attention)."""
+    from model import ModelConfig
+    from tiny import head_log_attention, keep_attention_inputs
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2)).eval()
