@@ -345,11 +345,11 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         c, m, sources = copy.deepcopy(cfg), copy.deepcopy(mcfg), {}
         stage_source = source if source == "tiny" else f"paper ({stage.cite})"
         for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.official, "official code"),
-                               (stage.paper, source)):
+                               (stage.paper, stage_source)):
             for key, val in values.items():
                 if key not in explicit and (hasattr(c, key) or hasattr(m, key)):
                     setattr(c if hasattr(c, key) else m, key, val)
-                    sources[key] = stage_source if origin == "paper" else origin
+                    sources[key] = origin
         sources.update({key: "flag" for key in explicit})
         c.objective, c.max_iters = stage.objective, n
         sources["objective"] = "flag" if "objective" in explicit else stage_source

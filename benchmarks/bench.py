@@ -445,10 +445,9 @@ def bench_batching():
     tok.memo = {}
     cfg = runs.TrainConfig(method="meanpool", objective="kd", init_from="/real", batch_size=32, max_context=1024,
                            max_answer=256, prompt="plain")
-    batches = train.Batches(cfg, tok, None, records)
-    for name, steps in (("first visits", range(0, args.iters * 10)), ("again (epoch 2)", range(0, args.iters * 10))):
-        if name.startswith("again"):  # the same records a second time: their ids come from the tokenizer's memo
-            steps = range(len(records) // 32 + 1, len(records) // 32 + 1 + args.iters * 10)
+    batches, epoch2 = train.Batches(cfg, tok, None, records), len(records) // 32 + 1
+    for name, steps in (("first visits", range(args.iters * 10)),  # then the same records again: from the memo
+                        ("again (epoch 2)", range(epoch2, epoch2 + args.iters * 10))):
         t = time.perf_counter()
         for s in steps:
             batches(s)

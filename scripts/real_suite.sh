@@ -45,6 +45,9 @@ if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, fo
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu.csv" &
   smi=$!
 fi
+wait_for_a_slot() {  # at most JOBS runs at a time (nvidia-smi's sampler aside)
+  while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+}
 train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log, its wall time
   local name=$1 t=$SECONDS; shift
   echo "== $name: $*"
@@ -72,7 +75,7 @@ RUNS=(  # name and flags; names as scripts/claims.py's rows
 pids=() names=()
 for spec in "${RUNS[@]}"; do
   read -r -a words <<< "$spec"
-  while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  wait_for_a_slot
   train_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$STEPS" & pids+=($!)
   names+=("$OUT/${words[0]}")
 done
@@ -85,7 +88,7 @@ evaluate() { python eval.py "$1" --n "$EXAMPLES" > "$1.eval.log" 2>&1 || { echo 
 evaluate "${names[0]}"
 pids=()
 for d in "${names[@]:1}"; do
-  while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  wait_for_a_slot
   evaluate "$d" & pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || failed=1; done
