@@ -1,12 +1,10 @@
 """Data for nanocompress (SPEC §2.6, §2.7):
-1. Tokenizers: `load_tokenizer` reads an HF checkpoint dir or a tokenizer file (a byte-level BPE
-   tokenizer.json becomes a tiktoken Encoding; tokenizer.model: tiktoken ranks or sentencepiece).
+1. Tokenizers: `load_tokenizer` reads an HF checkpoint dir or a tokenizer file (a byte-level BPE tokenizer.json
+   becomes a tiktoken Encoding; tokenizer.model: tiktoken ranks or sentencepiece).
 2. Prompt formats: `format_qa` -> token spans `prefix | context | prompt | answer`.
-3. Readers: SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, text. Errors in user files are
-   ValueError("file:line: what is wrong"); for JSON files (not JSONL) "line" is the record index.
-4. The synthetic benchmark (biographies of invented people) and the default tokenizer.
-5. Batching: `collate_qa`, `collate_lm` -> padded LongTensors.
-"""
+3. Readers: SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, text. Errors in user files are ValueError("file:line: what is
+   wrong"); for JSON files (not JSONL) "line" is the record index.
+4. Batching: `collate_qa`, `collate_lm` -> padded LongTensors."""
 import base64
 import gzip
 import itertools
@@ -22,16 +20,14 @@ import sentencepiece as spm
 import tiktoken
 import torch
 
-# -----------------------------------------------------------------------------
 # 1. Tokenizers
-
-# Pre-tokenizer split regexes. Llama 3: numbers in groups of up to 3 digits;
-# Qwen2: one digit per piece; GPT-2: what ByteLevel(use_regex=True) applies.
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Pre-tokenizer split regexes: Llama 3 (digits in groups of up to 3), Qwen2 (one digit a piece), GPT-2 (ByteLevel's)
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# SmolLM's Digits(individual_digits) + ByteLevel(use_regex) in one regex: a digit (or run)
-# is a piece of its own, so no space joins it and whitespace before it ends a piece.
+# SmolLM's Digits(individual_digits) + ByteLevel(use_regex) in one regex: a digit (or run) is a piece of its own,
+# so no space joins it and whitespace before it ends a piece.
 GPT2_DIGITS = {individual: GPT2_PATTERN.replace(r" ?\p{N}+", r"\p{N}" if individual else r"\p{N}+")
                .replace(r"(?!\S)", r"(?![^\s\p{N}])") for individual in (True, False)}
 
@@ -39,8 +35,7 @@ GPT2_DIGITS = {individual: GPT2_PATTERN.replace(r" ?\p{N}+", r"\p{N}" if individ
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special_token_{i}|>" for i in range(4)),
                    "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
                    *(f"<|reserved_special_token_{i}|>" for i in range(5, 251))]
-# A bare ranks file does not say which model it is; its size does. n ranks ->
-# (regex, special tokens numbered from n, bos, eos list, NFC-normalise text)
+# A bare ranks file's size says which model it is: n ranks -> (regex, specials numbered from n, bos, eos list, NFC)
 TIKTOKEN_FILES = {
     128000: (LLAMA3_PATTERN, LLAMA3_SPECIALS, "<|begin_of_text|>", ["<|end_of_text|>", "<|eot_id|>"], False),
     151643: (QWEN2_PATTERN, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, ["<|endoftext|>"], True),
@@ -56,8 +51,7 @@ def bytes_to_unicode():
 
 
 def bpe_merge(ranks, piece):
-    """tiktoken's byte-pair encoding of one piece (bytes): the piece itself if it is a token,
-    else merge the adjacent pair whose merge has the lowest rank (leftmost first), repeatedly."""
+    """tiktoken's BPE of one piece (bytes): itself if a token, else merge the lowest-ranked pair (leftmost), repeat."""
     if piece in ranks:
         return [ranks[piece]]
     parts = [piece[i:i + 1] for i in range(len(piece))]
@@ -70,20 +64,17 @@ def bpe_merge(ranks, piece):
 
 
 class Tokenizer:
-    """One interface over a tiktoken Encoding or a sentencepiece processor. encode() matches
-    special-token strings in the text only with allow_special=True (then every added token, as
-    HF does); a tokenizer.json's non-special added tokens always match, as in HF. start=False
-    encodes text that continues earlier text: sentencepiece then adds no dummy-prefix space."""
+    """One interface over a tiktoken Encoding or a sentencepiece processor. encode() matches special-token strings
+    in the text only with allow_special=True (then every added token, as HF does); a tokenizer.json's non-special
+    added tokens always match, as in HF. start=False encodes text that continues earlier text (no dummy prefix)."""
 
     def __init__(self, kind, model, specials, bos_id, eos_ids, pad_id=None, nfc=False, always=(), lacking=None):
         self.kind, self.model = kind, model  # kind: "tiktoken" | "sentencepiece"
-        self.specials = dict(specials)  # token text -> id, for special and added tokens
-        self.always = set(always)     # added tokens that are matched in text even when not allowed
+        self.specials, self.always = dict(specials), set(always)  # text -> id of special and added tokens; see above
         self.nfc = nfc                # NFC-normalise text first (Qwen)
         self.lacking = lacking        # (split regex, ranks, lacking bytes, unk id, fuse_unk): see _encode_lacking
         self.chat_template = None     # the checkpoint's: its text, "" = it has none (base), None = no config read
-        self.bos_id, self.eos_ids = bos_id, list(eos_ids)
-        self.pad_id = pad_id          # None until load_tokenizer falls back to eos
+        self.bos_id, self.eos_ids, self.pad_id = bos_id, list(eos_ids), pad_id  # pad None: load_tokenizer sets eos
         self.memo = None              # a dict: encode() keeps each text's ids (train.py: records tokenized once)
         if kind == "tiktoken":
             self.vocab_size = model.max_token_value + 1
@@ -93,11 +84,11 @@ class Tokenizer:
             self._marker = model.encode("<unk>")
 
     def encode(self, text, bos=False, eos=False, allow_special=False, start=True):
-        if self.memo is None:
-            return self._encode(text, bos, eos, allow_special, start)
         key = (text, bos, eos, allow_special, start)
+        if self.memo is None:
+            return self._encode(*key)
         if key not in self.memo:
-            self.memo[key] = self._encode(text, bos, eos, allow_special, start)
+            self.memo[key] = self._encode(*key)
         return list(self.memo[key])  # a copy: callers extend what they get
 
     def _encode(self, text, bos, eos, allow_special, start):
@@ -113,15 +104,19 @@ class Tokenizer:
             for i, part in enumerate(parts):
                 if i % 2:
                     ids.append(self.specials[part])
-                elif part:
-                    ids += self._encode_lacking(part) if self.lacking else self._sp_encode(part, start or i > 0)
+                elif self.lacking:
+                    ids += self._encode_lacking(part)
+                elif start or i > 0 or not self._dummy:
+                    ids += self.model.encode(part)
+                else:  # HF's legacy=False trick: encode a marker first, so the text gets no dummy prefix
+                    marked, n = self.model.encode("<unk>" + part), len(self._marker)
+                    ids += marked[n:] if marked[:n] == self._marker else self.model.encode(part)
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (self.eos_ids[:1] if eos else [])
 
     def _encode_lacking(self, text):
-        """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes they saw). After the
-        regex split, a byte the vocab lacks becomes the unk token (one per run of them with fuse_unk) or, with no
-        unk token, is dropped, and its neighbours then merge as if adjacent (tokenizers' BPE::merge_word). tiktoken
-        needs all 256 bytes, so the pieces are merged here in Python (bpe_merge, tiktoken's rule)."""
+        """HF's BPE on a byte-level vocab that lacks some single bytes (trainers keep the bytes they saw): after the
+        regex split, a lacking byte becomes the unk token (one per run with fuse_unk), or with no unk is dropped and
+        its neighbours merge as if adjacent (BPE::merge_word). tiktoken needs all 256 bytes, so bpe_merge does it."""
         pattern, ranks, lacks, unk, fuse = self.lacking
         ids = []
         for piece in pattern.findall(text):
@@ -135,13 +130,6 @@ class Tokenizer:
                 prev = byte
             ids += bpe_merge(ranks, bytes(run))
         return ids
-
-    def _sp_encode(self, text, start):
-        if start or not self._dummy:
-            return self.model.encode(text)
-        # HF's legacy=False trick: encode a marker first, so the text gets no dummy prefix.
-        ids, n = self.model.encode("<unk>" + text), len(self._marker)
-        return ids[n:] if ids[:n] == self._marker else self.model.encode(text)
 
     def decode(self, ids):
         ids = [int(i) for i in ids]
@@ -165,14 +153,13 @@ class Tokenizer:
     def token_texts(self):
         """Decoded text of every id (sentencepiece: '▁' -> ' ', a byte piece < 0x80 -> its char)."""
         names, m = {i: s for s, i in self.specials.items()}, self.model
-        n = m.get_piece_size() if self.kind == "sentencepiece" else 0
 
         def text(i):
             if i in names:
                 return names[i]
             if self.kind == "tiktoken":
                 return m.decode_single_token_bytes(i).decode("utf-8", "replace")
-            if i >= n:
+            if i >= m.get_piece_size():
                 return ""
             if m.is_byte(i):  # <0xAB>
                 return bytes([int(m.id_to_piece(i)[3:5], 16)]).decode("utf-8", "replace")
@@ -181,9 +168,8 @@ class Tokenizer:
 
 
 def load_tokenizer(path):
-    """Tokenizer from an HF checkpoint dir (a byte-level BPE tokenizer.json wins, else
-    tokenizer.model), a tokenizer.json or a tokenizer.model file. bos/eos/pad come from
-    tokenizer_config.json, generation_config.json and config.json next to it."""
+    """Tokenizer from an HF checkpoint dir (a byte-level BPE tokenizer.json wins, else tokenizer.model), a
+    tokenizer.json or a tokenizer.model file; bos/eos/pad from the HF config files next to it."""
     path = Path(path)
     tj, tm = path / "tokenizer.json", path / "tokenizer.model"
     if not path.exists():
@@ -211,17 +197,14 @@ def _from_tokenizer_json(path):
     spec = _load_json(path)
     model = spec.get("model") or {}
     if not _is_byte_level(spec):
-        kind = model.get("type", "?") + ("" if model.get("type") != "BPE" else " (not byte-level)")
+        kind = model.get("type", "?") + (" (not byte-level)" if model.get("type") == "BPE" else "")
         raise ValueError(f"{path}: unsupported tokenizer: found model type {kind!r}; {UNSUPPORTED}")
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     added = {t["content"]: t for t in spec.get("added_tokens", [])}
-    ranks = {}
-    for piece, i in model["vocab"].items():
-        if piece in added:
-            continue  # trainers put special tokens in the vocab too; tiktoken keeps them apart
-        if any(c not in byte_of for c in piece):
-            raise ValueError(f"{path}: vocab entry {piece!r} is not byte-level; {UNSUPPORTED}")
-        ranks[bytes(byte_of[c] for c in piece)] = i
+    vocab = {p: i for p, i in model["vocab"].items() if p not in added}  # tiktoken keeps special tokens apart
+    if bad := next((p for p in vocab if any(c not in byte_of for c in p)), None):
+        raise ValueError(f"{path}: vocab entry {bad!r} is not byte-level; {UNSUPPORTED}")
+    ranks = {bytes(byte_of[c] for c in piece): i for piece, i in vocab.items()}
     lacks = {b for b in range(256) if bytes([b]) not in ranks}
     if lacks and model.get("byte_fallback"):
         raise ValueError(f"{path}: unsupported tokenizer: found byte_fallback on a byte-level vocab that lacks "
@@ -241,8 +224,7 @@ def _from_tokenizer_json(path):
     enc = tiktoken.Encoding(name=str(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     bos = next((specials[s] for s in ("<|begin_of_text|>", "<s>", "<bos>") if s in specials), None)
     eos = [specials[s] for s in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>") if s in specials][:1]
-    unk = model["vocab"].get(model.get("unk_token"))
-    lacking = None
+    unk, lacking = model["vocab"].get(model.get("unk_token")), None
     if lacks:
         try:
             lacking = (regex.compile(pattern), ranks, lacks, unk, bool(model.get("fuse_unk")))
@@ -252,8 +234,7 @@ def _from_tokenizer_json(path):
 
 
 def _pretokenizer(path, spec):
-    """(split regex, nfc) from a tokenizer.json: Split(Regex) + ByteLevel, ByteLevel alone
-    (GPT-2), or Digits + ByteLevel (SmolLM)."""
+    """(split regex, nfc) of a tokenizer.json: Split(Regex) + ByteLevel, ByteLevel (GPT-2), Digits + ByteLevel."""
     norm = spec.get("normalizer")
     norms = (norm or {}).get("normalizers", [norm] if norm else [])
     if any(n.get("type") != "NFC" for n in norms):
@@ -276,11 +257,12 @@ def _pretokenizer(path, spec):
 
 
 def _from_model_file(path):
-    if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", path.read_bytes()[:100].split(b"\n")[0]):  # tiktoken: "base64 rank" lines
+    if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", path.read_bytes()[:100].split(b"\n")[0]):  # tiktoken: "b64 rank"
         lines = [line.split() for line in path.read_text(encoding="ascii").splitlines() if line]
         ranks = {base64.b64decode(b64): int(rank) for b64, rank in lines}
         if len(ranks) not in TIKTOKEN_FILES:
-            raise ValueError(f"{path}: a tiktoken file with {len(ranks)} ranks; known sizes: 128000 (Llama 3), 151643 (Qwen)")
+            raise ValueError(f"{path}: a tiktoken file with {len(ranks)} ranks; "
+                             f"known sizes: 128000 (Llama 3), 151643 (Qwen)")
         pattern, names, bos, eos, nfc = TIKTOKEN_FILES[len(ranks)]
         specials = {s: len(ranks) + i for i, s in enumerate(names)}
         enc = tiktoken.Encoding(name=path.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
@@ -291,8 +273,8 @@ def _from_model_file(path):
     except (RuntimeError, OSError):
         raise ValueError(f"{path}: unsupported tokenizer: found an unknown file format; {UNSUPPORTED}") from None
     specials = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
-    ok = lambda i: i if i >= 0 else None  # noqa: E731
-    return Tokenizer("sentencepiece", sp, specials, ok(sp.bos_id()), [sp.eos_id()] if sp.eos_id() >= 0 else [], ok(sp.pad_id()))
+    bos, eos, pad = (i if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()))
+    return Tokenizer("sentencepiece", sp, specials, bos, [] if eos is None else [eos], pad)
 
 
 def _apply_checkpoint_config(tok, folder):
@@ -325,8 +307,7 @@ def _apply_checkpoint_config(tok, folder):
     eos = [token_id("eos_token")] if tcfg.get("eos_token") else []
     for v in (gcfg.get("eos_token_id"), cfg.get("eos_token_id")):
         eos += [] if v is None else [v] if isinstance(v, int) else list(v)
-    if eos:
-        tok.eos_ids = list(dict.fromkeys(eos))
+    tok.eos_ids = list(dict.fromkeys(eos)) or tok.eos_ids
     if tcfg.get("pad_token"):
         tok.pad_id = token_id("pad_token")
     if tok.pad_id is None:
@@ -344,9 +325,7 @@ def own_tokenizer(path, tok, vocab_size):
     return None if own.vocab_size == tok.vocab_size and own.encode(probe) == tok.encode(probe) else own
 
 
-# -----------------------------------------------------------------------------
 # 2. Prompt formats
-
 # Plain extractive-QA wordings in the spirit of meanpool_multi_ratio A.1 ("<C>\n Extract the answer from the text
 # above. \n Question: <Q>\n Answer: <A>"). Each follows the context; ANSWER_CUE ends the prompt in the plain format.
 QA_TEMPLATES = [
@@ -364,18 +343,14 @@ CHAT_FORMATS = {"llama3": ("<|start_header_id|>", "<|eot_id|>"), "chatml": ("<|i
 
 
 def chat_format(tok):
-    """"llama3", "chatml", "gemma" or None (plain): the format whose turn tokens the checkpoint's
-    chat_template writes; None for a base model (a tokenizer_config.json without one); with no
-    config at all (a bare tokenizer file), the format whose special tokens the tokenizer has."""
+    """"llama3", "chatml", "gemma" or None (plain): the one whose turn tokens the chat_template writes; None for a base
+    model (no template in tokenizer_config.json); with no config or an unknown template, the one the tokenizer has."""
     if tok.chat_template == "":
         return None
-    for name, (start, end) in CHAT_FORMATS.items():
-        if tok.chat_template and start in tok.chat_template and end in tok.chat_template:
-            return name
-    for name, (start, end) in CHAT_FORMATS.items():  # no template, or one we do not know
-        if tok.has_special(start) and tok.has_special(end):
-            return name
-    return None
+    template = tok.chat_template or ""
+    written = [name for name, (start, end) in CHAT_FORMATS.items() if start in template and end in template]
+    known = [name for name, (start, end) in CHAT_FORMATS.items() if tok.has_special(start) and tok.has_special(end)]
+    return (written + known + [None])[0]
 
 
 def chunk_ends(context, chunks):
@@ -391,42 +366,36 @@ def chunk_ends(context, chunks):
 
 
 def encode_chunks(tok, context, chunks=None, start=True):
-    """Tokens of `context` and the (start, end) token span of each chunk (no chunks: one).
-
-    Each chunk is tokenized on its own with the text before it (the separator, e.g. "\\n"),
-    so the spans are exact and tile the context (text after the last chunk is in no span).
-    """
+    """Tokens of `context` and the (start, end) token span of each chunk (no chunks: one). Each chunk is tokenized
+    with the text before it (its separator, e.g. "\\n"): the spans are exact and tile the context up to the last."""
+    ends = chunk_ends(context, chunks or [context])
     ids, spans, pos = [], [], 0
-    for end in chunk_ends(context, chunks or [context]):
+    for end in ends + [len(context)]:  # the text after the last chunk is in no span
         first = len(ids)
         ids += tok.encode(context[pos:end], start=start and pos == 0)
         spans.append((first, len(ids)))
         pos = end
-    if pos < len(context):
-        ids += tok.encode(context[pos:], start=start and pos == 0)
-    return ids, spans
+    return ids, spans[:len(ends)]
 
 
 def format_qa(tok, context, question, answer, template=None, rng=None, chunks=None, format="plain"):
-    """Token spans of one QA example: {bos, prefix, context, prompt, answer, chunk_spans}. A model reads prefix +
-    context + prompt + answer: `prefix` is `bos` ([] or [bos_id]) and, for chat formats, the user-turn header;
-    `prompt` ends with the answer cue ("\\nAnswer:" or the assistant header); `answer` ends with the first eos id
-    (chat: the turn-end token). template: an index into QA_TEMPLATES or a string with {question}; None draws one
-    with rng, or takes 0 without rng. format: "plain", "llama3", "chatml", "gemma", or "auto" (chat_format(tok),
-    else plain). Chat formats add no system turn (Gemma has none). "sac": the official SAC code's, no prefix: BOS
-    and "### Context:\n" lead the context, then "\n### Question:\n" q "\n### Answer:\n" (no template), answer, eos."""
+    """Token spans {bos, prefix, context, prompt, answer, chunk_spans} of one QA example; a model reads prefix +
+    context + prompt + answer. prefix: bos ([] or [bos_id]) and, in chat formats, the user-turn header; prompt ends
+    with the answer cue ("\\nAnswer:" or the assistant header), answer with the first eos id (chat: the turn end).
+    template: an index into QA_TEMPLATES or a string with {question}; None: drawn with rng, else 0. format: "plain",
+    "llama3", "chatml", "gemma" (no system turn), "auto" (chat_format(tok) or plain), or "sac", the official SAC
+    code's: no prefix; BOS "### Context:\n" context "\n### Question:\n" q "\n### Answer:\n" (no template) answer eos."""
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
     text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
     fmt = (chat_format(tok) or "plain") if format == "auto" else format
     bos = [tok.bos_id] if tok.bos_id is not None else []
     enc = lambda s: tok.encode(s, start=False)  # noqa: E731
+    lead = []  # tokens before the context (sac)
     if fmt == "sac":
-        head = bos + enc("### Context:\n")
-        ctx, spans = encode_chunks(tok, context, chunks, start=False)
-        return {"bos": bos, "prefix": [], "context": head + ctx, "chunk_spans": [(s + len(head), e + len(head)) for s, e in spans],
-                "prompt": enc(f"\n### Question:\n{question}\n### Answer:\n"), "answer": enc(answer) + tok.eos_ids[:1]}
-    if fmt == "plain":
+        prefix, lead, end = [], bos + enc("### Context:\n"), tok.eos_ids[:1]
+        prompt = enc(f"\n### Question:\n{question}\n### Answer:\n")
+    elif fmt == "plain":
         if not tok.eos_ids:
             raise ValueError("tokenizer has no eos token; answers need one")
         prefix, prompt, end = bos, enc(text + ANSWER_CUE), tok.eos_ids[:1]
@@ -442,15 +411,14 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
         prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc(reply)
     else:
         raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, sac, auto")
-    ctx, spans = encode_chunks(tok, context, chunks, start=not prefix[len(bos):])
-    return {"bos": bos, "prefix": prefix, "context": ctx, "prompt": prompt, "answer": enc(answer) + end, "chunk_spans": spans}
+    ctx, spans = encode_chunks(tok, context, chunks, start=not (lead or prefix[len(bos):]))
+    return {"bos": bos, "prefix": prefix, "context": lead + ctx, "prompt": prompt, "answer": enc(answer) + end,
+            "chunk_spans": [(s + len(lead), e + len(lead)) for s, e in spans]}
 
 
-# -----------------------------------------------------------------------------
-# 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}
-# chunks: the context's natural units (sentences, paragraphs, passages), in order, or None; relevant: the chunks
-# that hold the answer, or None. Every reader takes skip_bad (count malformed records instead of raising) and stats
-# (a dict it updates: "records", "skipped_bad", "unanswerable", "no_answer").
+# 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}. chunks: the context's
+# natural units (sentences, paragraphs, passages) in order, or None; relevant: those holding the answer, or None.
+# skip_bad: count malformed records instead of raising; stats: "records", "skipped_bad", "unanswerable", "no_answer".
 
 def _record(id, context, question, answers, relevant=None, chunks=None):
     return {"id": str(id or ""), "context": context, "question": question, "answers": list(answers),
@@ -470,15 +438,14 @@ def _field(rec, key, kind, what=None):
     return v
 
 
-def _count(stats, key):
+def _count(stats, key, n=1):
     if stats is not None:
-        stats[key] = stats.get(key, 0) + 1
+        stats[key] = stats.get(key, 0) + n
 
 
 def _parsed(path, items, parse, skip_bad, stats):
-    """Records from parse(raw) for each (line, raw) item; items=None: each non-empty line of
-    a JSONL(.gz) file, JSON-decoded. A ValueError from parse becomes "path:line: what is wrong",
-    or is counted as skipped_bad with skip_bad=True. Records without an id get "file:line"."""
+    """Records from parse(raw) for each (line, raw) item (items=None: the JSON lines of a JSONL(.gz) file); its
+    ValueError becomes "path:line: what is wrong" (skip_bad: counts it). Records without an id get "file:line"."""
     for line, raw in _jsonl(path) if items is None else items:
         try:
             records = parse(json.loads(raw) if items is None else raw)
@@ -522,13 +489,13 @@ def _jsonl(path):
 
 
 def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
-    """SQuAD v1.1 / v2.0 JSON (or a .zip holding it), one record per question. chunks = the
-    context's sentences; relevant = the sentence holding the first answer. v2 unanswerable
-    questions are skipped and counted, or kept with answers=[]. Error "line" = question index."""
+    """SQuAD v1.1 / v2.0 JSON (or a .zip of it), a record per question; chunks = sentences, relevant = the first
+    answer's. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question index."""
     doc = _load_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
-    items = ((para, qa) for article in doc["data"] for para in article.get("paragraphs", []) for qa in para.get("qas", []))
+    items = ((para, qa) for article in doc["data"] for para in article.get("paragraphs", [])
+             for qa in para.get("qas", []))
 
     def parse(item):
         para, qa = item
@@ -590,7 +557,8 @@ def read_msmarco(path, skip_bad=False, stats=None):
         cols = _load_json(path)
         if not isinstance(cols, dict) or not isinstance(cols.get("query"), dict):
             raise ValueError(f"{path}:1: not an MS MARCO file (no 'query' column)")
-        items = enumerate(({c: v[k] for c, v in cols.items() if isinstance(v, dict) and k in v} for k in cols["query"]), 1)
+        rows = ({c: v[k] for c, v in cols.items() if isinstance(v, dict) and k in v} for k in cols["query"])
+        items = enumerate(rows, 1)
 
     def parse(rec):
         question, answers = _field(rec, "query", str), _field(rec, "answers", list, str)
@@ -605,14 +573,15 @@ def read_msmarco(path, skip_bad=False, stats=None):
 
 
 def read_jsonl(path, skip_bad=False, stats=None):
-    """Generic JSONL(.gz): {"context", "question", "answers": [str], "relevant"?: [str],
-    "chunks"?: [str] (substrings of the context, in order), "id"?}."""
+    """Generic JSONL(.gz): {"context", "question", "answers": [str], "relevant"?: [str], "chunks"?: [str] (in the
+    context, in order), "id"?}."""
     def parse(rec):
         context, question = _field(rec, "context", str), _field(rec, "question", str)
         answers = _field(rec, "answers", list, str)
         if not answers:
             raise ValueError("field 'answers' is empty")
-        relevant, chunks = (_field(rec, k, list, str) if rec.get(k) is not None else None for k in ("relevant", "chunks"))
+        relevant, chunks = (_field(rec, k, list, str) if rec.get(k) is not None else None
+                            for k in ("relevant", "chunks"))
         chunk_ends(context, chunks or [])
         if relevant and chunks and not set(relevant) <= set(chunks):
             raise ValueError("'relevant' entries must be chunks")
@@ -621,8 +590,7 @@ def read_jsonl(path, skip_bad=False, stats=None):
 
 
 def read_text(path, skip_bad=False, stats=None):
-    """Strings for LM training: paragraphs (split at blank lines) of a plain-text file, or
-    the "text" field of each line of a JSONL(.gz) file."""
+    """Strings for LM training: a text file's paragraphs (split at blank lines), or a JSONL(.gz) file's "text"s."""
     if ".jsonl" in Path(path).name:
         return _parsed(path, None, lambda rec: [_field(rec, "text", str)], skip_bad, stats)
     with _open_text(path) as f:
@@ -630,9 +598,8 @@ def read_text(path, skip_bad=False, stats=None):
 
 
 def read_dataset(path, distractors=False, **kw):
-    """Pick the reader from the file: .zip / JSON with "data" -> SQuAD; JSON list with "supporting_facts" ->
-    HotpotQA (distractors: keep all ten paragraphs); JSON(L) with "passages" -> MS MARCO; JSONL whose first line has
-    "header" or "qas" -> MRQA; other JSONL -> generic. kw: skip_bad, stats."""
+    """The file's reader: .zip / JSON with "data": SQuAD; JSON list with "supporting_facts": HotpotQA; JSON(L) with
+    "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats."""
     path = Path(path)
     if path.suffix == ".zip":
         return read_squad(path, **kw)
@@ -642,7 +609,8 @@ def read_dataset(path, distractors=False, **kw):
         except json.JSONDecodeError:
             first = {}  # read_jsonl reports it with its line number
         keys = set(first) if isinstance(first, dict) else set()
-        return (read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl)(path, **kw)
+        reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
+        return reader(path, **kw)
     doc = _load_json(path)
     if isinstance(doc, dict) and "data" in doc:
         return read_squad(path, **kw)
@@ -653,9 +621,7 @@ def read_dataset(path, distractors=False, **kw):
     raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
 
 
-# -----------------------------------------------------------------------------
 # 4. Batching
-
 def pad_rows(rows, value, multiple, left=False):
     """(B, T) LongTensor of right-padded rows (left-padded if left), T rounded up to a multiple."""
     T = -(-max([1, *map(len, rows)]) // multiple) * multiple
@@ -674,14 +640,13 @@ def _answer_labels(n_before, answer):
 
 
 def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_multiple=64, stats=None, format="plain"):
-    """Tensors for a batch of QA records (spans as in format_qa, to which format, rng and a record's "template" key
-    go). context (B, L); qa (B, T) = prompt + answer; full (B, S) = prefix + context + prompt + answer; noctx =
-    prefix + prompt + answer (the no-context baseline); each with `_len` (B,) and, but context, `_labels`: -100
-    except where the next token is an answer token. prompt_len, answer_len (B,). Pads are tok.pad_id; lengths round
-    up to pad_multiple. The context keeps its first max_context tokens, the answer its first max_answer (counted in
-    stats as "truncated_context", "truncated_answer"). chunk_spans: per example the (start, end) of each chunk in
-    `context`; relevant_idx: the relevant chunks (all when the record has no "relevant"). prefix, bos: the shared
-    sequence start. answers, questions, ids, records: the raw values."""
+    """Tensors for a batch of QA records (spans as in format_qa, which gets format, rng and a record's "template").
+    context (B, L); qa (B, T) = prompt + answer; full (B, S) = prefix + context + prompt + answer; noctx = prefix +
+    prompt + answer (the no-context baseline); each with `_len` (B,) and, but context, `_labels`: -100 except where
+    the next token is an answer token. prompt_len, answer_len (B,). Pads: tok.pad_id, lengths rounded up to
+    pad_multiple. Kept: the first max_context context and max_answer answer tokens (stats "truncated_context",
+    "truncated_answer"). chunk_spans: per example each chunk's (start, end) in `context`; relevant_idx: the relevant
+    chunks (all without "relevant"); prefix, bos: the shared sequence start; answers, questions, ids, records: raw."""
     rows = {k: [] for k in ("context", "qa", "qa_labels", "full", "full_labels", "noctx", "noctx_labels")}
     spans_all, rel_all, prefix = [], [], []
     for r in records:
@@ -689,8 +654,7 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
         f = format_qa(tok, r["context"], r["question"], answer, r.get("template"), rng, r.get("chunks"), format)
         ctx, spans, prefix, prompt, ans = f["context"], f["chunk_spans"], f["prefix"], f["prompt"], f["answer"]
         if len(ctx) > max_context:
-            if stats is not None:
-                stats["context_tokens_cut"] = stats.get("context_tokens_cut", 0) + len(ctx) - max_context
+            _count(stats, "context_tokens_cut", len(ctx) - max_context)
             ctx, spans = ctx[:max_context], [(s, min(e, max_context)) for s, e in spans if s < max_context]
             _count(stats, "truncated_context")
         if len(ans) > max_answer:
@@ -707,16 +671,15 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
     batch.update({k + "_len": torch.tensor([len(x) for x in rows[k]], dtype=torch.long)
                   for k in ("context", "qa", "full", "noctx")})
     answer_len = (batch["qa_labels"] != -100).sum(1)  # qa = prompt + answer, the labelled tokens
-    batch.update(prompt_len=batch["qa_len"] - answer_len, answer_len=answer_len,
-                 chunk_spans=spans_all, relevant_idx=rel_all, prefix=prefix, bos=[tok.bos_id] if tok.bos_id is not None else [],
+    batch.update(prompt_len=batch["qa_len"] - answer_len, answer_len=answer_len, chunk_spans=spans_all,
+                 relevant_idx=rel_all, prefix=prefix, bos=[tok.bos_id] if tok.bos_id is not None else [],
                  answers=[r["answers"] for r in records], questions=[r["question"] for r in records],
                  ids=[r["id"] for r in records], records=list(records))
     return batch
 
 
 def collate_lm(texts, tok, max_len, pad_multiple=64):
-    """LM batch: ids (B, T) = [bos] + text + [eos], cut to max_len; labels (B, T) next-token
-    targets (-100 on the last token and padding); lengths (B,)."""
+    """ids (B, T) = [bos] + text + [eos] cut to max_len; labels (B, T): next tokens, -100 at the end; lengths (B,)."""
     rows = [tok.encode(t, bos=True, eos=True)[:max_len] for t in texts]
     labels = [r[1:] + [-100] for r in rows]
     return {"ids": pad_rows(rows, tok.pad_id, pad_multiple), "labels": pad_rows(labels, -100, pad_multiple),

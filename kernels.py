@@ -1,17 +1,11 @@
 """The fast paths: attention dispatch, mask builders and chunked losses (SPEC §2.2, §5).
 
-A method writes its attention pattern once, as a FlexAttention-style
-``mask_mod(b, h, q_idx, kv_idx) -> bool`` with tensor indexing only (no Python ``if`` on
-values, so the dense builder calls it once on broadcast index grids). ``Mask`` turns it into
-a ``BlockMask`` for ``flex_attention`` (CUDA; empty blocks skipped), a dense boolean mask for
-SDPA (CPU, which has no flex backward; also the tests' reference), or ``is_causal=True``
-(mask None). A ``score_mod`` (Gemma 2's ``softcap``) serves both: flex takes it as is, the
-dense path calls it on the materialised (B, H, Q, S) scores.
-
-The losses take final hidden states and the LM head weight, never logits: fp32
-``[tokens, vocab]`` logits exist one chunk of tokens at a time, and the gradient is computed
-chunk by chunk in the forward, only scaled in the backward. ``naive_ce`` / ``naive_kd`` are
-the slow twins the tests compare against.
+A method writes its attention pattern once, as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` with
+tensor indexing only (no Python ``if`` on values: the dense builder calls it once on broadcast index grids).
+``Mask`` makes it a flex ``BlockMask`` (CUDA) or a dense boolean mask for SDPA (CPU: no flex backward).
+The losses take final hidden states and the LM head, never logits: fp32 logits exist one chunk of tokens at a
+time, the gradient is computed in the forward and only scaled in the backward. ``naive_ce`` / ``naive_kd``
+are the slow twins the tests compare against.
 
 Legend: B batch, H/Hkv heads, Q query tokens, S key tokens, hd head dim, N tokens, d width, V vocab.
 """
@@ -20,9 +14,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 BACKEND = None  # the one override: None = pick by device; "dense" or "flex" forces a backend (tests)
-# Flex pads queries and keys to a multiple of BLOCK, so one compiled (dynamic=False) graph
-# serves a bucket of lengths. Ints a mask_mod closes over go in as 0-d tensors: dynamo
-# guards on a Python int's value and would recompile for every new one.
+# Flex pads queries and keys to a multiple of BLOCK: one compiled (dynamic=False) graph serves a bucket of
+# lengths. Ints a mask_mod closes over go in as 0-d tensors: dynamo would recompile for every new int value.
 BLOCK = 128
 GRAPHS = 64  # graphs one compiled function may hold: see compiled()
 _compiled_flex = _compiled_block_mask = None  # built once, on the first CUDA call
@@ -33,13 +26,8 @@ def bucket(n):
 
 
 def compiled(fn, backend="inductor", dynamic=False):
-    """torch.compile(fn, dynamic=False): one graph per query bucket x key bucket x mask_mod
-    (its code) x batch size. One run meets up to ~10 buckets (max_context 1024 plus memory
-    slots), 2-4 mask_mods and the train and eval batch sizes: over seven context lengths,
-    meanpool kd needs 20 graphs and pic ae+lm 28 between flex and create_block_mask, past
-    dynamo's default limit of 8 per function, after which flex runs unfused for the rest of
-    the run (B*H*Q*S scores; a row 3x slower on an H200). The limit is raised to GRAPHS for
-    the compiled calls only (a scoped config.patch: torch's config is left as it was)."""
+    """torch.compile(fn): one graph per query bucket x key bucket x mask_mod x batch size, more than dynamo's
+    default limit of 8 (flex then runs unfused): raised to GRAPHS for these calls only (a scoped config.patch)."""
     return torch._dynamo.config.patch(recompile_limit=GRAPHS)(torch.compile(fn, dynamic=dynamic, backend=backend))
 
 
@@ -49,10 +37,9 @@ def _flex(q, k, v, block_mask, scale=None, score_mod=None):
     if _compiled_flex is None and q.device.type == "cuda":
         _compiled_flex = compiled(flex_attention)
     fn = _compiled_flex or flex_attention  # CPU: eager, unless a test installs a compiled one
-    Q, S = q.shape[2], k.shape[2]
-    Qp, Sp = block_mask.seq_lengths
+    Q, (Qp, Sp) = q.shape[2], block_mask.seq_lengths
     q = F.pad(q, (0, 0, 0, Qp - Q)).contiguous()  # one layout, one graph: a zero pad keeps the strides
-    k, v = F.pad(k, (0, 0, 0, Sp - S)).contiguous(), F.pad(v, (0, 0, 0, Sp - S)).contiguous()
+    k, v = (F.pad(t, (0, 0, 0, Sp - t.shape[2])).contiguous() for t in (k, v))
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)[:, :, :Q]
 
 
@@ -60,58 +47,50 @@ def _flex(q, k, v, block_mask, scale=None, score_mod=None):
 # mask_mods shared by several methods
 
 
+def named(fn, name):  # mask_mods carry a readable name (compile logs, composed names)
+    fn.__name__ = name
+    return fn
+
+
 def causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
 def causal_after_prefix(prefix_len, key_valid):
-    """Queries are the last Q of S keys: the first prefix_len keys are a prefix (memory
-    or cache) seen by every query where ``key_valid`` (B, S) is True; the rest is causal."""
-    name = f"causal_after_prefix_{prefix_len}"
-    prefix_len = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK
+    """Queries (the last Q of S keys) see valid keys (key_valid (B, S)): all prefix_len first, the rest causally."""
+    P = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK
     key_valid = pad_keys(key_valid)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return key_valid[b, kv_idx] & (kv_idx <= q_idx + prefix_len)
-    mask_mod.__name__ = name
-    return mask_mod
+        return key_valid[b, kv_idx] & (kv_idx <= q_idx + P)
+    return named(mask_mod, f"causal_after_prefix_{prefix_len}")
 
 
 def bidirectional(key_valid):
     """Every token sees every valid token (padding is never seen)."""
     def mask_mod(b, h, q_idx, kv_idx):
         return key_valid[b, kv_idx] & (q_idx >= 0)
-    mask_mod.__name__ = "bidirectional"
-    return mask_mod
+    return named(mask_mod, "bidirectional")
 
 
 def with_prefix(mask_mod, prefix_len, prefix_valid):
-    """Shift a mask_mod written for the new tokens behind a prefix of prefix_len keys that
-    every query sees where ``prefix_valid`` (B, P) is True (incremental decoding)."""
-    name = f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}"
+    """mask_mod shifted behind a prefix of prefix_len keys, seen where prefix_valid (B, P) is True (decoding)."""
     last = torch.full((), prefix_len - 1, device=prefix_valid.device)  # not an int: see BLOCK
     prefix_valid = pad_keys(prefix_valid)
 
     def shifted(b, h, q_idx, kv_idx):
-        in_prefix = kv_idx <= last
         kv_new = (kv_idx - last - 1).clamp(min=0)
-        return torch.where(in_prefix, prefix_valid[b, torch.minimum(kv_idx, last)],
-                           mask_mod(b, h, q_idx, kv_new))
-    shifted.__name__ = name
-    return shifted
+        return torch.where(kv_idx <= last, prefix_valid[b, torch.minimum(kv_idx, last)], mask_mod(b, h, q_idx, kv_new))
+    return named(shifted, f"prefix_{prefix_len}_{getattr(mask_mod, '__name__', 'mask')}")
 
 
 def sliding_window(window, prefix_len=0):
-    """Keys fewer than `window` slots away from the query, the queries being the last Q of
-    S = prefix_len + Q keys (prefix_len: an int, or a 0-d tensor under compile). ANDed with
-    causal this is HF's ``kv_idx > q_idx - window`` (masking_utils.sliding_window_overlay);
-    ANDed with a bidirectional mask it is symmetric. Like HF it counts key slots, padding
-    and memory included."""
+    """Keys fewer than `window` slots (padding and memory included, as HF counts) from the query, the queries
+    being the last Q of S = prefix_len + Q keys (an int or 0-d tensor). With causal: HF's kv_idx > q_idx - window."""
     def mask_mod(b, h, q_idx, kv_idx):
         dist = q_idx + prefix_len - kv_idx
         return (dist < window) & (dist > -window)
-    mask_mod.__name__ = f"sliding_window_{window}"
-    return mask_mod
+    return named(mask_mod, f"sliding_window_{window}")
 
 
 def and_masks(*mask_mods):
@@ -121,17 +100,14 @@ def and_masks(*mask_mods):
         for m in mask_mods[1:]:
             out = out & m(b, h, q_idx, kv_idx)
         return out
-    mask_mod.__name__ = "_and_".join(getattr(m, "__name__", "mask") for m in mask_mods)
-    return mask_mod
+    return named(mask_mod, "_and_".join(getattr(m, "__name__", "mask") for m in mask_mods))
 
 
 def softcap(cap):
-    """score_mod: Gemma 2's attention logit soft-capping (HF gemma2 eager_attention_forward:
-    after the 1/sqrt scaling, before the mask)."""
+    """score_mod: Gemma 2's attention logit soft-capping (as HF: after the 1/sqrt scaling, before the mask)."""
     def score_mod(score, b, h, q_idx, kv_idx):
         return soft_cap(score, cap)
-    score_mod.__name__ = f"softcap_{cap}"
-    return score_mod
+    return named(score_mod, f"softcap_{cap}")
 
 
 def soft_cap(logits, cap):
@@ -140,21 +116,18 @@ def soft_cap(logits, cap):
 
 
 def pad_keys(key_valid):
-    """(B, S) -> (B, bucket(S)) with False after S: metadata is bucketed like q/k/v, so a
-    compiled kernel's guards on its shape hold for a whole bucket."""
+    """(B, S) -> (B, bucket(S)), False after S: bucketed like q/k/v, so compiled guards hold for a whole bucket."""
     return F.pad(key_valid, (0, bucket(key_valid.shape[1]) - key_valid.shape[1]), value=False)
 
 
 def padded(mask_mod, Q, S, device):
-    """mask_mod over Q and S padded to buckets: padding keys are never seen; padding
-    queries (their rows are dropped) and keys read clamped, in-range indices."""
+    """mask_mod over Q and S padded to buckets: padding keys are never seen; padding queries (their rows
+    are dropped) and keys read clamped, in-range indices."""
     q_last, s_last = torch.full((), Q - 1, device=device), torch.full((), S - 1, device=device)
 
     def mask_mod_padded(b, h, q_idx, kv_idx):
-        real_key = kv_idx <= s_last
-        return real_key & mask_mod(b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, s_last))
-    mask_mod_padded.__name__ = getattr(mask_mod, "__name__", "mask")
-    return mask_mod_padded
+        return (kv_idx <= s_last) & mask_mod(b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, s_last))
+    return named(mask_mod_padded, getattr(mask_mod, "__name__", "mask"))
 
 
 # -----------------------------------------------------------------------------
@@ -177,15 +150,11 @@ def draw(mask_mod, Q, S=None):
 
 
 class Mask:
-    """An attention pattern for queries (B, Q) over keys (B, S), built lazily per backend
-    and shared by all layers of one forward."""
+    """An attention pattern for queries (B, Q) over keys (B, S), built lazily per backend, shared by all layers."""
 
     def __init__(self, mask_mod, B, Q, S, device):
         self.mask_mod, self.B, self.Q, self.S, self.device = mask_mod, B, Q, S, device
         self._dense = self._block = None
-
-    def backend(self):
-        return BACKEND or ("flex" if self.device.type == "cuda" and self.Q >= 128 else "dense")
 
     def dense(self):
         """(bool (B, 1, Q, S), bool (B, 1, Q, 1): the query rows that see no key), built once."""
@@ -195,8 +164,7 @@ class Mask:
         return self._dense
 
     def block(self):
-        """BlockMask over (bucket(Q), bucket(S)): on CUDA one compiled create_block_mask
-        (never materialises B*Q*S), eager on CPU."""
+        """BlockMask over (bucket(Q), bucket(S)): compiled on CUDA (never materialises B*Q*S), eager on CPU."""
         global _compiled_block_mask
         if self._block is None:
             if _compiled_block_mask is None and self.device.type == "cuda":
@@ -209,15 +177,14 @@ class Mask:
 
 @torch.compiler.disable  # model.compile_layers: the dispatch stays eager; flex compiles on its own
 def attention(q, k, v, mask=None, scale=None, score_mod=None):
-    """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S.
-    scale: of q.k (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap).
-    GQA without repeating K/V (``enable_gqa``)."""
+    """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S. scale: of q.k
+    (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap). GQA without repeating K/V."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None and score_mod is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if mask is None:
         mask = Mask(causal, q.shape[0], q.shape[2], k.shape[2], q.device)
-    if mask.backend() == "flex":
+    if BACKEND == "flex" or (not BACKEND and mask.device.type == "cuda" and mask.Q >= 128):
         return _flex(q, k, v, mask.block(), scale, score_mod)
     dense, blind = mask.dense()
     if score_mod is None:
@@ -229,8 +196,8 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None):
 
 
 def scored_attention(q, k, v, dense, scale, score_mod):
-    """Dense attention with a score_mod, as HF's eager attention computes it: scores in the
-    input dtype, softmax in fp32. dense (B, 1, Q, S) bool. GQA by grouping the queries."""
+    """Dense attention with a score_mod as HF's eager attention: scores in the input dtype, softmax in fp32.
+    dense (B, 1, Q, S) bool. GQA by grouping the queries."""
     B, H, Q, hd = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     scale = hd ** -0.5 if scale is None else scale
@@ -250,16 +217,13 @@ CHUNK = 512  # tokens per chunk: 512 x 152k fp32 logits = 310 MB; at most 3 such
 
 
 class _ChunkedLoss(torch.autograd.Function):
-    """Sum over tokens of a per-token loss of logits = h @ w.T, computed chunk by chunk,
-    with d loss / d (h, w); backward only scales. ``kind`` "ce" (target ids) or "kd"
-    (teacher hidden states + head). ``cap``: Gemma 2's final logit soft-capping, on student
-    and teacher logits alike (both are the same base family here)."""
+    """Sum over tokens of a per-token loss of logits = h @ w.T, with d loss / d (h, w), chunk by chunk. ``kind``
+    "ce" (target ids) or "kd" (teacher hidden states + head). ``cap``: Gemma 2's final logit cap, on both."""
 
     @staticmethod
     def forward(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):
-        # fp32 even inside the caller's autocast. When every input is 16-bit (bf16 models on
-        # CUDA), TF32 tensor cores give the logits exactly (a bf16 value is a TF32 value, the
-        # sum is fp32) and the gradients, rounded to bf16 at the end, lose nothing visible.
+        # fp32 even inside autocast. With all inputs 16-bit, TF32 gives the logits exactly (a bf16 value is a
+        # TF32 value, the sum is fp32) and the gradients, rounded to bf16 at the end, lose nothing visible.
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = all(
             x.dtype in (torch.bfloat16, torch.float16) for x in (h, w, teacher_h, teacher_w) if x is not None)
@@ -272,7 +236,7 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def _run(ctx, h, w, weights, kind, target, teacher_h, teacher_w, cap):
         h32, w32 = h.float(), w.float()
-        tw32 = w32 if teacher_w is w else teacher_w.float() if teacher_w is not None else None  # one fp32 head when shared
+        tw32 = w32 if teacher_w is w else None if teacher_w is None else teacher_w.float()  # shared: one fp32 head
         grad_h = torch.zeros_like(h32)
         grad_w = torch.zeros_like(w32) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -293,9 +257,8 @@ class _ChunkedLoss(torch.autograd.Function):
                 logq = soft_cap(teacher_h[s:s + CHUNK].float() @ tw32.T, cap).log_softmax(-1)
                 p_t = logq.exp()
                 loss = logq.sub_(logp).mul_(p_t).sum(-1)
-                del logq
                 grad_logits = logp.exp_().sub_(p_t)
-                del p_t
+                del logq, p_t
             total += (loss * wt).sum()
             grad_logits *= wt[:, None]
             if tanh is not None:  # d cap * tanh(z / cap) / dz = 1 - tanh^2
@@ -326,18 +289,15 @@ def _select(h, labels, weights):
 
 
 def chunked_ce(h, w_head, labels, weights=None, softcap=None):
-    """Summed next-token CE: h (B, T, d) final hidden states, w_head (V, d), labels (B, T)
-    target ids or -100, optional per-token weights (B, T). softcap: the model's
-    final_logit_softcapping (Gemma 2), None for the others. Returns (sum, n_tokens)."""
+    """Summed next-token CE: h (B, T, d) final hidden states, w_head (V, d), labels (B, T) target ids or -100,
+    optional per-token weights (B, T). softcap: Gemma 2's final_logit_softcapping. Returns (sum, n_tokens)."""
     h, target, w, _ = _select(h, labels, weights)
     return _ChunkedLoss.apply(h, w_head, w, "ce", target, None, None, softcap), target.numel()
 
 
 def chunked_kd(h, w_head, teacher_h, teacher_w, labels=None, softcap=None):
-    """Summed KL(teacher || student) (meanpool eq. 5). With labels (B, T): h and teacher_h
-    (B, T, d|d_t) are aligned and the positions with labels != -100 count. Without: h (N, d)
-    and teacher_h (N, d_t) are the already selected rows. softcap as in chunked_ce, for
-    both. Returns (sum, n_tokens)."""
+    """Summed KL(teacher || student) (meanpool eq. 5). With labels (B, T): h, teacher_h (B, T, d|d_t) aligned,
+    the positions with labels != -100 count; without: the selected rows (N, d|d_t). Returns (sum, n_tokens)."""
     if labels is not None:
         h, _, _, keep = _select(h, labels, None)
         teacher_h = teacher_h.reshape(-1, teacher_h.shape[-1])[keep]

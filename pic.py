@@ -1,39 +1,30 @@
-"""Memory-token compression with a block-wise causal mask (PIC), and the two classic
-compression-token masks it is compared with.
+"""Memory-token compression with a block-wise causal mask (PIC), and the two classic compression-token masks it
+is compared with. Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_causal.txt), §3,
+Tables 2 and 4; the bidirectional variant is meanpool_multi_ratio §5.1.
 
-Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_causal.txt),
-§3, Table 2, Table 4; the bidirectional variant is meanpool_multi_ratio §5.1.
-
-    sequence   Z = [c_1 .. c_N, m_1 .. m_N],  N = ceil(L / r) (paper: r | L)         (eq. 4)
-    mask       blockwise (PIC, eq. 5): context -> context causal; memory -> memory
-               causal (t' <= t); memory t -> context only in chunk c_t
+    sequence   Z = [c_1 .. c_N, m_1 .. m_N],  N = ceil(L / r) (paper: r | L)                           (eq. 4)
+    mask       blockwise (PIC, eq. 5): context and memory causal (t' <= t); memory t -> context only in chunk c_t
                causal (PCC / ICAE, Table 4 "Full Causal Mask"): m_t -> all context, m_<=t
                bidir (meanpool §5.1): m_t -> all context and every memory token
-    memory     H = Converter(Enc(Z)[m_1 .. m_N])   final hidden states, MLP into the
-               decoder's embedding space; the decoder is frozen
-    pretrain   L = lam L_TC + (1 - lam) L_TR,  lam = 0.5                          (eq. 6-8)
+    memory     H = Converter(Enc(Z)[m_1 .. m_N]): final hidden states, an MLP into the frozen decoder's embeddings
+    pretrain   L = lam L_TC + (1 - lam) L_TR,  lam = 0.5                                           (eq. 6-8)
                TR: decoder reads [H, <AE>, x_1 .. x_{k-1}] and predicts x_1 .. x_k
                TC: decoder reads [H, x_k .. x_{L-1}] and predicts x_{k+1} .. x_L
-    finetune   qa: CE on the answer given [H, prompt]; kd: KL to the decoder reading the
-               full context (the same loss as meanpool.py, so both compare under one loss)
+    finetune   qa: CE on the answer given [H, prompt]; kd: KL to the decoder reading the full context (meanpool's)
 
 Choices the paper leaves open, made here:
-- Layout: memory after the *padded* context, padding keys masked (an example's memory is the same in any batch);
-  context i at i, memory t at L_b + t (`--mem_pos after`: eq. 4's order, and meanpool §5.1's appended tokens) or
-  at chunk t's centre min(t r + (r - 1) // 2, L_b - 1) (`centre`: EPL's idea, in the encoder only, not the official
-  EPL; the tiny base's token default, where appended tokens did not learn).
-- Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale. `--mem single` is meanpool
-  §5.1's token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
-- Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads the
-  prefix (BOS / chat header), the memory, then the prompt, as in meanpool.py.
-- Encoder: the shared base with an `encoder` adapter; the paper's separate, fully finetuned one (Qwen2.5-0.5B
-  -> frozen Llama-3-8B) is `--encoder DIR --lora_r 0`, reading the text with its own tokenizer if need be.
-- ae+lm: a text (BOS dropped, as a QA context) is split at k = len // 2, texts cut at 2 x max_context so
-  pretraining compresses the lengths finetuning will; eq. 6-7 are per-example means, so a batch's loss sums
-  eq. 8 over examples and counts them (exact under DDP and accumulation); <AE>: a learned decoder-space vector.
+- Layout: memory after the *padded* context, padding keys masked, so an example's memory is the same in any batch.
+- Encoder positions: memory t at L_b + t (`--mem_pos after`: eq. 4's order) or chunk t's centre min(t r + (r - 1) // 2,
+  L_b - 1) (`centre`: EPL's idea, not its code; the tiny base's token default, where appended tokens did not learn).
+- Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale; `--mem single` is meanpool §5.1's
+  token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
+- Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads [prefix, memory, prompt] as meanpool.
+- Encoder: the base + `encoder` LoRA; the paper's separate, fully finetuned one: `--encoder DIR --lora_r 0`.
+- ae+lm: texts of 2 x max_context (BOS dropped, as a QA context) split at k = len // 2, so x_1 .. x_k is QA-long.
+- Eq. 6-7 are per-example means, so a batch sums eq. 8 over examples and counts them (exact under DDP, accumulation).
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
-Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it. Tiny base: tiny.py's aids
-(KD per slot first where the slots are fixed; then output).
+- Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it.
+- Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
 import math
 from dataclasses import dataclass
@@ -60,9 +51,6 @@ class PICConfig:
     encoder: str = ""         # HF checkpoint dir of the encoder; "" = the shared base (with the LoRA adapter)
     decoder: str = ""         # HF checkpoint dir of the frozen decoder; "" = the shared base
 
-
-# -----------------------------------------------------------------------------
-# the three masks over Z (layout): group 0 is the context, g + 1 the g-th ratio's memory; chunk t is lo .. hi - 1
 
 def blockwise(z):
     """PIC eq. 5: causal everywhere (rules 1, 2), and memory t reads only chunk t (rule 3)."""
@@ -97,10 +85,9 @@ MASKS = {"blockwise": blockwise, "causal": causal, "bidir": bidir}
 
 
 def layout(lengths, L, ratios, centre=False):
-    """Z = [context, memory of ratios[0], of ratios[1], ..], contexts padded to L -> (z: (B, L + sum N_g)
-    tensors group, lo, hi, valid, pos (position ids); widths N_g = max_b ceil(L_b / r)). Memory t sits at
-    L_b + t, or at chunk t's centre (EPL) with `centre`. One pass equals a pass per ratio: no context
-    reads memory, no group another."""
+    """Z = [context padded to L, memory of ratios[0], of ratios[1], ..] -> (z: (B, L + sum N_g) tensors for the masks:
+    group (0 the context, g + 1 the g-th ratio's memory), chunk lo .. hi - 1, valid, pos (position ids); widths
+    N_g = max_b ceil(L_b / r)). One pass equals a pass per ratio: no context reads memory, no group another."""
     B, dev = lengths.shape[0], lengths.device
     i = torch.arange(L, device=dev)[None].expand(B, L)
     cols, widths = [(0 * i, 0 * i, 0 * i, i < lengths[:, None], i)], []  # context: group 0, no chunk
@@ -119,14 +106,14 @@ class PIC(nn.Module):
     memory_kind = "embeds"  # what its Memory holds: prefix embeddings
 
     @staticmethod
-    def recipe(mcfg):  # PIC's qa follows PCC's unstated settings: ours the same lr, one epoch of SQuAD's 86,821 at 16
+    def recipe(mcfg):
         if mcfg.mem == "single":
-            return [dict(objective="kd", cite="meanpool Table 6, §5.1", paper={**TABLE6, "ratio": "4,8,16,32,64,128",
-                                                                              "mem_pos": "after"})]
-        return [dict(objective="ae+lm", cite="§4.1.2, Fig. 2; Table 4", paper=dict(lr=1e-4, max_iters=90_000, ratio="16"),
-                     ours=dict(batch_size=16)),
-                dict(objective="qa", cite="§4.2.1; Table 4", paper=dict(ratio="16"), ours=dict(lr=1e-4, max_iters=5427,
-                                                                                           batch_size=16))]
+            paper = {**TABLE6, "ratio": "4,8,16,32,64,128", "mem_pos": "after"}
+            return [dict(objective="kd", cite="meanpool Table 6, §5.1", paper=paper)]
+        pretrain = dict(lr=1e-4, max_iters=90_000, ratio="16")
+        qa_ours = dict(lr=1e-4, max_iters=5427, batch_size=16)  # PCC's unstated settings: its lr, SQuAD's 86,821 once
+        return [dict(objective="ae+lm", cite="§4.1.2, Fig. 2; Table 4", paper=pretrain, ours=dict(batch_size=16)),
+                dict(objective="qa", cite="§4.2.1; Table 4", paper=dict(ratio="16"), ours=qa_ours)]
 
     # the tiny base: ae+lm, then qa at ratio 4 read at 4 and 16 (other training ratios kept less)
     TINY = dict(lr=2e-3, pretrain=100, max_iters=1100, batch_size=8, grad_accum=2, ratio="4", eval_ratio="4,16",
@@ -180,7 +167,7 @@ class PIC(nn.Module):
                 nn.init.eye_(self.converter[0].weight)
         else:
             self.converter = nn.Sequential(nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
-        self.ae = nn.Parameter(torch.randn(d_dec) * std_dec, requires_grad=run.objective == "ae+lm")  # <AE>
+        self.ae = nn.Parameter(torch.randn(d_dec) * std_dec, requires_grad=run.objective == "ae+lm")  # <AE>, learned
 
     def load(self, path, dtype, trainable):
         model = Transformer.from_pretrained(path, dtype=dtype)
@@ -191,11 +178,8 @@ class PIC(nn.Module):
     enc = property(lambda self: self.base if self.enc_model is None else self.enc_model)
     dec = property(lambda self: self.base if self.dec_model is None else self.dec_model)
 
-    # --- compression ------------------------------------------------------------
-
     def encode(self, context, lengths, ratios):
-        """Encoder over Z = [context, memory tokens of every ratio], one pass -> per ratio the memory
-        slots' final states (B, N_g, d_enc) and validity (B, N_g)."""
+        """One pass over Z = [context, each ratio's memory] -> per ratio (final states (B, N_g, d_enc), valid)."""
         B, L = context.shape
         z, widths = layout(lengths, L, ratios, self.centre)
         if int(z["pos"].max()) >= self.enc.config.max_position_embeddings:
@@ -210,7 +194,7 @@ class PIC(nn.Module):
         return list(zip(h[:, L:].split(widths, 1), z["valid"][:, L:].split(widths, 1)))
 
     def encoder_context(self, batch):
-        """(ids (B, L), lengths (B,)) of the context in the encoder's vocabulary."""
+        """(ids (B, L), lengths (B,)) of the context in the encoder's vocabulary (a separate --encoder's own)."""
         if self.enc_tok is None:
             return batch["context"], batch["context_len"]
         texts = [self.tok.decode(c[:n].tolist()) for c, n in zip(batch["context"], batch["context_len"])]
@@ -228,8 +212,6 @@ class PIC(nn.Module):
     def decode_hidden(self, memory, ids, embeds=None):  # [memory, embeds, ids] -> (B, T, d_dec)
         with self.dec.adapter(self.dec_adapter):
             return self.dec(ids, embeds=embeds, memory=memory, output="hidden")
-
-    # --- losses -------------------------------------------------------------------
 
     def forward(self, batch, ratios):
         """Training loss: (sum, count, metrics); see the docstring for what is counted."""
@@ -262,10 +244,8 @@ class PIC(nn.Module):
         texts = [ids[b, off:n].tolist() for b, n in enumerate(lengths)]
         ks = [max(1, len(x) // 2) for x in texts]  # x_1 .. x_k is compressed
         dev = ids.device
-
         def rows(cut, value=self.tok.pad_id):  # (B, T): one slice of every text, right-padded
             return data.pad_rows([cut(x, k) for x, k in zip(texts, ks)], value, 1).to(dev)
-
         def per_example(labels, counts):  # eq. 6-7 are means per example: weight 1 / count
             return (1.0 / torch.tensor(counts, device=dev).clamp(min=1))[:, None].expand(labels.shape)
         ctx = {"context": rows(lambda x, k: x[:k]), "context_len": torch.tensor(ks, device=dev),
@@ -283,16 +263,12 @@ class PIC(nn.Module):
             metrics.update({f"tr_r{r}": tr.item() / len(texts), f"tc_r{r}": tc.item() / len(texts)})
         return total, len(texts), metrics
 
-    # --- answering ----------------------------------------------------------------
-
 
 def main():
-    """Print the three masks for 2 chunks of 3 tokens: rows are queries, columns keys."""
-    L, r = 6, 3
-    z, _ = layout(torch.tensor([L]), L, [r])
-    print("Z = [c_1 (3 tokens), c_2 (3 tokens), m_1, m_2]; row = query, column = key\n")
+    """Print the three masks over Z = [2 chunks of 3 context tokens, m_1, m_2]: rows are queries, columns keys."""
+    z, _ = layout(torch.tensor([6]), 6, [3])
     for name, mask_mod in MASKS.items():
-        print(f"--mask {name}:\n{kernels.draw(mask_mod(z), L + 2)}\n")
+        print(f"--mask {name}:\n{kernels.draw(mask_mod(z), 8)}\n")
 
 
 if __name__ == "__main__":

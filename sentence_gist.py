@@ -1,7 +1,7 @@
 """Sentence-anchored gist tokens: a KV cache that keeps N_g gists per finished sentence.
 
-Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs"
-(../shared/papers/sentence_gist.txt), §3, Tables 1-5, App. A and C.3; SPEC §3.3.
+Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs" (../shared/papers/sentence_gist.txt), §3,
+Tables 1-5, App. A and C.3; SPEC §3.3.
 
     vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, 1e-5 Sigma) of the old rows  (§3.1, mean-resizing)
     placement   t t t .  g_1..g_Ng  t t ?  g_1..g_Ng  t t ...   after every token ending in . ! ?  (§3.2)
@@ -9,8 +9,8 @@ Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs"
                 gist j of s: all of s, g_1..g_j of s, the gists of sentences < s; causal overall
     loss        L = -sum_t log P(x_t | x_<t, C) over the regular tokens x_t                 (eq. 1)
     memory      K/V of the sink and the gists; ratio = context tokens / slots; stats["gist_rc"] = eq. 2
-    answering   (and `qa` training) the same rule: gists after every sentence of prompt and
-                answer, whose tokens then leave the cache (sink, gists, open sentence stay)
+    answering   (and `qa` training) the same rule: gists after every sentence of prompt and answer, whose
+                tokens then leave the cache (sink, gists, open sentence stay)
 
 Choices the paper leaves open (or that differ from it), made here:
 - The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id V + j embeds as row j,
@@ -45,8 +45,8 @@ class SentenceGistConfig:
 
 
 def mean_resize(weight, n, generator=None):
-    """n new rows ~ N(mu, 1e-5 Sigma) of the rows of weight (V, d) (Hewitt 2021) -> (n, d) fp32;
-    mu alone where Sigma is singular (V <= d), as HF's mean_resizing does."""
+    """n new rows ~ N(mu, 1e-5 Sigma) of weight (V, d) (Hewitt 2021) -> (n, d) fp32; mu alone where Sigma is
+    singular (V <= d), as HF's mean_resizing does."""
     w = weight.detach().float()
     mu, cov = w.mean(0), torch.cov(w.T, correction=0)  # (d,), (d, d)
     scale, info = torch.linalg.cholesky_ex(1e-5 * cov)
@@ -55,11 +55,10 @@ def mean_resize(weight, n, generator=None):
 
 
 def insert_gists(ids, is_end, n_gists, max_sentence_len, run=0, close=False):
-    """Gists after every sentence end: ids (T,) -> (new_ids, sentence, kind, src), each (T',).
-    Gist j is id V + j (V = len(is_end)); sentences count from 0 and own their gists; src: the
-    index in ids of the token whose target a position carries (-1: none; a final gist carries
-    its sentence's last token's, App. C.3). A sentence also ends at max_sentence_len tokens
-    (the guard; `run` of them came before ids) and, if close, where ids end."""
+    """Gists after every sentence end: ids (T,) -> (new_ids, sentence, kind, src), each (T'). Gist j is id V + j
+    (V = len(is_end)); sentences count from 0 and own their gists; src: the index in ids of the token whose target
+    a position carries (-1: none; a final gist: its sentence's last token's). A sentence also ends at
+    max_sentence_len tokens (`run` of them came before ids) and, if close, where ids end."""
     ids = torch.as_tensor(ids, dtype=torch.long).cpu()
     V, last, new, sent, kind, src, s = len(is_end), len(ids) - 1, [], [], [], [], 0
     for i, (t, end) in enumerate(zip(ids.tolist(), is_end[ids].tolist())):
@@ -73,30 +72,28 @@ def insert_gists(ids, is_end, n_gists, max_sentence_len, run=0, close=False):
 
 
 def sentence_mask(sentence, kind):
-    """mask_mod over (B, T) sentence ids and kinds (§3.3): causal, and a key is seen when it
-    is in the query's sentence or is a gist or the sink; padding (PAD) is never seen."""
+    """mask_mod over (B, T) sentence ids and kinds (§3.3): causal; a key is seen when it is in the query's
+    sentence or is a gist (of earlier sentences, or g_1..g_j of its own) or the sink; padding (PAD) never."""
     def mask_mod(b, h, q_idx, kv_idx):
-        causal = kv_idx <= q_idx
-        same_sentence = sentence[b, q_idx] == sentence[b, kv_idx]
-        kept = kind[b, kv_idx] > 0  # gists of earlier sentences (and g_1..g_j of its own), the sink
-        return (kind[b, kv_idx] != PAD) & causal & (same_sentence | kept)
+        seen = (sentence[b, q_idx] == sentence[b, kv_idx]) | (kind[b, kv_idx] > 0)
+        return (kind[b, kv_idx] != PAD) & (kv_idx <= q_idx) & seen
     mask_mod.__name__ = "sentence_mask"
     return mask_mod
 
 
 def layout(rows, is_end, n_gists, max_sentence_len, labels=None, device="cpu", multiple=64, runs=None):
-    """rows: per example (prefix, body, tail) id lists. prefix = sink (sentence 0); body gets
-    gists (sentences 1..), its end ending a sentence; tail (prompt + answer) gets gists, may end
-    unfinished, its first sentence has runs[b] tokens before it (in a cache). labels: targets of
-    prefix + body + tail, moved as insert_gists says. -> (B, T) ids, sentence, kind (PAD on
-    padding), labels; (B,) length, open (the last sentence while unfinished, else the next)."""
+    """rows: per example (prefix, body, tail) id lists. prefix = sink (sentence 0); body gets gists (sentences 1..),
+    its end ending a sentence; tail (prompt + answer) gets gists, may end unfinished, its first sentence has runs[b]
+    tokens before it (in a cache). labels: targets of prefix + body + tail, moved as insert_gists says. -> (B, T)
+    ids, sentence, kind (PAD on padding), labels; (B,) length, open (the last sentence if unfinished, else next)."""
     full = lambda n, v: torch.full((n,), v, dtype=torch.long)  # noqa: E731
     cols, opens = {k: [] for k in ("ids", "sentence", "kind", "labels")}, []
     for b, (prefix, body, tail) in enumerate(rows):
         P, N = len(prefix), len(body)
         ids, sent, kind, src = insert_gists(body, is_end, n_gists, max_sentence_len, close=True)
         t_ids, t_sent, t_kind, t_src = insert_gists(tail, is_end, n_gists, max_sentence_len, runs[b] if runs else 0)
-        src = torch.cat([torch.arange(P), torch.where(src >= 0, src + P, -1), torch.where(t_src >= 0, t_src + P + N, -1)])
+        src = torch.cat([torch.arange(P), torch.where(src >= 0, src + P, -1),
+                         torch.where(t_src >= 0, t_src + P + N, -1)])
         lab = torch.as_tensor(labels[b]).cpu() if labels is not None else full(P + N + len(tail), -100)
         cols["ids"].append(torch.cat([torch.as_tensor(prefix, dtype=torch.long).cpu(), ids, t_ids]))
         cols["sentence"].append(torch.cat([full(P, 0), sent + 1, t_sent + (int(sent[-1]) + 2 if N else 1)]))
@@ -110,8 +107,8 @@ def layout(rows, is_end, n_gists, max_sentence_len, labels=None, device="cpu", m
 
 
 def keep_slots(kv, keep, *more):
-    """The slots where keep (B, S) holds, in order, left-aligned: per-layer (k, v), each
-    (B, Hkv, S, hd) -> (B, Hkv, C, hd), C the most kept in a row; keep and more (B, S) -> (B, C)."""
+    """The slots where keep (B, S) holds, in order, left-aligned: per-layer (k, v), each (B, Hkv, S, hd) ->
+    (B, Hkv, C, hd), C the most kept in a row; keep and more (B, S) -> (B, C)."""
     order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :int(keep.sum(1).max())]  # (B, C)
     at = lambda x: x.gather(2, order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
     return ([(at(k), at(v)) for k, v in kv], *(t.gather(1, order) for t in (keep, *more)))
@@ -138,8 +135,8 @@ class SentenceGist(nn.Module):
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.tok, self.run, self.V = base, cfg, tok, run, base.config.vocab_size
-        texts = tok.token_texts()[:self.V]  # is_end (V,): the token's text ends in . ! or ? (§3.2); on the CPU
-        self.is_end = torch.tensor([t.rstrip().endswith((".", "!", "?")) for t in texts] + [False] * (self.V - len(texts)))
+        ends = [t.rstrip().endswith((".", "!", "?")) for t in tok.token_texts()[:self.V]]  # §3.2
+        self.is_end = torch.tensor(ends + [False] * (self.V - len(ends)))  # (V,) on the CPU: the text ends in . ! ?
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
         self.gist = nn.Parameter(mean_resize(base.model.embed_tokens.weight, cfg.gists, g))  # (N_g, d)
         self.trains_base = cfg.lora_r == 0  # §3.5: stages 2-3 "unfreeze all parameters" (eval.py: teacher rows apart)
@@ -164,14 +161,12 @@ class SentenceGist(nn.Module):
             raise SystemExit(f"error: --ratio {cfg.ratio} does not apply to --method sentence_gist: its ratio "
                              "is achieved (context tokens / kept slots); choose --gists 1, 2, 4 or 8")
 
-    # --- layout, embeddings, one forward -------------------------------------
-
-    def layout(self, rows, labels=None):
-        cfg = self.cfg
-        return layout(rows, self.is_end, cfg.gists, cfg.max_sentence_len, labels, self.gist.device, self.run.pad_multiple)
+    def layout(self, rows, labels=None, multiple=None, runs=None):
+        return layout(rows, self.is_end, self.cfg.gists, self.cfg.max_sentence_len, labels, self.gist.device,
+                      multiple or self.run.pad_multiple, runs)
 
     def embed(self, ids):
-        """(B, T) ids, gist j = V + j -> (B, T, d), base not resized; embedding, not gist[ids]: tiny.head_log_attention."""
+        """(B, T) ids, gist j = V + j -> (B, T, d); F.embedding, not gist[ids]: tiny.head_log_attention."""
         is_gist, gist_ids = ids >= self.V, (ids - self.V).clamp(0, self.cfg.gists - 1)
         e = self.base.model.embed_tokens(ids.masked_fill(is_gist, 0))  # (B, T, d)
         scale = self.base.model.embed_tokens.scale or 1.0  # rows live in weight space, as the vocabulary's (Gemma)
@@ -188,8 +183,7 @@ class SentenceGist(nn.Module):
         return [self.tok.bos_id] if self.tok.bos_id is not None else []
 
     def forward(self, batch, ratios):
-        """Training loss: (sum of CE over targets, n targets, metrics). `lm`: collate_lm text,
-        every regular token predicts the next one (eq. 1); `qa`: the answer tokens."""
+        """(sum of CE, n targets, metrics): `lm` every regular token of collate_lm text (eq. 1); `qa` the answer."""
         if self.run.objective == "lm":
             P = len(self.prefix())  # collate_lm starts every row with bos
             rows = [(r[:P], r[P:n], []) for r, n in zip(batch["ids"].tolist(), batch["lengths"].tolist())]
@@ -204,13 +198,11 @@ class SentenceGist(nn.Module):
         loss, n = self.base.ce(self.hidden(L), L["labels"])
         if teacher_attn is not None:
             loss = loss + n * self.aid.layout_loss(teacher_attn, L, batch)
-        return loss, n, {"gists_per_token": (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())}
-
-    # --- compressed cache, answering -----------------------------------------
+        gists_per_token = (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())
+        return loss, n, {"gists_per_token": gists_per_token}
 
     def keep(self, L, kv):
-        """Memory of a prefilled layout whose last sentence is finished: the sink and the gists;
-        stats["gist_rc"] = regular tokens / gists (paper eq. 2)."""
+        """Memory of a prefilled layout whose last sentence is finished: the sink and the gists (eq. 2: gist_rc)."""
         kv, mask = keep_slots(kv, L["kind"] > 0)
         memory = Memory(kv=kv, mask=mask, next_pos=L["length"])
         memory.stats = {"gist_rc": ((L["kind"] == TOKEN).sum(1) / (L["kind"] == GIST).sum(1).clamp(min=1)).tolist()}
@@ -222,24 +214,21 @@ class SentenceGist(nn.Module):
         return self.keep(L, self.hidden(L, return_kv=True)[1])
 
     def extend(self, cache, is_open, id_lists):
-        """Feed each row's ids after the cache, gisted, under the sentence mask; they continue the
-        cache's open sentence, whose slots is_open (B, C) marks -> ((B, V) logits of each row's
-        last position, the cache without the tokens of the sentences that ended, its is_open)."""
-        L = layout([([], [], x) for x in id_lists], self.is_end, self.cfg.gists, self.cfg.max_sentence_len,
-                   device=cache.mask.device, multiple=1, runs=is_open.sum(1).tolist())
+        """Feed each row's ids, gisted, after the cache, continuing its open sentence (slots is_open (B, C)) ->
+        ((B, V) logits of each row's last position, the cache less the ended sentences' tokens, its is_open)."""
+        L = self.layout([([], [], x) for x in id_lists], multiple=1, runs=is_open.sum(1).tolist())
         h, kv = self.hidden(L, memory=cache, return_kv=True)
         ended = ((L["kind"] == GIST) & (L["sentence"] == 1)).any(1, keepdim=True)  # (B, 1) the cache's open sentence
         new_open = (L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None])
-        kv, mask, is_open = keep_slots(kv, torch.cat([cache.mask & ~(is_open & ended), (L["kind"] == GIST) | new_open], 1),
-                                       torch.cat([is_open & ~ended, new_open], 1))
+        keep = torch.cat([cache.mask & ~(is_open & ended), (L["kind"] == GIST) | new_open], 1)
+        kv, mask, is_open = keep_slots(kv, keep, torch.cat([is_open & ~ended, new_open], 1))
         logits = self.base.logits(h[torch.arange(len(h), device=h.device), L["length"] - 1])  # (B, V)
         return logits, Memory(kv=kv, mask=mask, next_pos=cache.next_pos + L["length"]), is_open
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        """Greedy answers under the rule (§3.3, SPEC §3.3): the prompt, then each generated token,
-        goes into the cache with gists after every sentence end, and a finished sentence's
-        tokens leave it (= one pass over the gisted prompt and answer under the sentence mask)."""
+        """Greedy answers under the answering rule (§3.3): the prompt, then each answer token, extends the cache
+        (= one pass over the gisted prompt and answer under the sentence mask)."""
         eos, out, done = set(self.base.config.eos_token_id), [[] for _ in prompts], [False] * len(prompts)
         logits, cache, is_open = self.extend(memory, torch.zeros_like(memory.mask), prompts)
         for i in range(max_new_tokens):
@@ -257,11 +246,11 @@ class SentenceGist(nn.Module):
 
 @torch.no_grad()
 def perplexity(method, texts):
-    """Perplexity of each text's second half given (a) "full": the first half, plain base (no
-    adapter, no gists); (b) "compressed": the first half's cache (sink and gists: the cut is
-    the sentence end nearest the middle), the second half gisted, a sentence's first token
-    scored from the gist before it (App. C.3). "ratio" = first-half tokens / slots."""
-    base, ce, nll, count, ratios = method.base, torch.nn.functional.cross_entropy, {"full": 0.0, "compressed": 0.0}, 0, []
+    """Perplexity of each text's second half (cut at the sentence end nearest the middle) given (a) "full": the
+    first half, plain base (no adapter, no gists); (b) "compressed": its cache, the second half gisted, a
+    sentence's first token scored from the gist before it (App. C.3). "ratio" = first-half tokens / slots."""
+    base, ce = method.base, torch.nn.functional.cross_entropy
+    nll, count, ratios = {"full": 0.0, "compressed": 0.0}, 0, []
     for text in texts:
         prefix, body = method.prefix(), method.tok.encode(text)
         _, _, kind, src = insert_gists(body, method.is_end, method.cfg.gists, method.cfg.max_sentence_len)
@@ -273,7 +262,8 @@ def perplexity(method, texts):
         target = ids[0, P + cut:]
         with base.adapter(None):
             nll["full"] += ce(base(ids)[0, P + cut - 1:-1].float(), target, reduction="sum").item()
-        L1, L2 = method.layout([(prefix, body[:cut], [])]), method.layout([([], [], body[cut:])], [body[cut + 1:] + [-100]])
+        L1 = method.layout([(prefix, body[:cut], [])])
+        L2 = method.layout([([], [], body[cut:])], [body[cut + 1:] + [-100]])
         h1, kv = method.hidden(L1, return_kv=True)
         memory = method.keep(L1, kv)
         h2 = method.hidden(L2, memory=memory)[0][L2["labels"][0] != -100]
