@@ -1,56 +1,32 @@
-"""ATACompressor: a selective encoder over <PA>-chunked context + question, an adaptive
-allocation controller, and the K/V of k compression tokens as the frozen LLM's memory.
-
-Paper: "ATACompressor: Adaptive Task-Aware Compression for Efficient Long-Context
-Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A, Tables 2, 4-6, Fig. 10.
+"""ATACompressor: a selective encoder over <PA>-chunked context + question, an adaptive allocation controller,
+and the K/V of k compression tokens as the frozen LLM's memory. Paper: "ATACompressor: Adaptive Task-Aware
+Compression for Efficient Long-Context Processing in LLM" (../shared/papers/ata_compressor.txt), §3, §A,
+Tables 2, 4-6, Fig. 10.
 
     encoder input  <QUESTION> q </QUESTION> <CONTEXT> <PA> C_1 </PA> ... </CONTEXT> <INST> ... </INST>
                    then k_max learned compression tokens c_1..c_kmax          (Fig. 10, eq. 2-3)
     encoder        base + `encoder` LoRA, causal; memory KV = K/V of c_1..c_k, all layers
-    probe          L^_rel = zeta(H): attention pooling over the input's final hidden states,
-                   the last input token as the query, then an MLP            (eq. 4)
+    probe          L^_rel = zeta(H): attention pooling of the input's final states (query: its last), an MLP  (eq. 4)
     policy         k = eta(L^_rel) = clamp(ceil(L^_rel / r), 1, k_max)       (eq. 5)
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
 
-The target LLM (decoder) is the frozen base. The encoder is causal, so it runs all k_max
-compression tokens and the memory keeps the first k through its validity mask, identical
-to appending k (tests/test_ata.py checks K/V and decoder logits).
-
 Choices the paper leaves open, made here:
-- Chunks are the records' "chunks" (HotpotQA paragraphs, MS MARCO passages, SQuAD
-  sentences, synthetic biographies) inside the max_context-truncated context; a chunk cut
-  there is the decoded text of its kept tokens. Tags are plain text (no new vocabulary),
-  chunks joined by spaces (as in Fig. 7-9); BOS starts the encoder input.
-- C_rel, the reconstruction target, is the gold relevant chunks' plain text joined by
-  spaces (no <PA> tags, as in Table 7's regenerations), then EOS; L_rel is its token count.
-  [BOS] is the tokenizer's BOS (its EOS when it has none, e.g. Qwen).
-- Positions: the encoder input is left-padded, prompt at 0..n-1, c_j at n+j-1; the decoder
-  continues at next_pos = n + k, where an encoder that appended only k tokens would stop.
-  The decoder reads [prefix, KV, q, a]: the prefix (BOS, a chat header) is the frozen base's K/V at 0..P-1, as
-  every method keeps it before its memory (eq. 11 writes none); `rel` reads [KV, [BOS], C_rel] (eq. 8).
-- Probe: q = W h_last, attention over the input tokens' final hidden states (not the
-  compression tokens: k is known before c_1 exists, §3.2), MLP([h_last, pooled]) -> L_rel
-  in units of LEN_UNIT tokens (the MLP's output starts at order 1; L_rel is in the hundreds).
-  Gradients of lam * Huber reach the encoder too (joint training, eq. 8).
-- Training uses the gold L_rel for k (the encoder trains independently of the probe, §3.4);
-  inference uses the probe. Eq. 5 has no ceil or floor: k is rounded up and at least 1.
-- r is drawn "for each training batch" (§C): one per step from --rel_ratios (`rel`, Table 4)
-  or --ratio (`qa`, Table 5: 10), a pure function of (seed, step), so ranks, micro-batches
-  and --resume agree; eval --ratio sets r without retraining (§3.4).
-- HotpotQA keeps its distractor paragraphs (the recipe sets --hotpot_distractors; Fig. 7); a
-  training batch of a --data file whose every chunk is relevant warns (selective would be
-  --no_selective); the synthetic default's short contexts early in its curriculum do not.
-- Objectives: `qa` (default; eq. 11 plus lam * Huber, so one command trains encoder and
-  probe), `rel` (pretraining, eq. 8), `qa+rel` (both from one encoder pass: a one-stage
-  stand-in for the paper's rel -> qa).
-- On the tiny base, tiny.py's aids apply (curriculum; a LoRA decoder; attention distillation in
-  its output form, as compression tokens that read the whole prompt hold no fixed chunk, plus its
-  writer loss: c_j learn to read the answer one layer below the last). The frozen decoder answers
-  from the answer tokens' K/V alone, which without the writer loss c_j do not learn to hold. There a `rel`
-  stage before `qa` stalled `qa`, so the tiny default is `qa` alone.
-- Ablations (Table 2): --no_aac (k = --fixed_k always, the row's 6.00), --no_selective
-  (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
+- Chunks: the records' "chunks" in the truncated context (a cut one re-decoded), space-joined, tags as text (Fig. 7-9).
+- C_rel: the gold chunks joined by spaces, no <PA> tags (as Table 7's regenerations), then EOS; L_rel: its length.
+- [BOS] (eq. 8): the tokenizer's BOS, its EOS when it has none (Qwen); BOS also starts the encoder input.
+- Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
+- lam * Huber's gradients reach the encoder too (joint training, eq. 8).
+- k: the gold L_rel's in training (the encoder trains independently of the probe, §3.4), the probe's at inference.
+- The causal encoder runs all k_max tokens and the memory masks all but the first k: the same as appending k (tested).
+- Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
+- `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.
+- r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
+- HotpotQA keeps its distractors (recipe: --hotpot_distractors; §4.1.4): a --data batch of only gold chunks warns.
+- Objectives: `qa` (+ lam * Huber: one command trains encoder and probe), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
+- Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
+  chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
+- Ablations (Table 2): --no_aac, --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
 import math
 import random
@@ -66,7 +42,7 @@ import kernels
 from model import Memory, behind_prefix_kv
 
 INST = "Please identify and extract the <PA> sections that can answer the question (which may not be unique)"
-LEN_UNIT = 64.0  # the probe's MLP predicts L_rel / LEN_UNIT
+LEN_UNIT = 64.0  # the probe's MLP predicts L_rel / LEN_UNIT: its output starts at order 1, L_rel is in the hundreds
 
 
 @dataclass
@@ -81,7 +57,7 @@ class ATAConfig:
     no_aac: bool = False            # Table 2 ablation: k = fixed_k always, no probe
     fixed_k: int = 6                # k under --no_aac (Table 2 "w/o AAC": 6.00)
     no_selective: bool = False      # Table 2 ablation: reconstruct the whole context
-    prefix: bool = True             # qa: the prefix's K/V (BOS, chat header) before the memory, as every method's
+    no_prefix: bool = False         # qa: no prefix K/V (BOS, chat header) before the memory (the tiny base's)
 
 
 def encoder_prompt(question, chunks):
@@ -91,7 +67,7 @@ def encoder_prompt(question, chunks):
 
 
 def policy(L_hat, r, k_max):
-    """eq. 5: k = clamp(ceil(L^_rel / r), 1, k_max), per example (B,) long."""
+    """eq. 5, which does not round: k = clamp(ceil(L^_rel / r), 1, k_max), per example (B,) long."""
     return torch.clamp(torch.ceil(L_hat.float() / r), 1, k_max).long()
 
 
@@ -109,8 +85,8 @@ def encoder_mask(valid):
 
 
 def draw_ratio(choices, seed, step, salt):
-    """The policy ratio r of training step `step`, one for the whole batch: a pure function
-    of (seed, step) (str seeds hash with SHA-512, independent of PYTHONHASHSEED)."""
+    """The policy ratio r of training step `step`, one for the whole batch: a pure function of (seed, step), so ranks,
+    micro-batches and --resume agree (str seeds hash with SHA-512, independent of PYTHONHASHSEED)."""
     return random.Random(f"ata/{salt}/{seed}/{step}").choice(choices)
 
 
@@ -135,19 +111,19 @@ class ATA(nn.Module):
     Config = ATAConfig
     objectives = ("qa", "rel", "qa+rel")
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
+    # the tiny base: `qa` alone, no_prefix (a `rel` stage first, or its BOS sink before the memory, stalled qa)
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=16, grad_accum=2, lora_r=16, lora_alpha=32,
-                lora_dropout=0.0, max_context=1024, prefix=False)  # its BOS sink before the memory stalled qa
+                lora_dropout=0.0, max_context=1024, no_prefix=True)
+    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
+    dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
     @staticmethod
     def recipe(mcfg):
-        """§3.5: rel pretraining 3 epochs, then qa 1 epoch (Tables 4-5), of the 280k training examples at the overall
-        batch 16: 52,500 and 17,500 steps. Constant lr after 300 warmup steps; HotpotQA keeps its distractors (§4.1.4)."""
+        """§3.5: rel 3 epochs, then qa 1 epoch (Tables 4-5) of 280k examples at batch 16; constant lr after warmup."""
         both = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, max_context=600,
                     ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2)
         return [dict(objective="rel", cite="§3.5, Table 4", paper={**both, "max_iters": 52_500}),
                 dict(objective="qa", cite="§3.5, Table 5", paper={**both, "max_iters": 17_500})]
-    aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
-    dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()
@@ -168,25 +144,18 @@ class ATA(nn.Module):
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 
-    # --- collate time: encoder prompt, reconstruction target, gold length -----------
-
-    def kept_chunks(self, batch, b):
-        """Chunk texts of example b inside the (possibly truncated) context."""
-        rec, spans = batch["records"][b], batch["chunk_spans"][b]
-        texts = list((rec.get("chunks") or [rec["context"]])[:len(spans)])
-        if spans and batch["context_len"][b] >= self.run.max_context:  # the last one may be cut
-            s, e = spans[-1]
-            texts[-1] = self.tok.decode(batch["context"][b, s:e].tolist()).strip()
-        return texts
-
     def prepare(self, batch):
-        """Adds enc_ids (B, T) left-padded encoder prompts, enc_len (B,), rel_ids/rel_labels
+        """At collate time, adds enc_ids (B, T) left-padded encoder prompts, enc_len (B,), rel_ids / rel_labels
         (B, R) = [BOS] C_rel [EOS] with next-token labels, rel_len (B,) = L_rel."""
         tok = self.tok
         start = [tok.bos_id if tok.bos_id is not None else tok.eos_ids[0]]
         enc, rel, labels, rel_len, all_relevant = [], [], [], [], True
         for b, question in enumerate(batch["questions"]):
-            chunks = self.kept_chunks(batch, b)
+            rec, spans = batch["records"][b], batch["chunk_spans"][b]
+            chunks = list((rec.get("chunks") or [rec["context"]])[:len(spans)])  # those inside the context
+            if spans and batch["context_len"][b] >= self.run.max_context:  # the last one may be cut
+                s, e = spans[-1]
+                chunks[-1] = tok.decode(batch["context"][b, s:e].tolist()).strip()
             all_relevant &= len(batch["relevant_idx"][b]) == len(chunks)
             enc.append(batch["bos"] + tok.encode(encoder_prompt(question, chunks)))
             idx = range(len(chunks)) if self.cfg.no_selective else batch["relevant_idx"][b]
@@ -194,7 +163,7 @@ class ATA(nn.Module):
             rel.append(start + target)
             labels.append(target + [-100])
             rel_len.append(len(target) - 1)
-        if all_relevant and self.training and not self.cfg.no_selective and self.run.data:  # gold-only HotpotQA?
+        if all_relevant and self.training and not self.cfg.no_selective and self.run.data:  # not the synthetic default
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
                           "--no_selective; for HotpotQA use --hotpot_distractors")
         pad = self.run.pad_multiple
@@ -204,11 +173,8 @@ class ATA(nn.Module):
         batch["rel_len"] = torch.tensor(rel_len)
         return batch
 
-    # --- encoder, controller, memory ------------------------------------------------
-
     def encode(self, batch, n=None):
-        """Causal encoder over [prompt, c_1..c_n]: (final hidden states of the prompt
-        (B, T, d), per-layer (k, v) of the n compression tokens, each (B, Hkv, n, hd))."""
+        """Causal pass over [prompt, c_1..c_n] -> (prompt states (B, T, d), per layer (k, v) of c_j (B, Hkv, n, hd))."""
         ids, enc_len = batch["enc_ids"], batch["enc_len"]
         n = self.cfg.k_max if n is None else n
         B, T = ids.shape
@@ -227,8 +193,7 @@ class ATA(nn.Module):
         return self.probe(h, torch.arange(T, device=h.device)[None] >= T - batch["enc_len"][:, None])
 
     def memory(self, kv, k, enc_len, prefix=()):
-        """Keep the first k (B,) compression tokens (K/V cut to max k, the rest masked) behind the prefix's K/V (BOS,
-        a chat header: what every method keeps before its memory); next_pos enc_len + k."""
+        """The first k (B,) compression tokens (K/V cut to max k, the rest masked) behind the prefix's K/V."""
         C = int(k.max())
         mask = torch.arange(C, device=k.device)[None] < k[:, None]  # (B, C)
         kv, mask = behind_prefix_kv(self.base, prefix, [(kk[:, :, :C], vv[:, :, :C]) for kk, vv in kv], mask)
@@ -254,7 +219,7 @@ class ATA(nn.Module):
                 continue
             metrics[f"r_{obj}"] = r = draw_ratio(choices, self.run.seed, step, obj)
             k = self.policy_k(L, r)
-            memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if obj == "qa" and self.cfg.prefix else ())
+            memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if obj == "qa" and not self.cfg.no_prefix else ())
             with self.base.adapter(self.dec_adapter):
                 h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
             loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])
@@ -264,33 +229,22 @@ class ATA(nn.Module):
             metrics.update({f"{obj}_ce": loss.item() / max(m, 1), f"k_{obj}": k.float().mean().item()})
         return total, n, metrics
 
-    # --- inference: the probe sets k ---------------------------------------------------
-
     @torch.no_grad()
-    def compress(self, batch, ratio):
+    def compress(self, batch, ratio):  # the probe sets k; eval's --ratio sets r without retraining (§3.4)
         h, kv = self.encode(batch)
         L_hat = self.length(batch, h)
         k = self.policy_k(L_hat, ratio)
-        memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if self.cfg.prefix else ())
+        memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if not self.cfg.no_prefix else ())
         memory.stats = {"k": k.float().tolist(), "probe_abs_err": (L_hat - batch["rel_len"]).abs().tolist()}
         return memory
 
 
 def main():
-    """Print the encoder prompt for a toy example and the encoder -> memory -> decoder layout."""
-    print(encoder_prompt("Where does Ada Lovelace live?", ["Ada Lovelace lives in Paris.",
-          "Ben Okafor works for Acme Labs.", "Ada Lovelace studied at Carrow College."]))
-    pad, n, kmax, k, dec = 2, 6, 4, 2, 3
-    valid = torch.arange(pad + n + kmax)[None] >= pad
-    kinds = "_" * pad + "t" * n + "c" * kmax
-    print(f"\nencoder (causal; _ left padding, t prompt tokens, c compression tokens, k_max={kmax}):\n  {kinds}")
-    grid = kernels.draw(encoder_mask(valid), pad + n + kmax).splitlines()
+    """Print a toy encoder prompt and the encoder's mask (_ left padding, t prompt tokens, c compression tokens)."""
+    print(encoder_prompt("Where does Ada Lovelace live?", ["Ada Lovelace lives in Paris.", "Ben Okafor is in Oslo."]))
+    kinds = "__tttttcccc"
+    grid = kernels.draw(encoder_mask(torch.tensor([[kind != "_" for kind in kinds]])), len(kinds)).splitlines()
     print("\n".join(kind + " " + row for kind, row in zip(kinds, grid)))
-    key_valid = torch.cat([torch.arange(kmax)[None] < k, torch.ones(1, dec, dtype=torch.bool)], 1)
-    print(f"\ndecoder (frozen base) over the memory, policy k={k}: m K/V of c_1..c_{kmax}, d decoder tokens")
-    print("  " + "m" * kmax + "d" * dec)
-    grid = kernels.draw(kernels.causal_after_prefix(kmax, key_valid), dec, kmax + dec).splitlines()
-    print("\n".join("d " + row for row in grid))
 
 
 if __name__ == "__main__":

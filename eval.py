@@ -5,7 +5,6 @@ and answering time, for one or many run dirs; and a one-shot mode.
     python eval.py out/meanpool out/pic --ratio 4,16  # one table over several runs
     python eval.py out/pic --context doc.txt --question "Who ...?" --save_memory doc.mem
     python eval.py out/pic --memory doc.mem --question "Where ...?"
-    python eval.py --compare out/meanpool/metrics.json out/pic/metrics.json [--row_a @16 --row_b @16]
 
 Rows: the teacher with full context, the teacher with no context, then method@ratio, each with
 per-question scores and 95% bootstrap intervals of EM and F1. Teacher-normalised F1 = (F1 - F1_noctx) /
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 import data
-import runs
+import train
 import tiny
 from model import Memory
 
@@ -50,10 +49,6 @@ class EvalConfig:
     question: str = ""
     memory: str = ""           # answer from a saved compressed context
     save_memory: str = ""      # save the compressed context of --context
-    # --- comparing two results JSON files (metrics.json or --out)
-    compare: bool = False      # the two positional arguments are JSON files: paired F1 difference
-    row_a: str = ""            # rows of A to compare: a name or part of one ("@16", "teacher"); "" = method rows
-    row_b: str = ""            # the same for B; rows pair up by requested ratio
 
 
 # -----------------------------------------------------------------------------
@@ -114,7 +109,7 @@ def eval_records(cfg, ecfg):
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data
     if path:
-        return list(runs.read_records(path, cfg))[:n]
+        return list(train.read_records(path, cfg))[:n]
     return tiny.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 
@@ -187,7 +182,7 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     for r in ratios:
         preds, secs, stats = [], 0.0, collections.defaultdict(list)
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
-            b = runs.to_device(b, device)
+            b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds, secs = preds + decode(tok, outs), secs + dt
             stats["ratio"] += (b["context_len"].float() / memory.slots().float().clamp(min=1)).tolist()
@@ -230,7 +225,7 @@ def run_label(run_dir, mcfg):
     given = state.get("flags", [])
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
     flags += [f"{k}={getattr(mcfg, k)}" for k in given if hasattr(mcfg, k)]
-    first = runs.first_stage(state["train"]["init_from"], state["train"]["method"])
+    first = train.first_stage(state["train"]["init_from"], state["train"]["method"])
     if first:
         flags.append(f"after {first['train']['objective']}")
     elif "pretrain" in given:
@@ -246,7 +241,7 @@ def evaluate_run(run_dir, ecfg, device):
             return json.load(open(cached))
         except json.JSONDecodeError as e:
             raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
-    cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
+    cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     if not hasattr(method, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     records = eval_records(cfg, ecfg)
@@ -255,10 +250,10 @@ def evaluate_run(run_dir, ecfg, device):
     key = teacher_key(cfg, ecfg, records, device)
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
     if not shared and getattr(method, "trains_base", False):  # its weights are the method's now (gist --lora_r 0)
-        base = runs.load_base(cfg, device, torch.float32)[1]
+        base = train.load_base(cfg, device, torch.float32)[1]
     t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
     teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
-    ratios = runs.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
+    ratios = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4)
@@ -267,7 +262,7 @@ def evaluate_run(run_dir, ecfg, device):
         row.update(method=label, run=run_dir, **extra,
                    f1_norm=(row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan"))
     result = {"run": run_dir, "teacher_key": key, "teacher": teacher, "no_context": noctx, "rows": rows}
-    runs.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
+    train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
     return result
 
 
@@ -330,49 +325,6 @@ def plot(results, path):
 
 
 # -----------------------------------------------------------------------------
-# comparing two results files
-
-def rows_of(path):
-    """{name: row} of a metrics.json or a combined --out JSON; a method row is named "method@ratio"."""
-    try:
-        results = json.load(open(path))
-        rows = {}
-        for res in results if isinstance(results, list) else [results]:
-            for r in [res["teacher"], res["no_context"]] + res["rows"]:
-                rows.setdefault(r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else ""), r)
-        return rows
-    except OSError as e:
-        raise SystemExit(f"error: --compare: cannot read {path} ({e.strerror})")
-    except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"error: --compare: {path} is not an eval.py results JSON ({type(e).__name__}: {e})")
-
-
-def compare(path_a, path_b, row_a="", row_b=""):
-    """One line per pair of rows (same requested ratio, or the only row picked on each
-    side): both F1s on the shared questions, A - B with its paired 95% CI, a verdict."""
-    a, b = rows_of(path_a), rows_of(path_b)
-    na = [n for n in a if (row_a in n if row_a else "ratio_requested" in a[n])]
-    nb = [n for n in b if (row_b in n if row_b else "ratio_requested" in b[n])]
-    pairs = [(x, y) for x in na for y in nb
-             if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")]
-    if not pairs:
-        raise SystemExit(f"error: --compare: no rows to pair; pick them with --row_a/--row_b from "
-                         f"A: {', '.join(a)}; B: {', '.join(b)}")
-    lines = []
-    for x, y in pairs:
-        for path, name, row in ((path_a, x, a[x]), (path_b, y, b[y])):
-            if "scores" not in row:
-                raise SystemExit(f"error: {path}: row {name!r} has no per-question scores; rerun with --recompute")
-        c = paired_diff_ci(a[x]["scores"]["f1"], b[y]["scores"]["f1"])
-        lo, hi = c["ci"]
-        verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
-        lines.append(f"A {x} F1 {c['a']:.1f} vs B {y} F1 {c['b']:.1f} on {c['n']} questions: "
-                     f"A - B {c['diff']:+.1f} [{lo:+.1f}, {hi:+.1f}] -> {verdict}")
-    print("\n".join(lines))
-    return lines
-
-
-# -----------------------------------------------------------------------------
 # one-shot: answer a question about a text file
 
 @torch.no_grad()
@@ -402,16 +354,16 @@ def one_shot(ecfg, run_dir, device):
         context = Path(ecfg.context).read_text(encoding="utf-8") if ecfg.context else ""
     except UnicodeDecodeError:
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
-    cfg, mcfg, tok, base, method = runs.load_run(run_dir, device)
+    cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     record = {"id": "one-shot", "context": context,
               "question": ecfg.question or "What is this text about?", "answers": [""]}
-    batch = runs.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
+    batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
     if not ecfg.memory and batch["context_len"][0] > cfg.max_context:
         raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
     if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
         raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
-    ratio = runs.ratios_of(ecfg.ratio or cfg.ratio)[0]
+    ratio = train.ratios_of(ecfg.ratio or cfg.ratio)[0]
     (outs, memory), dt = timed(lambda: answer(method, batch, ratio, ecfg.max_new_tokens, memory))
     print(f"answer: {decode(tok, outs)[0]}")
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
@@ -421,14 +373,8 @@ def one_shot(ecfg, run_dir, device):
 
 
 def main(argv):
-    (ecfg,), _ = runs.parse_args(argv, EvalConfig, positional="runs",
-                                  usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]\n"
-                                        "       python eval.py --compare A.json B.json [--row_a S --row_b S]")
-    if ecfg.compare:
-        paths = ecfg.runs.split()
-        if len(paths) != 2:
-            raise SystemExit(f"error: --compare takes two JSON files (A.json B.json), got {len(paths)}")
-        return compare(*paths, ecfg.row_a, ecfg.row_b)
+    (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs",
+                                   usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
     run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")

@@ -1,7 +1,5 @@
-"""Mean-pooling context compression with multi-ratio distillation.
-
-Paper: "Simple Context Compression: Mean-Pooling and Multi-Ratio Training"
-(../shared/papers/meanpool_multi_ratio.txt), §4, Table 3, Table 6.
+"""Mean-pooling context compression with multi-ratio distillation. Paper: "Simple Context Compression:
+Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.txt), §4, Table 3, Table 6.
 
     encoder    h = Enc(T)                   base + `encoder` LoRA, full bidirectional attention
     pool       S_k = {(k-1)r+1 .. min(kr, L)},  z_k = mean_{i in S_k} h_i    (eq. 3-4)
@@ -11,23 +9,13 @@ Paper: "Simple Context Compression: Mean-Pooling and Multi-Ratio Training"
                L_multi = sum_{r in R} L_KD(r)  one encoder pass, one update      (eq. 6)
 
 Choices the paper leaves open, made here:
-- h is the final-layer hidden state after the final norm (HF's last hidden state), of the context alone;
-  read after the prefix (as sac.py's encoder reads) or before the norm, it kept no more on the tiny base.
-- Encoder and decoder start from the teacher: a `--teacher` adapter is merged into the
-  shared base before theirs are added, so `adapter(None)` is the frozen teacher (on the
-  tiny default, the base itself is the teacher).
-- Padding is never attended to nor pooled; a partial last window averages only its real
-  tokens (C = ceil(L / r)).
-- The decoder reads [prefix, z_1 .. z_C, prompt, answer] (prefix = BOS / chat header, as
-  the teacher reads [prefix, context, prompt, answer]; model.behind_prefix) at positions
-  0.. in order; the prefix slots count in the memory size. The loss is per answer token
-  (summed over ratios).
-- Table 3's ablations: `--fixed_decoder` (no decoder adapter: only the encoder and W
-  train), `--fixed_encoder` (no encoder adapter: the frozen base, still bidirectional,
-  encodes), `--no_encoder` (the decoder's token embeddings are pooled), `--no_linear`
-  (no W), `--ratio_sampling` (one ratio drawn per example, not all).
-- `--objective qa`: CE on the answer instead of KD (an alternative, not the paper's).
-On the tiny base, tiny.py's aids apply (slot k holds window S_k).
+- h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
+- Encoder and decoder start from the teacher: `--teacher` is merged into the base first, so `adapter(None)` is it.
+- Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
+- The decoder reads [prefix, z_1 .. z_C, prompt, answer] at 0.., as the teacher reads the context (behind_prefix).
+- The loss is per answer token, summed over ratios; `--objective qa`: CE on the answer instead (not the paper's).
+- Table 3's ablations: MeanPoolConfig's flags; under `--fixed_encoder` the frozen base still encodes bidirectionally.
+- Tiny base: tiny.py's aids (slot k holds window S_k).
 """
 import random
 from dataclasses import dataclass
@@ -75,13 +63,10 @@ class MeanPool(nn.Module):
     memory_kind = "embeds"  # what its Memory holds: prefix embeddings
 
     @staticmethod
-    def recipe(mcfg):  # the stages on a real checkpoint (runs.resolve; the tiny base: TINY over the last)
+    def recipe(mcfg):  # the stages on a real checkpoint (train.resolve; the tiny base: TINY over the last)
         return [dict(objective="kd", cite="Table 6; R of §5.1", paper={**TABLE6, "ratio": "4,8,16,32,64,128"})]
 
-    # tiny base: LoRA rank 64 (rank 16: ~14 F1 less at 4x). 16x keeps 0.14-0.19 of the teacher's gain in every
-    # variant tried (steps, ratios, rank, loss, weights); the mean limits it, not the windows: a probe finds the
-    # answer's first token in its slot 89 / 67 / 19 % of the time at 4 / 8 / 16x; pic's tokens there keep twice the F1.
-    TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)
+    TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)  # rank 16 kept less
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 
     def __init__(self, base, cfg, tok, run):
@@ -92,9 +77,8 @@ class MeanPool(nn.Module):
         self.dec_adapter = None if cfg.fixed_decoder else "decoder"
         for name in filter(None, (self.enc_adapter, self.dec_adapter)):
             base.add_adapter(name, cfg.lora_r, cfg.lora_alpha)
-        self.proj = None
-        if not cfg.no_linear:
-            self.proj = nn.Linear(d, d, bias=False)
+        self.proj = None if cfg.no_linear else nn.Linear(d, d, bias=False)
+        if self.proj is not None:
             nn.init.eye_(self.proj.weight)
 
     def encode(self, batch):
@@ -126,7 +110,7 @@ class MeanPool(nn.Module):
             with torch.no_grad(), self.base.adapter(None):
                 teacher = self.base(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (N, d)
         groups = ratios
-        if self.cfg.ratio_sampling:  # Table 3: one ratio per example, (B,)
+        if self.cfg.ratio_sampling:  # Table 3: one ratio per example, (B,); no per-ratio metrics
             groups = [torch.tensor([random.choice(ratios) for _ in range(h.shape[0])], device=h.device)]
         total, metrics = 0.0, {}
         for r in groups:
@@ -149,14 +133,11 @@ class MeanPool(nn.Module):
 
 
 def main():
-    """Print the pooling layout for a toy context: which window each token falls into."""
+    """Print which window each token of a toy context falls into."""
     L, r = 11, 4
-    z, mask = mean_pool(torch.eye(L)[None], torch.tensor([L]), r)
+    z, _ = mean_pool(torch.eye(L)[None], torch.tensor([L]), r)
     print(f"mean pooling, L={L}, r={r}: row k = memory slot z_k, column i = context token i")
-    for k in range(z.shape[1]):
-        print("".join("#" if w > 0 else "." for w in z[0, k]), f" z_{k + 1} = mean of {int((z[0, k] > 0).sum())} tokens")
-    print("\nencoder attention (bidirectional, 2 padding tokens):")
-    print(kernels.draw(kernels.bidirectional(torch.arange(L + 2)[None] < L), L + 2))
+    print("\n".join("".join("#" if w > 0 else "." for w in row) for row in z[0]))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   if it is deleted, the first run that needs it trains it again.
 - `Base` (`--method base`): that model's objective and curriculum (SPEC §2.6).
 - Aids, the same for every compression method, on the tiny base only (`--no_aids`: none of them, and the papers'
-  recipes at the tiny base's scale, runs.SCALE):
+  recipes at the tiny base's scale, train.SCALE):
   1. `compressor_curriculum`: short contexts first, then a ramp to the eval set's mix.
   2. `AttentionDistillation`: the decoder's head 0 learns from the teacher's: where it looks, over
      the memory slots that hold each context token, where the paper's layout fixes them (SLOTS);

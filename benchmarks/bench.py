@@ -28,7 +28,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import kernels  # noqa: E402
-import runs  # noqa: E402
 import train  # noqa: E402
 from model import Memory, ModelConfig, Transformer, compile_layers  # noqa: E402
 
@@ -197,10 +196,10 @@ def build_row(base, tok, method, objective, ratio, batch_size, context):
     train.py builds them, from synthetic biographies long enough to fill `context` tokens.
     method: a --method name, then any of its flags ("pic --mem single")."""
     method, *flags = method.split()
-    cls = runs.method_registry()[method]
-    run = runs.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
+    cls = train.method_registry()[method]
+    run = train.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
                            batch_size=batch_size, no_aids=True, seed=0)
-    (mcfg,), _ = runs.parse_args(flags, runs.method_config(cls))
+    (mcfg,), _ = train.parse_args(flags, train.method_config(cls))
     if hasattr(cls, "check_config"):
         cls.check_config(run, mcfg)
     torch.manual_seed(0)
@@ -213,7 +212,7 @@ def build_row(base, tok, method, objective, ratio, batch_size, context):
     people = context // 25 + 4  # ~40 tokens per biography with the tiny tokenizer; collate cuts at `context`
     items = [batches.synth.lm_text(rng, people) if batches.text else batches.synth.example(rng, people, 6)
              for _ in range(batch_size)]
-    batch = dict(runs.to_device(batches.collate(items), dev), step=0)
+    batch = dict(train.to_device(batches.collate(items), dev), step=0)
     return m, batch, int((batch["lengths"] if batches.text else batch["context_len"]).sum())
 
 
@@ -325,7 +324,7 @@ def train_row(shape, tok, row, B, context):
     name, method, objective, ratio = row
     base = random_model(shape, tok)
     m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
-    ratios = runs.ratios_of(ratio)
+    ratios = train.ratios_of(ratio)
 
     base.grad_ckpt = args.grad_ckpt
     counter = FlopCounter(base)
@@ -443,7 +442,7 @@ def bench_batching():
     records = [dict(r, id=f"{r['id']}-{i}") for i in range(9) for r in records]
     tok = data.load_tokenizer(os.path.join(assets, "tokenizers", "llama3_tokenizer.model"))
     tok.memo = {}
-    cfg = runs.TrainConfig(method="meanpool", objective="kd", init_from="/real", batch_size=32, max_context=1024,
+    cfg = train.TrainConfig(method="meanpool", objective="kd", init_from="/real", batch_size=32, max_context=1024,
                            max_answer=256, prompt="plain")
     batches, epoch2 = train.Batches(cfg, tok, None, records), len(records) // 32 + 1
     for name, steps in (("first visits", range(args.iters * 10)),  # then the same records again: from the memo

@@ -23,7 +23,7 @@ import bench  # noqa: E402
 import data  # noqa: E402
 import kernels  # noqa: E402
 import pic  # noqa: E402
-import runs  # noqa: E402
+import train  # noqa: E402
 
 
 def hf_peft(ours):
@@ -163,7 +163,7 @@ def twin_pair(shape, tok, row, B, context):
     n = int((batch["qa_labels"] != -100).sum()) if row[1] == "meanpool" else B  # ours' counts
     params = [p for k, p in model.named_parameters() if "lora_" in k] + \
         [p for k, p in m.named_parameters() if p.requires_grad and "lora_" not in k]  # peft's adapters, our others
-    ratios = runs.ratios_of(row[3])
+    ratios = train.ratios_of(row[3])
     step = bench.optimizer_step(params, lambda: TWINS[row[0]](model, m, batch, ratios, tok) / n)
     secs_hf = bench.time_row(f"{row[0]} (HF + peft)", step, n_tokens, flops)
     print(f"  {'':22s} ours / HF + peft: {secs_hf / secs:.2f}x the speed")

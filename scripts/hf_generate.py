@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import eval as evaluate  # noqa: E402
-import runs  # noqa: E402
+import train  # noqa: E402
 import tiny  # noqa: E402
 from model import Memory  # noqa: E402
 
@@ -96,7 +96,7 @@ def main(argv):
     args = parser.parse_args(argv)
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: no such file")
-    cfg, mcfg, tok, base, method = runs.load_run(args.run)
+    cfg, mcfg, tok, base, method = train.load_run(args.run)
     memory = Memory.load(args.memory)
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")

@@ -3,7 +3,7 @@
 #   bash scripts/seeds.sh 1337,1,2 --method pic --mem single --mask bidir
 #   JOBS=15 bash scripts/seeds.sh 1,2,3,4,5,6,7 --method pic --mem single --dtype float32   # a GPU
 # --seed draws the held-out questions too, so rows of different seeds are not paired; to pair
-# two settings, run both on one seed and use eval.py --compare.
+# two settings, run both on one seed and use scripts/compare.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: bash scripts/seeds.sh SEED,SEED,... TRAIN_FLAGS..." >&2; exit 2; }

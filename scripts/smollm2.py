@@ -165,10 +165,10 @@ def zero_shot(model_dir, heldout, n, teacher="", batch_size=8):
     markdown table."""
     import torch
     import eval as evaluate
-    import runs
+    import train
     torch.manual_seed(0)
-    cfg = runs.TrainConfig(init_from=model_dir, teacher=teacher, eval_data=heldout, eval_examples=n)
-    tok, base = runs.load_base(cfg, "cpu", torch.float32)
+    cfg = train.TrainConfig(init_from=model_dir, teacher=teacher, eval_data=heldout, eval_examples=n)
+    tok, base = train.load_base(cfg, "cpu", torch.float32)
     ecfg = evaluate.EvalConfig(batch_size=batch_size)
     rows = evaluate.teacher_rows(base, tok, evaluate.eval_records(cfg, ecfg), cfg, ecfg, "cpu")
     res = {"run": model_dir, "teacher": rows["teacher"], "no_context": rows["no-context"], "rows": []}

@@ -11,7 +11,6 @@ import ata
 import data
 import tiny
 import eval as evaluate
-import runs
 import train
 from common import method_smoke, read_params, run, torchrun
 from model import Memory, Transformer
@@ -25,7 +24,7 @@ def _method(base_dir, objective="qa+rel", n=3, **kw):
     for p in base.parameters():
         p.requires_grad_(False)
     torch.manual_seed(0)
-    m = ata.ATA(base, ata.ATAConfig(lora_r=4, lora_dropout=0.0, **kw), tok, runs.TrainConfig(objective=objective, ratio="10"))
+    m = ata.ATA(base, ata.ATAConfig(lora_r=4, lora_dropout=0.0, **kw), tok, train.TrainConfig(objective=objective, ratio="10"))
     for name, p in m.named_parameters():  # non-zero adapters so the encoder is not the base
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
@@ -146,7 +145,7 @@ def test_r_is_drawn_per_step_for_the_whole_batch(base_dir):
     assert (k_lo["r_rel"], k_hi["r_rel"]) == (1, 50)
     assert k_lo["k_rel"] == ata.policy(L, 1, 8).float().mean().item()
     assert k_hi["k_rel"] == ata.policy(L, 50, 8).float().mean().item() < k_lo["k_rel"]
-    cfg = runs.TrainConfig(method="ata", objective="rel", init_from=base_dir, batch_size=2, grad_accum=2,
+    cfg = train.TrainConfig(method="ata", objective="rel", init_from=base_dir, batch_size=2, grad_accum=2,
                             no_aids=True)
     batches = train.Batches(cfg, m.tok, m)
     for step in (lo, hi):
@@ -159,8 +158,8 @@ def test_r_is_drawn_per_step_for_the_whole_batch(base_dir):
 def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
     """Issue 20 items 7 and 9: on a real checkpoint 300 warmup steps (Tables 4-5), whatever
     --max_iters is; HotpotQA keeps its distractor paragraphs (explicit flags win)."""
-    cfg, mcfg = runs.TrainConfig(method="ata", init_from=base_dir), ata.ATAConfig()
-    runs.resolve(cfg, mcfg, set(), ata.ATA)
+    cfg, mcfg = train.TrainConfig(method="ata", init_from=base_dir), ata.ATAConfig()
+    train.resolve(cfg, mcfg, set(), ata.ATA)
     assert cfg.warmup_iters == 300 and cfg.max_iters == 17_500 and cfg.hotpot_distractors and cfg.ratio == "10"
     assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
     assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
@@ -168,13 +167,13 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
     paragraphs = [["A", ["Ann wrote A."]], ["B", ["Ann wrote B."]], ["C", ["Cid slept."]]]  # C: a distractor
     hotpot.write_text(json.dumps([{"_id": "h1", "question": "Who wrote both?", "answer": "Ann",
                                    "supporting_facts": [["A", 0], ["B", 0]], "context": paragraphs}]))
-    rec = next(runs.read_records(str(hotpot), cfg))
+    rec = next(train.read_records(str(hotpot), cfg))
     assert len(rec["chunks"]) == 3 and len(rec["relevant"]) == 2
-    gold_only = runs.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False)
-    runs.resolve(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
-    assert len(next(runs.read_records(str(hotpot), gold_only))["chunks"]) == 2
-    tiny_cfg = runs.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup
-    runs.resolve(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
+    gold_only = train.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False)
+    train.resolve(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
+    assert len(next(train.read_records(str(hotpot), gold_only))["chunks"]) == 2
+    tiny_cfg = train.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup
+    train.resolve(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
 
 

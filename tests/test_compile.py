@@ -8,7 +8,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import bench
 import kernels
 import pic
-import runs
+import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -114,6 +114,6 @@ def test_one_run_compiles_every_graph_it_needs(compiled_flex, monkeypatch):
     for context in (130, 250, 380, 500, 700, 900, 1000):
         m, batch, _ = bench.build_row(base, tok, "meanpool", "kd", "4,8,16", 2, context)
         with torch.no_grad():  # the forward is what compiles (flex has no backward on CPU)
-            m(batch, runs.ratios_of("4,8,16"))
+            m(batch, train.ratios_of("4,8,16"))
     frames = dict(counters["frames"])
     assert frames["ok"] == frames["total"] > 2 * 8 and not counters["unimplemented"], (frames, dict(counters["unimplemented"]))

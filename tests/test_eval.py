@@ -1,5 +1,5 @@
 """eval.py: SQuAD metrics (hand cases and the official script's numbers), the table builder,
-bootstrap intervals and --compare."""
+bootstrap intervals and scripts/compare.py."""
 import json
 import os
 import re
@@ -14,7 +14,7 @@ import torch
 
 import data
 import eval as evaluate
-import runs
+import train
 from common import load_script
 from conftest import ASSETS, ROOT
 
@@ -132,8 +132,8 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
                                    answer_from_memory=lambda mem, prompts, k: say(len(prompts)))
-    cfg = runs.TrainConfig(ratio="4", eval_examples=6)
-    monkeypatch.setattr(runs, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+    cfg = train.TrainConfig(ratio="4", eval_examples=6)
+    monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}}))
@@ -161,8 +161,8 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
                                    answer_from_memory=lambda mem, prompts, k: say(prompts))
     for name, eval_ratio, extra, expected in (("a", "", [], [5]), ("b", "5,15", [], [5, 15]),
                                               ("c", "5,15", ["--ratio", "51"], [51])):
-        cfg = runs.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
-        monkeypatch.setattr(runs, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+        cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
+        monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""}}))
         read_at.clear()
@@ -180,8 +180,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
                                    answer_from_memory=lambda mem, prompts, k: say(prompts))
-    cfg = runs.TrainConfig(ratio="4", eval_examples=4)
-    monkeypatch.setattr(runs, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+    cfg = train.TrainConfig(ratio="4", eval_examples=4)
+    monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     calls = []
     real = evaluate.teacher_rows
     monkeypatch.setattr(evaluate, "teacher_rows", lambda *a: calls.append(1) or real(*a))
@@ -206,37 +206,39 @@ def _scores_file(path, f1_by_ratio, teacher=None):
 
 
 def test_compare_cli_prints_verdicts(tmp_path, capsys):
+    compare = load_script("compare")
     ids = [f"q{i}" for i in range(60)]
     good = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}
     bad = {q: 20.0 * (i % 3) for i, q in enumerate(ids)}
     coin = {q: 100.0 * (i % 2) for i, q in enumerate(ids)}
     a = _scores_file(tmp_path / "a.json", {4: good, 16: coin}, teacher=coin)
     b = _scores_file(tmp_path / "b.json", {4: bad, 16: {q: 100 - v for q, v in coin.items()}}, teacher=coin)
-    lines = evaluate.main(["--compare", a, b])
+    lines = compare.main([a, b])
     assert capsys.readouterr().out.splitlines() == lines and len(lines) == 2
     assert lines[0].startswith("A m@4 F1 90.0 vs B m@4 F1 20.0 on 60 questions: A - B +70.0 [")
     assert lines[0].endswith("-> A > B")
     assert lines[1].startswith("A m@16 F1 50.0 vs B m@16 F1 50.0") and lines[1].endswith("-> cannot tell")
-    assert evaluate.main(["--compare", b, a, "--row_a", "@4", "--row_b", "@4"])[0].endswith("-> B > A")
-    assert evaluate.main(["--compare", a, b, "--row_a", "teacher", "--row_b", "teacher"])[0].endswith(
+    assert compare.main([b, a, "--row_a", "@4", "--row_b", "@4"])[0].endswith("-> B > A")
+    assert compare.main([a, b, "--row_a", "teacher", "--row_b", "teacher"])[0].endswith(
         "A - B +0.0 [+0.0, +0.0] -> cannot tell")
 
 
 def test_compare_bad_input_is_one_line(tmp_path):
+    compare = load_script("compare")
     a = _scores_file(tmp_path / "a.json", {4: {"q0": 1.0, "q1": 2.0}})
     b = _scores_file(tmp_path / "b.json", {4: {"z0": 1.0}})
     for args, expected in [([a, str(tmp_path / "nope.json")], "cannot read .*nope.json \\(No such file"),
                            ([a, b], "share no question ids")]:
-        p = subprocess.run([sys.executable, "eval.py", "--compare", *args], cwd=ROOT, capture_output=True, text=True)
+        p = subprocess.run([sys.executable, "scripts/compare.py", *args], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and re.match(f"error: .*{expected}", p.stderr), p.stderr
     with pytest.raises(SystemExit, match="no rows to pair; pick them with --row_a/--row_b from A: teacher, no-context"):
-        evaluate.main(["--compare", a, a, "--row_b", "@16"])
+        compare.main([a, a, "--row_b", "@16"])
     (tmp_path / "bad.json").write_text('{"rows": []}')
     with pytest.raises(SystemExit, match="bad.json is not an eval.py results JSON \\(KeyError: 'teacher'\\)"):
-        evaluate.main(["--compare", a, str(tmp_path / "bad.json")])
-    with pytest.raises(SystemExit, match="takes two JSON files"):
-        evaluate.main(["--compare", a])
+        compare.main([a, str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit, match="the following arguments are required: b"):
+        compare.main([a])
 
 
 def _suite_results(runs):

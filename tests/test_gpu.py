@@ -16,7 +16,7 @@ import torch
 import bench
 import data
 import kernels
-import runs
+import train
 from common import torchrun
 from model import Memory, compile_layers
 
@@ -46,7 +46,7 @@ def loss_and_grads(tok, row, dtype, backend):
         m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
         torch.manual_seed(0)  # ata's LoRA dropout: the same masks on both paths
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss, n, _ = m(batch, runs.ratios_of(ratio))
+            loss, n, _ = m(batch, train.ratios_of(ratio))
         (loss / max(float(n), 1.0)).backward()
         return loss.float() / max(float(n), 1.0), {k: p.grad.float() for k, p in m.named_parameters() if p.grad is not None}
     finally:
@@ -74,7 +74,7 @@ def test_compile_loss_equals_eager(tok, row):
         m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
         if compiled:
             compile_layers(base)  # as train.py --compile
-        loss, n, _ = m(batch, runs.ratios_of(ratio))
+        loss, n, _ = m(batch, train.ratios_of(ratio))
         losses.append(loss.item() / n)
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
 

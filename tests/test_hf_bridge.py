@@ -8,7 +8,6 @@ import torch
 
 import data
 import eval as evaluate
-import runs
 import train
 from common import SQUAD_TEXTS, hf_checkpoint, load_script, run, squad_file
 from model import Memory
@@ -32,10 +31,10 @@ def batch_of_two(tok, method, cfg):
 
 @pytest.mark.parametrize("name, mkw, ratio", METHODS, ids=[m[0] + ("-tokens" if m[1].get("mem") else "") for m in METHODS])
 def test_transformers_generate_from_the_bridged_memory_gives_our_tokens(ckpt, name, mkw, ratio):
-    cfg = runs.TrainConfig(method=name, init_from=ckpt, ratio=ratio, objective="kd" if mkw.get("mem") else "qa")
-    mcfg = runs.method_config(runs.method_registry()[name])(lora_r=4, **mkw)
+    cfg = train.TrainConfig(method=name, init_from=ckpt, ratio=ratio, objective="kd" if mkw.get("mem") else "qa")
+    mcfg = train.method_config(train.method_registry()[name])(lora_r=4, **mkw)
     torch.manual_seed(0)
-    tok, base, method = runs.build(cfg, mcfg, "cpu", torch.float32)
+    tok, base, method = train.build(cfg, mcfg, "cpu", torch.float32)
     for n, p in method.named_parameters():  # trained-looking adapters, so merging them matters
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05)

@@ -57,7 +57,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
     ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
     ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be an integer"),
-    ("method value", ["--method"], "flag --method needs a value"),
+    ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
 ]
 

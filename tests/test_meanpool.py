@@ -5,7 +5,7 @@ import data
 import tiny
 import kernels
 import meanpool
-import runs
+import train
 from common import tiny_base
 from model import Transformer
 
@@ -37,7 +37,7 @@ def _method(tmp_path, **kw):
     base = Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    run = runs.TrainConfig(objective="kd")
+    run = train.TrainConfig(objective="kd")
     m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(**kw), tok, run)
     # non-zero adapters so the encoder is not the base
     for n, p in m.named_parameters():
@@ -82,7 +82,7 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
     base_dir = tiny_base(tmp_path / "base")
     tok = data.load_tokenizer(base_dir)
     base = Transformer.from_pretrained(base_dir)
-    m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(), tok, runs.TrainConfig())
+    m = meanpool.MeanPool(base, meanpool.MeanPoolConfig(), tok, train.TrainConfig())
     batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
     real = torch.arange(batch["context"].shape[1])[None] < batch["context_len"][:, None]
     with torch.no_grad():
@@ -93,22 +93,22 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
         assert P == 1 and torch.equal(memory.embeds[:, 0], base.model.embed_tokens.weight[[tok.bos_id] * 2])
         assert torch.allclose(memory.embeds[:, P:], expected, atol=1e-6)
     no_w = meanpool.MeanPool(Transformer.from_pretrained(base_dir), meanpool.MeanPoolConfig(no_linear=True), tok,
-                             runs.TrainConfig())
+                             train.TrainConfig())
     assert no_w.proj is None
 
 
 def test_paper_defaults_on_a_real_checkpoint(base_dir):
     """Table 6 and §5.1 on a real checkpoint: R = {4..128}, 48k steps, answers up to 256
     tokens; the tiny default keeps 4,8,16; explicit flags win."""
-    cfg, mcfg = runs.TrainConfig(method="meanpool", init_from=base_dir), meanpool.MeanPoolConfig()
-    runs.resolve(cfg, mcfg, set(), meanpool.MeanPool)
-    assert runs.ratios_of(cfg.ratio) == [4, 8, 16, 32, 64, 128] and cfg.max_iters == 48000 and cfg.max_answer == 256
+    cfg, mcfg = train.TrainConfig(method="meanpool", init_from=base_dir), meanpool.MeanPoolConfig()
+    train.resolve(cfg, mcfg, set(), meanpool.MeanPool)
+    assert train.ratios_of(cfg.ratio) == [4, 8, 16, 32, 64, 128] and cfg.max_iters == 48000 and cfg.max_answer == 256
     assert cfg.lr == 2e-4 and cfg.batch_size == 32
-    cfg = runs.TrainConfig(method="meanpool", init_from=base_dir, ratio="16")
-    runs.resolve(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
+    cfg = train.TrainConfig(method="meanpool", init_from=base_dir, ratio="16")
+    train.resolve(cfg, mcfg, {"ratio"}, meanpool.MeanPool)
     assert cfg.ratio == "16"
-    tiny_cfg = runs.TrainConfig(method="meanpool")
-    runs.resolve(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
+    tiny_cfg = train.TrainConfig(method="meanpool")
+    train.resolve(tiny_cfg, meanpool.MeanPoolConfig(), set(), meanpool.MeanPool)
     assert tiny_cfg.ratio == "4,8,16" and tiny_cfg.max_iters == 700
 
 

@@ -4,16 +4,16 @@ import torch
 
 import data
 import tiny
-import runs
+import train
 from common import ROOT, load_script
 from model import Transformer
 
 
 def build(base_dir, method, objective, grad_ckpt, seed=0):
-    cfg = runs.TrainConfig(method=method, objective=objective, init_from=base_dir, grad_ckpt=grad_ckpt)
-    mcls = runs.method_config(runs.method_registry()[method])
+    cfg = train.TrainConfig(method=method, objective=objective, init_from=base_dir, grad_ckpt=grad_ckpt)
+    mcls = train.method_config(train.method_registry()[method])
     torch.manual_seed(seed)
-    tok, base, m = runs.build(cfg, mcls(), "cpu", torch.float32)
+    tok, base, m = train.build(cfg, mcls(), "cpu", torch.float32)
     for n, p in m.named_parameters():  # non-zero adapters: the encoder is not the base
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(hash(n) % 1000))
@@ -75,7 +75,7 @@ def test_hf_peft_twins_give_our_losses():
         base = bench.random_model("tiny", tok, torch.device("cpu"), torch.float32)
         m, batch, n_tokens = bench.build_row(base, tok, method, objective, ratio, 2, 96)
         assert n_tokens > 2 * 48
-        ratios = runs.ratios_of(ratio)
+        ratios = train.ratios_of(ratio)
         ours, _, _ = m(batch, ratios)
         ours.backward()
         g_ours = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}

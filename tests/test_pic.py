@@ -14,7 +14,6 @@ import data
 import tiny
 import kernels
 import pic
-import runs
 import train
 from common import DDP_ATOL, hf_checkpoint, method_smoke, read_params, run, torchrun
 from model import Memory, ModelConfig, Transformer
@@ -29,7 +28,7 @@ def make(base_dir, objective="qa", ratio="3", **kw):
     for p in base.parameters():
         p.requires_grad_(False)
     torch.manual_seed(0)
-    m = pic.PIC(base, pic.PICConfig(**kw), tok, runs.TrainConfig(objective=objective, ratio=ratio))
+    m = pic.PIC(base, pic.PICConfig(**kw), tok, train.TrainConfig(objective=objective, ratio=ratio))
     for n, p in m.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05)
@@ -330,7 +329,7 @@ def test_pretrain_in_one_command_equals_the_two_commands(base_dir, tmp_path):
 
 
 def test_check_config_errors():
-    cfg = runs.TrainConfig(ratio="1", max_context=600)
+    cfg = train.TrainConfig(ratio="1", max_context=600)
     for kw, message in ((dict(), "--max_mem 256"), (dict(mask="diag"), "--mask"), (dict(mem="two"), "--mem"),
                         (dict(mem_pos="end"), "--mem_pos"), (dict(lora_r=0, max_mem=600), "needs a separate --encoder")):
         with pytest.raises(SystemExit, match=message):
@@ -388,8 +387,8 @@ def test_single_token_baseline_has_meanpool_papers_setup(base_dir):
     pic_m, _ = make(base_dir)
     assert pic_m.dec_adapter is None and len(pic_m.converter) == 3
     for mem, objective, pretrain in (("single", "kd", 0), ("table", "qa", 100)):  # PIC pretrains; the tokens do not
-        cfg, mcfg = runs.TrainConfig(method="pic"), pic.PICConfig(mem=mem)
-        runs.resolve(cfg, mcfg, set(), pic.PIC)  # on the tiny base both train at 4 and read at 4 and 16
+        cfg, mcfg = train.TrainConfig(method="pic"), pic.PICConfig(mem=mem)
+        train.resolve(cfg, mcfg, set(), pic.PIC)  # on the tiny base both train at 4 and read at 4 and 16
         assert (cfg.objective, cfg.ratio, cfg.eval_ratio, cfg.max_iters, cfg.pretrain) == (
             objective, "4", "4,16", 1100, pretrain)
 
@@ -408,7 +407,7 @@ def test_ae_lm_pretrains_the_lengths_finetuning_compresses(base_dir, tmp_path):
     memory rows up to ceil(max_context / r) are pretrained (issue 20.17)."""
     text = tmp_path / "long.txt"
     text.write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
-    cfg = runs.TrainConfig(method="pic", objective="ae+lm", data=str(text), max_context=32, batch_size=1,
+    cfg = train.TrainConfig(method="pic", objective="ae+lm", data=str(text), max_context=32, batch_size=1,
                             init_from=base_dir)
     tok = data.load_tokenizer(base_dir)
     for method, longest in ((pic.PIC, 2 * 32), (object, 32)):  # BOS included; a method that reads whole texts

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-import runs
 import train
 from common import hf_checkpoint, squad_file
 
@@ -35,7 +34,7 @@ PAPERS = {  # method (and flags): [(objective, values)] per stage
 
 def resolved(argv):
     cfg, mcfg, explicit, cls = train.configure([str(a) for a in argv])
-    return runs.resolve(cfg, mcfg, explicit, cls)
+    return train.resolve(cfg, mcfg, explicit, cls)
 
 
 def value(c, m, key):
@@ -82,10 +81,10 @@ def test_stage_flags_and_the_one_steps_rule(base_dir):
     assert (c.lr, c.batch_size, sources["lr"], sources["batch_size"]) == (3e-4, 8, "flag", "flag")
     with pytest.raises(SystemExit, match="global batch"):
         cfg, mcfg, explicit, cls = train.configure(["--method", "meanpool", "--batch_size", "6", "--grad_accum", "4", *real])
-        runs.resolve(cfg, mcfg, explicit, cls)
+        train.resolve(cfg, mcfg, explicit, cls)
     with pytest.raises(SystemExit, match="2 ranks"):
         cfg, mcfg, explicit, cls = train.configure(["--method", "meanpool", "--batch_size", "3", *real])
-        runs.resolve(cfg, mcfg, explicit, cls, world=2)
+        train.resolve(cfg, mcfg, explicit, cls, world=2)
 
 
 @pytest.mark.slow
@@ -113,7 +112,7 @@ def test_one_shuffle_an_epoch_and_the_same_items_as_before(monkeypatch):
     """100k records, batch 32: two epochs' steps build two permutations, not one per item (before:
     one per item, ~36 ms each at SQuAD's size); the items are those of the per-item rule."""
     records = [{"id": i} for i in range(100_000)]
-    cfg = runs.TrainConfig(method="meanpool", objective="kd", batch_size=32, seed=3)
+    cfg = train.TrainConfig(method="meanpool", objective="kd", batch_size=32, seed=3)
     shuffles, shuffle = [], random.Random.shuffle
     monkeypatch.setattr(random.Random, "shuffle", lambda self, x: shuffles.append(len(x)) or shuffle(self, x))
     batches = train.Batches(cfg, None, None, records)
@@ -131,13 +130,13 @@ def test_one_shuffle_an_epoch_and_the_same_items_as_before(monkeypatch):
 
 def test_validation_never_reads_a_training_record(tmp_path):
     squad = squad_file(tmp_path / "squad.json")
-    cfg = runs.TrainConfig(method="meanpool", objective="kd", data=squad)
+    cfg = train.TrainConfig(method="meanpool", objective="kd", data=squad)
     items, val, text = train.stage_data(cfg)
     assert {r["id"] for r in items}.isdisjoint(r["id"] for r in val) and len(items) + len(val) == 4
     assert "held out" in text
     cfg.eval_data = squad  # validation on --eval_data, training on all of --data
     items, val, text = train.stage_data(cfg)
     assert len(items) == len(val) == 4 and squad in text
-    text_cfg = runs.TrainConfig(method="sac", objective="lm", data=squad)  # contexts as text: held out too
+    text_cfg = train.TrainConfig(method="sac", objective="lm", data=squad)  # contexts as text: held out too
     items, val, _ = train.stage_data(text_cfg)
     assert set(items).isdisjoint(val) and all(isinstance(t, str) for t in items + val)

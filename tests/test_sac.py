@@ -9,7 +9,6 @@ import data
 import tiny
 import kernels
 import sac
-import runs
 import train
 from common import DDP_ATOL, method_smoke, read_params, run, torchrun
 from model import Memory, Transformer
@@ -24,7 +23,7 @@ def make(base_dir, objective="qa", lora_b=0.0, **kw):
     base = Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    m = sac.SAC(base, sac.SACConfig(lora_r=4, lora_alpha=8, **kw), tok, runs.TrainConfig(objective=objective))
+    m = sac.SAC(base, sac.SACConfig(lora_r=4, lora_alpha=8, **kw), tok, train.TrainConfig(objective=objective))
     torch.manual_seed(0)
     for n, p in m.named_parameters():
         if "lora_B" in n and lora_b:
@@ -144,21 +143,21 @@ def test_prefix_slots_are_the_frozen_base_constant(base_dir):
 def test_paper_defaults_one_ratio_per_model_and_300_warmup_steps(base_dir):
     """Issue 20 items 5 and 9: on a real checkpoint one model per ratio, r = 5 (§4.1), and
     300 warmup steps (Table 6) whatever --max_iters is; an explicit --ratio wins."""
-    cfg, mcfg = runs.TrainConfig(method="sac", init_from=base_dir), sac.SACConfig()
-    runs.resolve(cfg, mcfg, set(), sac.SAC)
-    assert runs.ratios_of(cfg.ratio) == [5] and cfg.warmup_iters == 300 and cfg.max_iters == 20000
-    cfg = runs.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000, objective="qa")
-    runs.resolve(cfg, mcfg, {"ratio", "max_iters", "objective"}, sac.SAC)  # the qa stage alone
+    cfg, mcfg = train.TrainConfig(method="sac", init_from=base_dir), sac.SACConfig()
+    train.resolve(cfg, mcfg, set(), sac.SAC)
+    assert train.ratios_of(cfg.ratio) == [5] and cfg.warmup_iters == 300 and cfg.max_iters == 20000
+    cfg = train.TrainConfig(method="sac", init_from=base_dir, ratio="15", max_iters=1000, objective="qa")
+    train.resolve(cfg, mcfg, {"ratio", "max_iters", "objective"}, sac.SAC)  # the qa stage alone
     assert cfg.ratio == "15" and cfg.max_iters == 1000
     assert train.lr_at(0, cfg) == pytest.approx(cfg.lr / 300) and train.lr_at(298, cfg) < cfg.lr
     assert train.lr_at(299, cfg) == train.lr_at(999, cfg) == pytest.approx(cfg.lr)  # then constant
     assert cfg.eval_ratio == ""  # read at the trained ratio
-    tiny_cfg = runs.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
-    runs.resolve(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
+    tiny_cfg = train.TrainConfig(method="sac")  # the shipped tiny base: a short run, a short warmup
+    train.resolve(tiny_cfg, sac.SACConfig(), set(), sac.SAC)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10
-    assert runs.ratios_of(tiny_cfg.eval_ratio) == [5, 15]  # the r = 5 model read at 15 too
-    tiny_cfg = runs.TrainConfig(method="sac", ratio="15")
-    runs.resolve(tiny_cfg, sac.SACConfig(), {"ratio"}, sac.SAC)
+    assert train.ratios_of(tiny_cfg.eval_ratio) == [5, 15]  # the r = 5 model read at 15 too
+    tiny_cfg = train.TrainConfig(method="sac", ratio="15")
+    train.resolve(tiny_cfg, sac.SACConfig(), {"ratio"}, sac.SAC)
     assert tiny_cfg.eval_ratio == ""  # an explicit --ratio is read as trained
 
 
@@ -217,7 +216,7 @@ def test_r_above_sub_len_gives_one_anchor_per_sub_context(base_dir):
     assert mem.slots().tolist() == [1 + 3, 1 + 1] and mem.stats["anchor_ratio"] == [50.0, 40.0]
     with torch.no_grad():  # an empty context keeps the bos slot (from its empty sub-context 0)
         assert m.compress(ctx_batch(tok, [20, 0]), 4).slots().tolist() == [1 + 5, 1]
-    sac.SAC.check_config(runs.TrainConfig(ratio="1000"), sac.SACConfig())  # no error
+    sac.SAC.check_config(train.TrainConfig(ratio="1000"), sac.SACConfig())  # no error
 
 
 # -----------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
     out = tmp_path / "run"
     run(["--method", "sac", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--ratio", 4,
          "--sub_len", 64, "--out_dir", out, "--eval_examples", 2, "--device", "cpu", "--quiet", "--lora_r", 4])
-    cfg, mcfg, tok, base, method = runs.load_run(str(out))
+    cfg, mcfg, tok, base, method = train.load_run(str(out))
     assert mcfg.sub_len == 64
     batch = data.collate_qa(tiny.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
     outs, mem = evaluate.answer(method, batch, 4, 8)
@@ -324,7 +323,7 @@ def test_ablation_flags_run(tmp_path, base_dir):
     run(["--method", "sac", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2, "--ratio", 8,
          "--anchors", "random", "--causal", "--no_anchor_embedding", "--out_dir", out, "--eval_examples", 2,
          "--device", "cpu", "--quiet", "--lora_r", 4])
-    cfg, mcfg, *_ = runs.load_run(str(out))
+    cfg, mcfg, *_ = train.load_run(str(out))
     assert cfg.objective == "qa" and mcfg.anchors == "random" and mcfg.causal and mcfg.no_anchor_embedding
     assert "anchor_emb" not in read_params(out)
 
@@ -364,8 +363,8 @@ def test_a_partial_sub_context_keeps_the_papers_count():
 
 
 def test_a_real_checkpoint_compresses_the_whole_context_with_the_official_lora_targets(base_dir):
-    cfg, mcfg = runs.TrainConfig(method="sac", init_from=base_dir, objective="qa"), sac.SACConfig()
-    runs.resolve(cfg, mcfg, {"objective"}, sac.SAC)
+    cfg, mcfg = train.TrainConfig(method="sac", init_from=base_dir, objective="qa"), sac.SACConfig()
+    train.resolve(cfg, mcfg, {"objective"}, sac.SAC)
     assert cfg.max_context >= 3000 and mcfg.lora_targets == "q_proj,v_proj"
     tok = data.load_tokenizer(base_dir)
     base = Transformer.from_pretrained(base_dir).requires_grad_(False)
@@ -396,7 +395,7 @@ def test_the_official_anchor_table_trains_saves_and_loads(tmp_path, base_dir):
          "--eval_examples", 0, "--quiet", "--device", "cpu"])
     saved = read_params(out)["anchor_emb"]
     assert saved.shape == (510 // 5, Transformer.from_pretrained(base_dir).config.hidden_size)
-    cfg, mcfg, tok, base, method = runs.load_run(str(out))
+    cfg, mcfg, tok, base, method = train.load_run(str(out))
     assert mcfg.anchor_emb == "table" and torch.equal(method.anchor_emb.detach(), saved)
     method.train()
     batch = ctx_batch(tok, [23, 12])  # 4 and 2 anchors at r = 5: rows 0..3 get a gradient, the rest none
@@ -414,7 +413,7 @@ def test_the_official_prompt_reads_an_lm_token_after_the_anchors(base_dir):
     assert tok.decode(f["context"]).startswith("### Context:\n") or "### Context:" in tok.decode(f["context"])
     assert tok.decode(f["prompt"]) == "\n### Question:\nWhat colour?\n### Answer:\n"
     base = Transformer.from_pretrained(base_dir).requires_grad_(False)
-    m = sac.SAC(base, sac.SACConfig(lora_r=4), tok, runs.TrainConfig(objective="qa", prompt="sac", ratio="5"))
+    m = sac.SAC(base, sac.SACConfig(lora_r=4), tok, train.TrainConfig(objective="qa", prompt="sac", ratio="5"))
     batch = data.collate_qa([{"id": "x", "context": "The sky is blue. " * 20, "question": "What colour?",
                               "answers": ["blue"]}], tok, format="sac", pad_multiple=8)
     memory = m.compress(batch, 5)

@@ -11,7 +11,6 @@ import data
 import tiny
 import kernels
 import sentence_gist as sg
-import runs
 import train
 from model import Memory, Transformer
 from sentence_gist import GIST, SINK, TOKEN
@@ -25,7 +24,7 @@ def make(base_dir, randomize=True, objective="lm", **kw):
     base = Transformer.from_pretrained(base_dir)
     for p in base.parameters():
         p.requires_grad_(False)
-    m = sg.SentenceGist(base, sg.SentenceGistConfig(**{"gists": 2, **kw}), tok, runs.TrainConfig(objective=objective))
+    m = sg.SentenceGist(base, sg.SentenceGistConfig(**{"gists": 2, **kw}), tok, train.TrainConfig(objective=objective))
     g = torch.Generator().manual_seed(1)
     for n, p in base.named_parameters():
         if randomize and n.endswith("lora_B.gist"):
@@ -217,14 +216,14 @@ def test_stages_choose_the_trainables(base_dir):
     (1, 1000, 1e-4, 100, 1.0, 5e-5), (2, 9000, 1e-4, 1000, 2.0, 5e-5), (3, 2000, 5e-5, 100, 2.0, 0.0)])
 def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_lr):
     argv = ["--method", "sentence_gist", "--init_from", str(tmp_path / "hf"), "--stage", str(stage)]
-    (cfg, mcfg), explicit = runs.parse_args(argv, runs.TrainConfig, sg.SentenceGistConfig)
-    runs.resolve(cfg, mcfg, explicit, sg.SentenceGist)  # a real checkpoint: the paper's values
+    (cfg, mcfg), explicit = train.parse_args(argv, train.TrainConfig, sg.SentenceGistConfig)
+    train.resolve(cfg, mcfg, explicit, sg.SentenceGist)  # a real checkpoint: the paper's values
     assert (cfg.max_iters, cfg.lr, int(cfg.warmup_frac * cfg.max_iters), cfg.grad_clip) == (iters, lr, warmup, clip)
     assert (cfg.weight_decay, cfg.objective) == (0.1, "lm")
     schedule = "linear" if stage == 3 else "cosine"
     assert train.lr_at(warmup - 1, cfg, schedule) == lr and abs(train.lr_at(iters, cfg, schedule) - end_lr) < 1e-12
-    (cfg, mcfg), explicit = runs.parse_args(argv + ["--grad_clip", "0.5"], runs.TrainConfig, sg.SentenceGistConfig)
-    runs.resolve(cfg, mcfg, explicit, sg.SentenceGist)
+    (cfg, mcfg), explicit = train.parse_args(argv + ["--grad_clip", "0.5"], train.TrainConfig, sg.SentenceGistConfig)
+    train.resolve(cfg, mcfg, explicit, sg.SentenceGist)
     assert cfg.grad_clip == 0.5  # a flag wins over the preset
 
 
@@ -276,9 +275,9 @@ def test_memory_round_trip_one_shot_and_stage_chain(base_dir, tmp_path):
               "--device", "cpu", "--quiet", "--eval_examples", 2, "--objective", "qa"]
     run(common + ["--stage", "1", "--out_dir", s1])
     run(common[:3] + [s1] + common[4:] + ["--stage", "3", "--out_dir", s3])
-    cfg, mcfg, tok, base, method = runs.load_run(str(s3))
+    cfg, mcfg, tok, base, method = train.load_run(str(s3))
     assert mcfg.stage == 3 and method.lr_schedule == "linear"
-    built = runs.build(runs.TrainConfig(**{**vars(cfg), "init_from": str(s1)}), mcfg, "cpu", torch.float32)[2]
+    built = train.build(train.TrainConfig(**{**vars(cfg), "init_from": str(s1)}), mcfg, "cpu", torch.float32)[2]
     assert torch.equal(built.gist.detach(), read_params(s1)["gist"])  # stage 3 starts from stage 1's rows
     batch = data.collate_qa(tiny.Synthetic(seed=0, split="test").qa_examples(2), tok, pad_multiple=1)
     outs, memory = evaluate.answer(method, batch, 1, 8)

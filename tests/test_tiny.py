@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import tiny
-import runs
 import train
 from test_meanpool import _method
 
@@ -69,7 +68,7 @@ def test_base_curriculum_batches(tmp_path):
     examples come 4 to a batch slot, split evenly over ranks and accumulation steps."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
-    cfg = runs.TrainConfig(method="base", max_iters=100, batch_size=8, grad_accum=2)  # global: 2 ranks x 2 x 2
+    cfg = train.TrainConfig(method="base", max_iters=100, batch_size=8, grad_accum=2)  # global: 2 ranks x 2 x 2
     method = tiny.Base.__new__(tiny.Base)
     method.cfg = tiny.BaseConfig()
     people = {}
@@ -88,7 +87,7 @@ def test_compressor_curriculum_batches(tmp_path):
     30 % of steps; the eval set's mix (2-8 people, 3-6 attributes) from 70 % on."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
-    cfg = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
+    cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
     batches = train.Batches(cfg, tok, None)
     early, late = batches.raw(10, 16), batches.raw(80, 16)
     sentences = lambda ex: len(ex["chunks"][0].split(". "))
@@ -103,8 +102,8 @@ def test_micro_batches_are_the_step_sorted_by_length(tmp_path):
     context length: the same examples as in one batch, with less padding."""
     from common import default_tokenizer
     tok = default_tokenizer(tmp_path)
-    one = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8)
-    split = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8, grad_accum=2)
+    one = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8)
+    split = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=8, grad_accum=2)
     whole, micro = train.Batches(one, tok, None)(80), train.Batches(split, tok, None)(80)
     lengths = [b["context_len"].tolist() for b in micro]
     assert sorted(lengths[0] + lengths[1]) == sorted(whole[0]["context_len"].tolist())
@@ -118,7 +117,7 @@ def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
     from common import default_tokenizer
     import data
     tok = default_tokenizer(tmp_path)
-    cfg = runs.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
+    cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
     method = type("MeanPool", (), {})()
     batches = train.Batches(cfg, tok, method)
     items = sorted(batches.raw(90, 4), key=lambda ex: len(ex["context"]))  # a batch's rows: sorted by length
@@ -207,7 +206,7 @@ def _with_aid(base_dir, name, **kw):
     for p in base.parameters():
         p.requires_grad_(False)
     cls = {"pic": pic.PIC, "sac": sac.SAC, "sentence_gist": sentence_gist.SentenceGist, "ata": ata.ATA}[name]
-    m = cls(base, cls.Config(**kw), tok, runs.TrainConfig(method=name, objective="qa"))
+    m = cls(base, cls.Config(**kw), tok, train.TrainConfig(method=name, objective="qa"))
     m.aid = tiny.AttentionDistillation(m, 1.0)
     batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
     return m, (m.prepare(batch) if name == "ata" else batch)
@@ -310,8 +309,8 @@ def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots()
     compression tokens that read the whole context (PIC's causal and bidir masks, --mem single
     under them, ATA)."""
     def fake(name, **kw):  # a method's class name and config are all the rule reads
-        cls = runs.method_registry()[name]
-        return type(cls.__name__, (), {"cfg": runs.method_config(cls)(**kw)})()
+        cls = train.method_registry()[name]
+        return type(cls.__name__, (), {"cfg": train.method_config(cls)(**kw)})()
     assert all(tiny.distills_attention(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist", "ata"))
     assert not tiny.distills_attention(fake("teacher"))
     assert not any(tiny.reads_whole_context(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist"))
@@ -407,8 +406,8 @@ def test_shipped_base_reads_its_context():
     import eval as evaluate
     from model import Transformer
     base, tok = Transformer.from_pretrained(tiny.BASE_DIR).eval(), data.load_tokenizer(tiny.BASE_DIR)
-    records = tiny.Synthetic(seed=runs.TrainConfig.seed, split="test").qa_examples(64)
-    rows = evaluate.teacher_rows(base, tok, records, runs.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
+    records = tiny.Synthetic(seed=train.TrainConfig.seed, split="test").qa_examples(64)
+    rows = evaluate.teacher_rows(base, tok, records, train.TrainConfig(), evaluate.EvalConfig(batch_size=32), "cpu")
     assert rows["teacher"]["f1"] >= 85 and rows["no-context"]["f1"] < 20, rows
     assert tiny.is_tiny("") and not tiny.needs_training("")
 
@@ -419,10 +418,10 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
     their memory through a trainable LoRA `decoder` (saved with the run); --no_aids keeps
     the paper's frozen decoder."""
     import data
-    cls = runs.method_registry()[name]
+    cls = train.method_registry()[name]
     for no_aids in (False, True):
-        cfg = runs.TrainConfig(method=name, objective="qa", no_aids=no_aids)
-        tok, base, m = runs.build(cfg, cls.Config(), "cpu", torch.float32)
+        cfg = train.TrainConfig(method=name, objective="qa", no_aids=no_aids)
+        tok, base, m = train.build(cfg, cls.Config(), "cpu", torch.float32)
         assert m.dec_adapter == (None if no_aids else "decoder")
         assert ("decoder" in base.adapter_configs) != no_aids
         assert any("lora_A.decoder" in n for n, p in m.named_parameters() if p.requires_grad) != no_aids

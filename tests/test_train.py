@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-import runs
 import train
 from common import DDP_ATOL, ROOT, hf_checkpoint, read_params, run, squad_file, torchrun
 
@@ -86,7 +85,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path,
     assert json.load(open(out / "run.json"))["step"] == 4
     after = read_params(out)  # the files run.json names are still there and whole
     assert all(torch.equal(before[k], after[k]) for k in before)
-    cfg, mcfg, tok, base, method = runs.load_run(str(out))  # and the run loads
+    cfg, mcfg, tok, base, method = train.load_run(str(out))  # and the run loads
     assert cfg.method == "meanpool"
 
 
@@ -150,8 +149,8 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "pik"], "unknown --method 'pik'"),
     (["--ratio", "0"], "every ratio must be a positive integer"),
     (["--ratio", "4,x"], "must be an integer"),
-    (["--max_iters", "ten"], "--max_iters expects int"),
-    (["--frobnicate", "1"], "unknown flag --frobnicate"),
+    (["--max_iters", "ten"], "argument --max_iters: invalid int value"),
+    (["--frobnicate", "1"], "unrecognized arguments: --frobnicate"),
     (["--method", "meanpool", "--objective", "ae+lm"], "does not apply to --method meanpool"),
     (["--method", "base", "--no_linear"], "--no_linear does not apply to --method base"),
     (["--method", "meanpool", "--pretrain", "5"], "--method meanpool --objective kd has none"),
@@ -174,13 +173,16 @@ def test_pretrain_runs_the_papers_first_stage(base_dir, tmp_path, method, extra)
 
 
 def test_help_lists_every_flag():
+    """--help: the run's flags and meanpool's (the default method); --method pic --help: pic's, with field comments."""
     p = run(["--help"])
     for flag in ("--method", "--ratio", "--init_from", "--resume", "--compile", "--no_linear", "--ratio_sampling"):
         assert flag in p.stdout
+    p = run(["--method", "pic", "--help"])
+    assert "--mem_pos" in p.stdout and "--no_linear" not in p.stdout and "blockwise" in p.stdout
 
 
 def test_lr_schedules():
-    cfg = runs.TrainConfig(lr=1.0, max_iters=100, warmup_frac=0.1, min_lr_frac=0.1)
+    cfg = train.TrainConfig(lr=1.0, max_iters=100, warmup_frac=0.1, min_lr_frac=0.1)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
     assert train.lr_at(100, cfg) == pytest.approx(0.1)  # cosine ends at lr * min_lr_frac
     assert train.lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean
@@ -199,7 +201,7 @@ def test_new_inputs_start_at_the_scale_the_model_reads(tmp_path):
     tok, base = data.load_tokenizer(ckpt), Transformer.from_pretrained(ckpt)
     fed = base.model.embed_tokens(torch.arange(base.config.vocab_size)).std().item()
     assert base.model.embed_tokens.scale and abs(base.model.embed_tokens.input_std() / fed - 1) < 0.05
-    run = runs.TrainConfig(objective="qa", ratio="4", max_context=128)
+    run = train.TrainConfig(objective="qa", ratio="4", max_context=128)
     m = pic.PIC(base, pic.PICConfig(), tok, run)
     assert 0.8 < m.mem_embed.std().item() / fed < 1.2
     a = ata.ATA(Transformer.from_pretrained(ckpt), ata.ATAConfig(lora_r=4), tok, run)
@@ -218,7 +220,7 @@ def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
     tok = data.load_tokenizer(ckpt)
     start, user = tok.special("<|im_start|>"), tok.encode("user\n", start=False)
     for prompt, prefix in (("auto", [tok.bos_id, start] + user), ("plain", [tok.bos_id])):
-        cfg = runs.TrainConfig(method="teacher", init_from=ckpt, data=squad, prompt=prompt, batch_size=2)
+        cfg = train.TrainConfig(method="teacher", init_from=ckpt, data=squad, prompt=prompt, batch_size=2)
         batch = train.Batches(cfg, tok, object())(0)[0]
         assert batch["prefix"] == prefix and batch["full"][0, :len(prefix)].tolist() == prefix
     in_process(["--method", "teacher", "--init_from", ckpt, "--data", squad, "--max_iters", 1, "--batch_size", 2,
@@ -228,9 +230,9 @@ def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
     assert p.returncode != 0 and "--prompt 'vicuna'" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_eval_does_not_import_train():
-    """No import cycle: eval.py reads runs through runs.py; only train.py calls eval."""
-    out = subprocess.run([sys.executable, "-c", "import sys, eval; print('train' in sys.modules)"],
+def test_train_does_not_import_eval():
+    """No import cycle: eval.py reads runs through train.py; train.py's __main__ hands over to eval.py."""
+    out = subprocess.run([sys.executable, "-c", "import sys, train; print('eval' in sys.modules)"],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

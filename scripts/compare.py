@@ -1,0 +1,72 @@
+"""Two eval.py results files, question by question: the paired F1 difference of rows with its 95% interval.
+
+    python scripts/compare.py out/meanpool/metrics.json out/pic/metrics.json [--row_a @16 --row_b @16]
+
+Rows pair up by requested ratio (or the one row each of --row_a / --row_b picks: a name or part of one,
+"@16", "teacher"; "" = the method rows). A verdict per pair: "A > B" when the interval is above 0, "B > A"
+when below, else "cannot tell".
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import eval as evaluate  # noqa: E402
+
+
+def rows_of(path):
+    """{name: row} of a metrics.json or a combined --out JSON; a method row is named "method@ratio"."""
+    try:
+        results = json.load(open(path))
+        rows = {}
+        for res in results if isinstance(results, list) else [results]:
+            for r in [res["teacher"], res["no_context"]] + res["rows"]:
+                rows.setdefault(r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else ""), r)
+        return rows
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {path} ({e.strerror})")
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {path} is not an eval.py results JSON ({type(e).__name__}: {e})")
+
+
+def compare(path_a, path_b, row_a="", row_b=""):
+    """One line per pair of rows: both F1s on the shared questions, A - B with its paired 95% CI, a verdict."""
+    a, b = rows_of(path_a), rows_of(path_b)
+    na = [n for n in a if (row_a in n if row_a else "ratio_requested" in a[n])]
+    nb = [n for n in b if (row_b in n if row_b else "ratio_requested" in b[n])]
+    pairs = [(x, y) for x in na for y in nb
+             if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")]
+    if not pairs:
+        raise SystemExit(f"error: no rows to pair; pick them with --row_a/--row_b from "
+                         f"A: {', '.join(a)}; B: {', '.join(b)}")
+    lines = []
+    for x, y in pairs:
+        for path, name, row in ((path_a, x, a[x]), (path_b, y, b[y])):
+            if "scores" not in row:
+                raise SystemExit(f"error: {path}: row {name!r} has no per-question scores; rerun eval.py --recompute")
+        try:
+            c = evaluate.paired_diff_ci(a[x]["scores"]["f1"], b[y]["scores"]["f1"])
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+        lo, hi = c["ci"]
+        verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
+        lines.append(f"A {x} F1 {c['a']:.1f} vs B {y} F1 {c['b']:.1f} on {c['n']} questions: "
+                     f"A - B {c['diff']:+.1f} [{lo:+.1f}, {hi:+.1f}] -> {verdict}")
+    print("\n".join(lines))
+    return lines
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", help="results JSON A (a metrics.json or eval.py --out)")
+    parser.add_argument("b", help="results JSON B")
+    parser.add_argument("--row_a", default="", help='rows of A: a name or part of one ("@16", "teacher")')
+    parser.add_argument("--row_b", default="", help="the same for B")
+    parser.error = lambda message: sys.exit(f"error: {message}")
+    args = parser.parse_args(argv)
+    return compare(args.a, args.b, args.row_a, args.row_b)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
