@@ -116,6 +116,9 @@ class ATA(nn.Module):
                 lora_dropout=0.0, max_context=1024, no_prefix=True)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
+    frozen_decoder = True
+    reads_question = True  # its encoder reads the question (the selective prompt)
+    token_slots = None  # compression tokens that read the whole context hold no fixed context token
 
     @staticmethod
     def recipe(mcfg):

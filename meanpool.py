@@ -57,10 +57,19 @@ def mean_pool(h, lengths, r):
     return z, counts[:, :C] > 0
 
 
+def window_slots(batch, memory, r):
+    """(B, L) the memory slot holding each context token: window S_k's slot P + k, after the P prefix slots
+    (r an int or (B,); PIC's memory token m_t and chunk c_t alike)."""
+    r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
+    i = torch.arange(batch["context"].shape[1], device=r.device)
+    return (len(batch["prefix"]) + i[None] // r[:, None]).clamp(max=memory.n_slots - 1)
+
+
 class MeanPool(nn.Module):
     Config = MeanPoolConfig
     objectives = ("kd", "qa")
     memory_kind = "embeds"  # what its Memory holds: prefix embeddings
+    token_slots = staticmethod(window_slots)  # the slot holding each context token (tiny.py's aid 2 reads it)
 
     @staticmethod
     def recipe(mcfg):  # the stages on a real checkpoint (train.resolve; the tiny base: TINY over the last)

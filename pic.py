@@ -34,7 +34,7 @@ import torch.nn as nn
 
 import data
 import kernels
-from meanpool import TABLE6
+from meanpool import TABLE6, window_slots
 from model import Transformer, behind_prefix
 
 LAMBDA = 0.5  # eq. 8
@@ -104,6 +104,7 @@ class PIC(nn.Module):
     Config = PICConfig
     objectives = ("qa", "ae+lm", "kd")
     memory_kind = "embeds"  # what its Memory holds: prefix embeddings
+    frozen_decoder = True  # the paper's decoder is frozen (the tiny base adds a LoRA: tiny.add_decoder_adapter)
 
     @staticmethod
     def recipe(mcfg):
@@ -139,6 +140,8 @@ class PIC(nn.Module):
         super().__init__()
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         self.centre = (cfg.mem_pos or ("centre" if cfg.mem == "single" else "after")) == "centre"  # memory ids
+        # the slot holding each context token (tiny.py's aid 2): m_t holds c_t where the mask or the positions fix it
+        self.token_slots = window_slots if cfg.mask == "blockwise" or self.centre else None
         dtype = base.lm_head.weight.dtype
         self.enc_model = self.dec_model = self.enc_tok = None  # separate checkpoints; the encoder's own tokenizer
         if cfg.encoder:

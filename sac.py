@@ -78,6 +78,12 @@ def sac_encoder_mask(key_valid, causal):
     return kernels.and_masks(mask, kernels.causal) if causal else mask
 
 
+def anchor_slots(batch, memory, r):
+    """(B, L) the memory slot holding each context token: its nearest anchor (after the prefix slots)."""
+    P, i = memory.n_slots - max(len(g) for g in memory.anchors), torch.arange(batch["context"].shape[1])
+    return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in memory.anchors])
+
+
 class SAC(nn.Module):
     Config = SACConfig
     objectives = ("qa", "lm")
@@ -87,6 +93,8 @@ class SAC(nn.Module):
                 eval_ratio="5,15", lora_targets="all", max_context=1024)
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
     dec_adapter = None  # the decoder is the frozen base (a LoRA on the tiny base: tiny.add_decoder_adapter)
+    frozen_decoder = True
+    token_slots = staticmethod(anchor_slots)  # the slot holding each context token (tiny.py's aid 2 reads it)
 
     @staticmethod
     def recipe(mcfg):  # §4.1, Table 6: L_LM pretraining (§3.2), then QA, each 20k steps; constant lr after warmup

@@ -103,7 +103,8 @@ def layout(rows, is_end, n_gists, max_sentence_len, labels=None, device="cpu", m
     lengths = [len(x) for x in cols["ids"]]
     T, pad = -(-max(lengths) // multiple) * multiple, {"ids": 0, "sentence": -1, "kind": PAD, "labels": -100}
     out = {k: torch.stack([torch.cat([x, full(T - len(x), pad[k])]) for x in v]).to(device) for k, v in cols.items()}
-    return dict(out, length=torch.tensor(lengths, device=device), open=torch.tensor(opens, device=device))
+    return dict(out, length=torch.tensor(lengths, device=device), open=torch.tensor(opens, device=device),
+                is_gist=out["kind"] == GIST, is_token=out["kind"] == TOKEN)
 
 
 def keep_slots(kv, keep, *more):
@@ -119,6 +120,7 @@ class SentenceGist(nn.Module):
     objectives = ("lm", "qa")
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
     STAGE_FLAGS = ("stage",)  # what a later stage may change
+    token_slots = None  # a gisted token is held by its sentence's gists: tiny.py's aid reads the layout instead
     TINY = dict(objective="qa", stage=2, gists=2, lr=4e-3, max_iters=700, batch_size=16, grad_accum=4, grad_clip=1.0,
                 warmup_frac=0.1, max_context=1024, lora_r=16)
 

@@ -9,7 +9,7 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   recipes at the tiny base's scale, train.SCALE):
   1. `compressor_curriculum`: short contexts first, then a ramp to the eval set's mix.
   2. `AttentionDistillation`: the decoder's head 0 learns from the teacher's: where it looks, over
-     the memory slots that hold each context token, where the paper's layout fixes them (SLOTS);
+     the memory slots that hold each context token, where the paper's layout fixes them (a method's token_slots);
      elsewhere (compression tokens that read the whole context) what it outputs. sentence_gist's
      gists also learn the last-layer K/V of the answer in their sentence (gist_kv_loss); ATA's
      compression tokens, to read the answer one layer below the last (writer_loss).
@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 import data
 from model import ModelConfig, Transformer, apply_rope, read_json
-from sentence_gist import GIST, TOKEN
 
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
 
@@ -449,8 +448,12 @@ def synthetic_items(synth, rng, n, frac, kind, qa_per_context=1, aids=True):
                           same_attrs=ramp < 1 or rng.random() < 0.5) for _ in range(n * per_slot)]
 
 
-# QA pairs per context for the methods that compress without seeing the question (all but ATA)
-QUESTIONS = {"MeanPool": 4, "PIC": 4, "SAC": 4, "SentenceGist": 4}
+QUESTIONS = 4  # QA pairs per context for the compressors that do not read the question (all but ATA)
+
+
+def questions(method):
+    """Aid 3's QA pairs per context for `method`: QUESTIONS for a compressor blind to the question, else 1."""
+    return QUESTIONS if hasattr(method, "compress") and not getattr(method, "reads_question", False) else 1
 
 
 def add_questions(batch, items, tok):
@@ -479,27 +482,12 @@ ATTN_KD = 1.0  # weight of the attention-distillation term
 GIST_KV = 3.0  # weight of sentence_gist's K/V target (gist_kv_loss)
 
 
-# which memory slot holds each context token, under each paper's layout: (B, L) long, -1 = none
-def window_slots(batch, memory, r):
-    """meanpool: slot k pools window S_k; PIC: memory token m_t reads chunk c_t (r may be (B,))."""
-    r = torch.as_tensor(r, device=memory.mask.device).expand(len(memory.mask))
-    i = torch.arange(batch["context"].shape[1], device=r.device)
-    P = len(batch["prefix"])  # the prefix slots come first (model.behind_prefix)
-    return (P + i[None] // r[:, None]).clamp(max=memory.n_slots - 1)
-
-
-def anchor_slots(batch, memory, r):
-    """SAC: the nearest anchor (memory = the prefix slots, then the anchors in order)."""
-    P, i = memory.n_slots - max(len(g) for g in memory.anchors), torch.arange(batch["context"].shape[1])
-    return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in memory.anchors])
-
-
 def next_gists(L):
     """sentence_gist layout L: ((B, T) the position of the first gist at or after each position (T:
     none), (B, T) the positions of its regular tokens in order: the context's first)."""
-    kind, T = L["kind"], L["kind"].shape[1]
-    next_gist = torch.where(kind == GIST, torch.arange(T, device=kind.device), T).flip(1).cummin(1).values.flip(1)
-    return next_gist, torch.argsort((kind != TOKEN).to(torch.int8), dim=1, stable=True)
+    is_gist, T = L["is_gist"], L["kind"].shape[1]
+    next_gist = torch.where(is_gist, torch.arange(T, device=is_gist.device), T).flip(1).cummin(1).values.flip(1)
+    return next_gist, torch.argsort((~L["is_token"]).to(torch.int8), dim=1, stable=True)
 
 
 def gist_keys(L, context_len, width, n_gists):
@@ -513,29 +501,17 @@ def gist_keys(L, context_len, width, n_gists):
     return keys.masked_fill((torch.arange(width, device=g.device) >= context_len[:, None])[..., None], -1)
 
 
-SLOTS = {"MeanPool": window_slots, "PIC": window_slots, "SAC": anchor_slots,
-         "SentenceGist": None, "ATA": None}  # sentence_gist reads its layout (layout_loss); ATA: no slots
-
-
 def distills_attention(method):
     """Aid 2 applies to every compression method (not to the teacher or the base)."""
-    return type(method).__name__ in SLOTS
-
-
-def reads_whole_context(method):
-    """Compression tokens that read the whole context (ATA; PIC under --mask causal or bidir, --mem
-    single included) hold whatever they learn to: no slot map, unless they sit at their chunks'
-    centres (crediting slot t with chunk t halved their F1 with memory after the context)."""
-    name = type(method).__name__
-    return name == "ATA" or (name == "PIC" and method.cfg.mask != "blockwise")
+    return hasattr(method, "compress")
 
 
 class AttentionDistillation:
     """Aid 2 (ours, not in any paper): the tiny base's head 0 of its last layer points each answer
     position at the context token to copy next (Base). Where the layout fixes the slots, that
-    attention mass, summed over the context tokens each memory slot holds (SLOTS), is the target
+    attention mass, summed over the context tokens each memory slot holds (method.token_slots), is the target
     of the decoder's head 0 over the slots in the run's first SLOT_STAGE; after it, and throughout
-    where no slot map holds (reads_whole_context), the teacher head's output o = sum_j p_j v_j is:
+    where no slot map holds (token_slots None), the teacher head's output o = sum_j p_j v_j is:
         L += ATTN_KD * n * CE(teacher mass per slot, decoder attention over slots)
         L += ATTN_KD * n * mean_N |o - o_teacher|^2 / mean_N |o_teacher|^2
     with n the method's token count, so the term is per answer token like KD/CE. Without it the
@@ -545,14 +521,12 @@ class AttentionDistillation:
     0.76-0.88, not 0.68-0.76, on 5 paired seeds) and than the output form from step 0, which stalled a seed."""
 
     def __init__(self, method, weight, max_iters=0):
-        self.base, self.weight, self.slots = method.base, weight, SLOTS[type(method).__name__]
-        fixed = self.slots is not None and (not reads_whole_context(method) or getattr(method, "centre", False))
-        self.slot_steps = round(SLOT_STAGE * max_iters) if fixed else 0
+        self.base, self.weight, self.slots = method.base, weight, method.token_slots
+        self.slot_steps = round(SLOT_STAGE * max_iters) if self.slots is not None else 0
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists, self.tok = getattr(method.cfg, "gists", 0), getattr(method, "tok", None)
         self.last = self.base.config.num_hidden_layers - 1
-        writes = type(method).__name__ == "ATA"  # its encoder gets writer_loss
-        self.inputs = keep_attention_inputs(self.base, [self.last - 1, self.last] if writes else [self.last])
+        self.inputs = keep_attention_inputs(self.base, [self.last - 1, self.last])  # L-2: ATA's writer_loss
         self.hidden = method.run.objective == "kd"  # its teacher distils logits: teacher() returns them too
 
     @torch.no_grad()
@@ -638,7 +612,7 @@ class AttentionDistillation:
         """`loss` for sentence_gist's pass over layout L: an answer sees the sink, the gists, its open sentence."""
         teacher_attn = teacher_head[0]
         rows, pos = (L["labels"] != -100).nonzero(as_tuple=True)
-        seen = (L["kind"] > 0) | ((L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None]))
+        seen = (L["kind"] > 0) | (L["is_token"] & (L["sentence"] == L["open"][:, None]))
         keys = gist_keys(L, batch["context_len"], batch["context"].shape[1], self.n_gists)
         return self.loss(teacher_attn, keys, rows, pos, seen) + self.gist_kv_loss(teacher_head[2], L, batch)
 
@@ -686,7 +660,7 @@ def gist_answer_pairs(L, batch, tok, n_gists):
 
 def add_decoder_adapter(method):
     """Aid 4: a LoRA adapter `decoder` (the method's own rank and alpha) on the frozen decoder."""
-    if type(method).__name__ in ("PIC", "SAC", "ATA") and method.dec_adapter is None:
+    if getattr(method, "frozen_decoder", False) and method.dec_adapter is None:
         decoder = getattr(method, "dec", method.base)  # pic may hold a separate decoder
         decoder.add_adapter("decoder", method.cfg.lora_r or 16, method.cfg.lora_alpha)
         method.dec_adapter = "decoder"

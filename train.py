@@ -587,7 +587,7 @@ class Batches:
         self.text, self.records, self.order = text_objective(cfg), records, (None, None)
         self.synth = tiny.Synthetic(seed=cfg.seed, split=split)
         synthetic = records is None  # aid 3 needs the synthetic items' extra QA pairs
-        self.questions = tiny.QUESTIONS.get(type(method).__name__, 1) if tiny.aided(cfg) and synthetic else 1
+        self.questions = tiny.questions(method) if tiny.aided(cfg) and synthetic else 1
         self.stats = {}
 
     def permutation(self, epoch):

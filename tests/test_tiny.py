@@ -118,12 +118,12 @@ def test_query_agnostic_compressors_read_every_question_of_a_context(tmp_path):
     import data
     tok = default_tokenizer(tmp_path)
     cfg = train.TrainConfig(method="meanpool", objective="kd", max_iters=100, batch_size=4)
-    method = type("MeanPool", (), {})()
+    method = type("MeanPool", (), {"compress": None})()  # a compressor blind to the question
     batches = train.Batches(cfg, tok, method)
     items = sorted(batches.raw(90, 4), key=lambda ex: len(ex["context"]))  # a batch's rows: sorted by length
     b = batches(90)[0]
     for i, ex in enumerate(items):
-        assert len(ex["qas"]) == tiny.QUESTIONS["MeanPool"]
+        assert len(ex["qas"]) == tiny.QUESTIONS
         want = [t for q, a in ex["qas"] for t in tok.encode(" " + a, start=False) + tok.eos_ids[:1]]
         for key in ("qa", "full"):
             lab = b[key + "_labels"][i]
@@ -220,11 +220,11 @@ def test_slots_follow_each_papers_layout(base_dir):
     m, batch = _with_aid(base_dir, "pic")
     memory = m.compress(batch, 4)
     L = batch["context"].shape[1]
-    assert tiny.window_slots(batch, memory, 4)[0].tolist() == [min(1 + i // 4, memory.mask.shape[1] - 1)
+    assert m.token_slots(batch, memory, 4)[0].tolist() == [min(1 + i // 4, memory.mask.shape[1] - 1)
                                                                for i in range(L)]  # after the BOS slot
     m, batch = _with_aid(base_dir, "sac", lora_r=4, lora_alpha=8)
     memory = m.compress(batch, 4)
-    slots = tiny.anchor_slots(batch, memory, 4)
+    slots = m.token_slots(batch, memory, 4)
     for b, g in enumerate(memory.anchors):
         assert slots[b, g].tolist() == [1 + t for t in range(len(g))]  # after the BOS slot
         assert memory.mask[b, slots[b, :batch["context_len"][b]]].all()
@@ -303,21 +303,28 @@ def test_writer_loss_is_the_mass_compression_tokens_put_on_the_answer(base_dir):
     assert m.aid.writer_loss(dict(batch, qa_labels=absent)) == 0.0
 
 
-def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots():
+def test_attention_distillation_per_slot_only_where_the_layout_fixes_the_slots(base_dir):
     """Aid 2 applies to every compression method; per slot for layouts that say which slot holds
-    which token (meanpool's windows, PIC's block-wise chunks, SAC's anchors), its output form for
-    compression tokens that read the whole context (PIC's causal and bidir masks, --mem single
-    under them, ATA)."""
-    def fake(name, **kw):  # a method's class name and config are all the rule reads
-        cls = train.method_registry()[name]
-        return type(cls.__name__, (), {"cfg": train.method_config(cls)(**kw)})()
-    assert all(tiny.distills_attention(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist", "ata"))
-    assert not tiny.distills_attention(fake("teacher"))
-    assert not any(tiny.reads_whole_context(fake(n)) for n in ("meanpool", "pic", "sac", "sentence_gist"))
-    assert not tiny.reads_whole_context(fake("pic", mem="single", mask="blockwise"))
-    assert tiny.reads_whole_context(fake("ata"))
-    assert all(tiny.reads_whole_context(fake("pic", mask=mask, mem=mem))
-               for mask in ("causal", "bidir") for mem in ("table", "single"))
+    which token (meanpool's windows, PIC's block-wise chunks or memory at the chunks' centres, SAC's
+    anchors: a method's token_slots), its output form for compression tokens that read the whole
+    context (PIC's causal and bidir masks with memory after the context, ATA)."""
+    import data
+    import meanpool
+    import pic
+    import sac
+    from model import Transformer
+    methods = train.method_registry()
+    assert all(tiny.distills_attention(methods[n]) for n in ("meanpool", "pic", "sac", "sentence_gist", "ata"))
+    assert not tiny.distills_attention(methods["teacher"]) and not tiny.distills_attention(methods["base"])
+    assert methods["meanpool"].token_slots is meanpool.window_slots and methods["sac"].token_slots is sac.anchor_slots
+    assert methods["ata"].token_slots is None and methods["sentence_gist"].token_slots is None
+    tok = data.load_tokenizer(base_dir)
+    for mask, mem, mem_pos, fixed in (("blockwise", "table", "", True), ("blockwise", "single", "after", True),
+                                      ("causal", "single", "", True), ("causal", "table", "", False),
+                                      ("bidir", "table", "after", False), ("bidir", "single", "centre", True)):
+        m = pic.PIC(Transformer.from_pretrained(base_dir), pic.PICConfig(mask=mask, mem=mem, mem_pos=mem_pos), tok,
+                    train.TrainConfig(method="pic", objective="qa"))
+        assert (m.token_slots is meanpool.window_slots) == fixed and (m.token_slots is None) != fixed, (mask, mem)
 
 
 @pytest.mark.parametrize("name,kw", [("pic", {"mask": "causal", "mem": "single"}), ("ata", {"lora_r": 4})])
@@ -370,7 +377,7 @@ def test_slot_form_first_where_the_layout_fixes_the_slots(base_dir):
         rows, pos = (batch["qa_labels"] != -100).nonzero(as_tuple=True)
         keys_valid = torch.cat([memory.mask, torch.ones_like(batch["qa_labels"], dtype=torch.bool)], 1)
         C = memory.mask.shape[1]
-        slot_form = m.aid.loss(teacher_attn, tiny.window_slots(batch, memory, 4), rows, pos, keys_valid, C)
+        slot_form = m.aid.loss(teacher_attn, m.token_slots(batch, memory, 4), rows, pos, keys_valid, C)
         got = [m.aid.memory_loss((teacher_attn, teacher_out), memory, dict(batch, step=s), 4) for s in (0, 2, 3, 9)]
         m.aid.slot_steps = 0  # the output form, as every other reader of the whole context
         output_form = m.aid.memory_loss((teacher_attn, teacher_out), memory, batch, 4)
