@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 import kernels
-from model import behind_prefix
+from model import behind_prefix, decode_each
 
 # Table 6: "the final hyperparameters used to train all models, including the teacher and compressor models"
 TABLE6 = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, grad_clip=1.0, max_iters=48_000,
@@ -108,6 +108,10 @@ class MeanPool(nn.Module):
     def compress(self, batch, ratio):
         return self.pool(self.encode(batch), batch, ratio)
 
+    def decode_hidden(self, memory, ids):  # [memory, ids] -> (B, T, d)
+        with self.base.adapter(self.dec_adapter):
+            return self.base(ids, memory=memory, output="hidden")
+
     def forward(self, batch, ratios):
         """Training loss: (sum over answer tokens and ratios, n answer tokens, metrics)."""
         h = self.encode(batch)  # one encoder pass serves every ratio (eq. 6)
@@ -122,10 +126,9 @@ class MeanPool(nn.Module):
         if self.cfg.ratio_sampling:  # Table 3: one ratio per example, (B,); no per-ratio metrics
             groups = [torch.tensor([random.choice(ratios) for _ in range(h.shape[0])], device=h.device)]
         total, metrics = 0.0, {}
-        for r in groups:
-            memory = self.pool(h, batch, r)
-            with self.base.adapter(self.dec_adapter):
-                hs = self.base(batch["qa"], memory=memory, output="hidden")  # (B, T, d)
+        memories = [self.pool(h, batch, r) for r in groups]
+        stack = self.aid is None and not self.base.config.sliding_window  # the aid reads each ratio's own pass
+        for r, memory, hs in zip(groups, memories, decode_each(self.decode_hidden, memories, batch["qa"], stack)):
             if self.run.objective == "kd":
                 loss, n = self.base.kd(hs[labels != -100], teacher)
             else:

@@ -226,6 +226,19 @@ def behind_prefix_kv(model, prefix, kv, mask):
     return kv, torch.cat([torch.ones_like(ids, dtype=torch.bool), mask], 1)
 
 
+def decode_each(decode, memories, ids, stack):
+    """decode(memory, ids) -> (B, T, d) for each embedding memory: lazily, a pass each, or with `stack` one pass
+    over all of them along the batch (R*B rows; each memory padded to the longest with masked slots), the same
+    math in fewer, larger kernels. Not for sliding windows: they count padded slots (as HF does)."""
+    if not stack or len(memories) < 2:
+        return (decode(memory, ids) for memory in memories)
+    C = max(memory.n_slots for memory in memories)
+    memory = Memory(embeds=torch.cat([F.pad(m.embeds, (0, 0, 0, C - m.n_slots)) for m in memories]),
+                    mask=torch.cat([F.pad(m.mask, (0, C - m.n_slots), value=False) for m in memories]),
+                    next_pos=torch.cat([m.next_pos for m in memories]))
+    return decode(memory, ids.repeat(len(memories), 1)).chunk(len(memories))
+
+
 # -----------------------------------------------------------------------------
 # LoRA: W x + (alpha / r) B A x, several named adapters on one base weight
 #        x ──► W (frozen) ───────────────┐

@@ -35,7 +35,7 @@ import torch.nn as nn
 import data
 import kernels
 from meanpool import TABLE6, window_slots
-from model import Transformer, behind_prefix
+from model import Transformer, behind_prefix, decode_each
 
 LAMBDA = 0.5  # eq. 8
 
@@ -228,8 +228,9 @@ class PIC(nn.Module):
             with torch.no_grad(), self.dec.adapter(None):
                 teacher = self.dec(batch["full"], output="hidden")[batch["full_labels"] != -100]  # (n, d_dec)
         total, metrics = 0.0, {}
-        for r, memory in zip(ratios, self.memories(batch, ratios)):
-            hs = self.decode_hidden(memory, batch["qa"])  # (B, T, d_dec)
+        memories = self.memories(batch, ratios)
+        stack = self.aid is None and not self.dec.config.sliding_window  # the aid reads each ratio's own pass
+        for r, memory, hs in zip(ratios, memories, decode_each(self.decode_hidden, memories, batch["qa"], stack)):
             if self.run.objective == "kd":
                 loss, n = self.dec.kd(hs[labels != -100], teacher)
             else:

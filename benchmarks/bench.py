@@ -28,6 +28,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import kernels  # noqa: E402
+import meanpool  # noqa: E402
+import model  # noqa: E402
+import pic  # noqa: E402
 import train  # noqa: E402
 from model import Memory, ModelConfig, Transformer, compile_layers  # noqa: E402
 
@@ -188,7 +191,16 @@ ROWS = [  # (row, method and its flags, objective, ratios): the methods' main ob
     ("ata qa", "ata", "qa", "10"),
     ("sentence_gist lm", "sentence_gist", "lm", "1"),
     ("tokens kd", "pic --mem single --mask bidir", "kd", "4,8,16"),  # meanpool §5.1's compression tokens
+    ("meanpool kd per ratio", "meanpool", "kd", "4,8,16"),  # a decoder pass per ratio, not model.decode_each's one
+    ("tokens kd per ratio", "pic --mem single --mask bidir", "kd", "4,8,16"),
 ]
+
+
+def decode_per_ratio(on):
+    """Rows named "per ratio": the methods' decoder runs once per ratio, as before the ratios were stacked."""
+    each = (lambda decode, memories, ids, stack: model.decode_each(decode, memories, ids, False)) if on else \
+        model.decode_each
+    meanpool.decode_each = pic.decode_each = each
 
 
 def build_row(base, tok, method, objective, ratio, batch_size, context):
@@ -322,6 +334,7 @@ def train_row(shape, tok, row, B, context):
     """Times our step of one row at one shape and prints it -> (base, method module, batch,
     seconds per step, FLOPs per step, context tokens per step)."""
     name, method, objective, ratio = row
+    decode_per_ratio(name.endswith("per ratio"))
     base = random_model(shape, tok)
     m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
     ratios = train.ratios_of(ratio)

@@ -434,3 +434,37 @@ def test_encoder_with_its_own_tokenizer(base_dir, tmp_path):
     assert loss.item() > 0 and m.converter[0].weight.grad.shape == (m.base.config.hidden_size, 64)
     outs, _ = evaluate.answer(m, batch, 4, 3)
     assert len(outs) == 2
+
+
+def _losses_and_grads(m, batch, ratio_groups):
+    """The summed loss, per-ratio metrics and every trainable gradient of m over calls on ratio_groups."""
+    m.zero_grad(set_to_none=True)
+    total, metrics = 0.0, {}
+    for ratios in ratio_groups:
+        loss, _, mets = m(batch, ratios)
+        loss.backward()
+        total, metrics = total + loss.item(), {**metrics, **mets}
+    return total, metrics, {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("method,objective", [("pic", "qa"), ("pic", "kd"), ("meanpool", "kd"), ("meanpool", "qa")])
+def test_one_decoder_pass_for_all_ratios_equals_a_pass_per_ratio(base_dir, tmp_path, method, objective):
+    """Without the tiny aids the decoder reads every ratio's memory in one pass, stacked along the batch
+    (model.decode_each): the same losses, per-ratio metrics and gradients as one pass per ratio."""
+    from test_meanpool import _method
+    if method == "pic":
+        m, tok = make(base_dir, objective)
+        batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(3), tok, pad_multiple=8)
+    else:
+        m, batch = _method(tmp_path)
+    m.run.objective = objective
+    passes, decode = [], m.decode_hidden
+    m.decode_hidden = lambda memory, ids: passes.append(len(ids)) or decode(memory, ids)
+    stacked = _losses_and_grads(m, batch, [[4, 8, 16]])
+    alone = _losses_and_grads(m, batch, [[4], [8], [16]])
+    assert passes == [9, 3, 3, 3]  # one pass over 3 ratios x 3 examples, then one per ratio
+    assert stacked[0] == pytest.approx(alone[0], rel=1e-5) and stacked[1].keys() == alone[1].keys()
+    assert all(stacked[1][k] == pytest.approx(alone[1][k], rel=1e-5) for k in alone[1])
+    assert stacked[2].keys() == alone[2].keys() and len(alone[2]) > 0
+    for k, g in alone[2].items():
+        assert torch.allclose(stacked[2][k], g, rtol=1e-4, atol=1e-6), k
