@@ -152,9 +152,10 @@ def make_parser(configs, positional=None, usage=USAGE):
         for f in fields(c):
             note = next((l.partition("#")[2].strip() for l in source if l.strip().startswith(f"{f.name}:")), "")
             kind = dict(action="store_true") if f.type is bool else dict(type=f.type, metavar=f.type.__name__)
-            group.add_argument(f"--{f.name}", help=f"{note} (default {f.default!r})", **kind)
-    if positional:
-        parser.add_argument(positional, nargs="*")
+            if f.name == positional:  # bare arguments
+                parser.add_argument(positional, nargs="*", help=note)
+            else:
+                group.add_argument(f"--{f.name}", help=f"{note} (default {f.default!r})", **kind)
     return parser
 
 
