@@ -53,8 +53,11 @@ def loss_and_grads(tok, row, dtype, backend):
         kernels.BACKEND = None
 
 
+METHOD_ROWS = [r for r in bench.ROWS if not r[0].endswith("per ratio")]  # those rows time another path, same math
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("row", bench.ROWS, ids=[r[0].replace(" ", "-") for r in bench.ROWS])
+@pytest.mark.parametrize("row", METHOD_ROWS, ids=[r[0].replace(" ", "-") for r in METHOD_ROWS])
 def test_flex_equals_dense_loss_and_grads(tok, row, dtype):
     loss_d, grads_d = loss_and_grads(tok, row, dtype, "dense")
     loss_f, grads_f = loss_and_grads(tok, row, dtype, "flex")
