@@ -222,7 +222,8 @@ class ATA(nn.Module):
                 continue
             metrics[f"r_{obj}"] = r = draw_ratio(choices, self.run.seed, step, obj)
             k = self.policy_k(L, r)
-            memory = self.memory(kv, k, batch["enc_len"], batch["prefix"] if obj == "qa" and not self.cfg.no_prefix else ())
+            prefix = batch["prefix"] if obj == "qa" and not self.cfg.no_prefix else ()
+            memory = self.memory(kv, k, batch["enc_len"], prefix)
             with self.base.adapter(self.dec_adapter):
                 h_dec = self.base(batch[ids], memory=memory, output="hidden")  # (B, T, d)
             loss, m = self.base.ce(h_dec, batch[f"{obj}_labels"])

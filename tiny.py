@@ -176,7 +176,8 @@ def synthetic_corpus(seed, n_chars):
     n = sum(map(len, lines))
     while n < n_chars:
         ex = syn.example(rng, rng.randint(1, 4), rng.randint(1, len(ATTRIBUTES)), same_attrs=False, n_questions=3)
-        new = ex["chunks"] + [f"{rng.choice(data.QA_TEMPLATES).format(question=q)[1:]}{data.ANSWER_CUE} {a}" for q, a in ex["qas"]]
+        asked = [f"{rng.choice(data.QA_TEMPLATES).format(question=q)[1:]}{data.ANSWER_CUE} {a}" for q, a in ex["qas"]]
+        new = ex["chunks"] + asked
         lines += new
         n += sum(map(len, new))
     return "\n".join(lines)

@@ -55,13 +55,13 @@ class TrainConfig:
     eval_data: str = ""        # held-out file for validation and the final evaluation; "" = synthetic test split
     skip_bad: bool = False     # skip (and count) malformed records instead of stopping
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
-    prompt: str = "auto"       # QA prompt: auto (the checkpoint's chat_template; none: plain) | plain | chatml | llama3 | gemma | sac
+    prompt: str = "auto"       # auto (the checkpoint's template, else plain) | plain | chatml | llama3 | gemma | sac
     out_dir: str = ""          # "" = out/<method>
     no_aids: bool = False      # tiny base only: no aids (tiny.py), the papers' recipes at its steps, batch, lr, ratios
-    pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it; unset: the recipe's
-    pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = the contexts of --data
-    # --- optimisation (0 = the method's default: paper values on real checkpoints, small ones on the tiny base)
-    max_iters: int = 0         # steps; with several stages, shared by them in the recipe's proportion (--pretrain aside)
+    pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it
+    pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = --data's
+    # --- optimisation (0 = the method's recipe: the paper's values on real checkpoints, TINY on the tiny base)
+    max_iters: int = 0         # steps; several stages share them in the recipe's proportion (--pretrain aside)
     batch_size: int = 0        # the global batch: examples a step over all ranks and --grad_accum micro-batches
     grad_accum: int = 1        # micro-batches a step per rank: its examples sorted by context length (less padding)
     lr: float = 0.0
@@ -227,7 +227,8 @@ def check_stage(cfg, mcfg, cls):
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
         raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
     if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
-        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from auto, plain, sac, {', '.join(data.CHAT_FORMATS)}")
+        formats = ", ".join(("auto", "plain", "sac", *data.CHAT_FORMATS))
+        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
     if hasattr(cls, "check_config"):
@@ -576,7 +577,8 @@ def stage_data(cfg):
         return items, items, f"validation: {path} (one record: the training record itself)"
     held = set(random.Random(cfg.seed).sample(range(len(items)), min(256, max(1, len(items) // 50))))
     train_items = [it for i, it in enumerate(items) if i not in held]
-    return train_items, [items[i] for i in sorted(held)], f"validation: {len(held)} items of {path} held out of training"
+    held_out = [items[i] for i in sorted(held)]
+    return train_items, held_out, f"validation: {len(held)} items of {path} held out of training"
 
 
 class Batches:
