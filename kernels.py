@@ -11,7 +11,7 @@ Legend: B batch, H/Hkv heads, Q query tokens, S key tokens, hd head dim, N token
 """
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 BACKEND = None  # the one override: None = pick by device; "dense" or "flex" forces a backend (tests)
 # Flex pads queries and keys to a multiple of BLOCK: one compiled (dynamic=False) graph serves a bucket of
@@ -149,6 +149,23 @@ def draw(mask_mod, Q, S=None):
     return "\n".join("".join("#" if x else "." for x in row) for row in rows)
 
 
+def every_causal_block(mask_mod):
+    """Marks a mask_mod that sees no key after its query and some key in nearly every block on or below the
+    diagonal (sentence_gist's: gist columns everywhere). Mask.block then lists those blocks as partial instead of
+    evaluating mask_mod over B x Q x S to find them (create_block_mask): flex could skip only the blocks above."""
+    mask_mod.every_causal_block = True
+    return mask_mod
+
+
+def causal_blocks(mask_mod, B, n, device):
+    """BlockMask of n x n blocks: block (i, j) partial (mask_mod decides inside) where j <= i, absent above."""
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    kv_num_blocks = (rows + 1).expand(B, 1, n).contiguous()  # (B, 1, n)
+    kv_indices = rows.expand(B, 1, n, n).contiguous()  # (B, 1, n, n): row i reads blocks 0..i
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(n * BLOCK, n * BLOCK))
+
+
 class Mask:
     """An attention pattern for queries (B, Q) over keys (B, S), built lazily per backend, shared by all layers."""
 
@@ -170,8 +187,11 @@ class Mask:
             if _compiled_block_mask is None and self.device.type == "cuda":
                 _compiled_block_mask = compiled(create_block_mask)
             build = _compiled_block_mask or create_block_mask  # CPU: eager, unless a test installs a compiled one
-            self._block = build(padded(self.mask_mod, self.Q, self.S, self.device), self.B, None,
-                                bucket(self.Q), bucket(self.S), device=self.device)
+            mask_mod = padded(self.mask_mod, self.Q, self.S, self.device)
+            if getattr(self.mask_mod, "every_causal_block", False) and self.Q == self.S:
+                self._block = causal_blocks(mask_mod, self.B, bucket(self.Q) // BLOCK, self.device)
+            else:
+                self._block = build(mask_mod, self.B, None, bucket(self.Q), bucket(self.S), device=self.device)
         return self._block
 
 

@@ -109,6 +109,29 @@ def test_attention_backends_match_reference(monkeypatch, backend, cap):
         q, k, v, kernels.Mask(kernels.causal, B, Q, Q, q.device)), atol=1e-5, rtol=1e-5)
 
 
+def test_every_causal_block_lists_the_blocks_create_block_mask_needs(monkeypatch):
+    """A mask marked every_causal_block (sentence_gist's) gets every block on or below the diagonal as a partial
+    block, built without evaluating the mask: a superset of what create_block_mask finds, none above the diagonal,
+    and flex over it gives the dense path's attention (CPU flex: forward only), padding rows included."""
+    import sentence_gist as sg
+    B, H, T, hd = 2, 2, 300, 8  # 3 blocks of 128 after padding; the last 20 positions of example 1 are PAD
+    g = torch.Generator().manual_seed(0)
+    kind = (torch.rand(B, T, generator=g) < 0.05).long()
+    sentence = kind.cumsum(1)
+    kind[1, -20:] = sg.PAD
+    mask_mod = sg.sentence_mask(sentence, kind)
+    block = kernels.Mask(mask_mod, B, T, T, torch.device("cpu")).block()
+    assert block.kv_num_blocks[:, 0].tolist() == [[1, 2, 3]] * B and block.full_kv_num_blocks is None
+    found = kernels.create_block_mask(kernels.padded(mask_mod, T, T, "cpu"), B, None, 384, 384, device="cpu")
+    assert (found.kv_num_blocks + found.full_kv_num_blocks <= block.kv_num_blocks).all()
+    q, k, v = rand(B, H, T, hd, seed=3), rand(B, H, T, hd, seed=4), rand(B, H, T, hd, seed=5)
+    outs = {}
+    for backend in ("dense", "flex"):
+        monkeypatch.setattr(kernels, "BACKEND", backend)
+        outs[backend] = kernels.attention(q, k, v, kernels.Mask(mask_mod, B, T, T, q.device))
+    torch.testing.assert_close(outs["flex"], outs["dense"], atol=1e-5, rtol=1e-5)
+
+
 # -----------------------------------------------------------------------------
 # chunked losses == naive twins, values and gradients
 
