@@ -396,7 +396,7 @@ def bench_attention():
             first_s, block_s = timeit(new_block, 0, 1), timeit(new_block, 0, 3)  # the first compiles (CUDA)
             mask = kernels.Mask(mask_mod, 1, Tm, Tm, device)
             empty, dense_s = mask.block().sparsity(), timeit(mask.dense, 0, 1)  # sparsity: % of blocks skipped
-            print(f"{name:14s} B={B} T={Tm:5d} {device}: create_block_mask {block_s * 1000:8.1f} ms/batch "
+            print(f"{name:14s} B={B} T={Tm:5d} {device}: block mask {block_s * 1000:8.1f} ms/batch "
                   f"(first call {first_s * 1000:.0f} ms), dense mask {dense_s * 1000:.1f} ms, "
                   f"{empty:.0f}% of 128x128 blocks empty")
             if not cuda:

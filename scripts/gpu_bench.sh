@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 79's GPU checks in two device calls of at most 9 minutes each; every command's output goes to
+# $OUT/<name>.txt (the device tool's returned folder; default out/gpu_bench), each command under its own timeout.
+#   run(command="bash scripts/gpu_bench.sh part1", timeout_s=600)  # the gpu tests; bench.py train at Llama-3.1-8B
+#       shapes: meanpool kd and the compression tokens, one decoder pass for all ratios and a pass per ratio, eager
+#       and --compile
+#   run(command="bash scripts/gpu_bench.sh part2", timeout_s=600)  # bench.py attention at B = 8 x 4K (pic block-wise,
+#       sentence_gist's listed blocks); ttft from a 16x Memory at Llama-3.2-1B and Llama-3.1-8B, eager and --compile
+# --smoke (after the part): the same commands at the tiny shapes on a CPU, in seconds: the tests collected, not run,
+# no --compile (tests/test_suite.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu_bench}
+mkdir -p "$OUT"
+SMOKE=$([ "${2:-}" = --smoke ] && echo 1 || echo "")
+ROWS="meanpool kd,meanpool kd per ratio,tokens kd,tokens kd per ratio"
+SHAPE=$([ -n "$SMOKE" ] && echo "--tiny" || echo "--shapes llama-3.1-8b")
+
+step() {  # step NAME SECONDS COMMAND...: its output to $OUT/NAME.txt, and a line here
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1 || echo "no GPU" > "$OUT/device.txt"
+git rev-parse --short HEAD >> "$OUT/device.txt" 2>/dev/null || true
+case "${1:-}" in
+  part1)
+    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n 4 tests
+    step train 160 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters 5
+    [ -n "$SMOKE" ] || step train_compile 200 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters 5 --compile
+    ;;
+  part2)
+    if [ -n "$SMOKE" ]; then
+      step attention 120 python benchmarks/bench.py attention --lengths 512 --iters 1
+    else
+      step attention 300 python benchmarks/bench.py attention --attn_batch 8 --lengths 4096 --iters 3
+    fi
+    TTFT=$([ -n "$SMOKE" ] && echo "--tiny" || echo "--shapes llama-3.2-1b,llama-3.1-8b")
+    step ttft 90 python benchmarks/bench.py ttft $TTFT
+    [ -n "$SMOKE" ] || step ttft_compile 130 python benchmarks/bench.py ttft $TTFT --compile
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_bench.sh part1|part2 [--smoke]" >&2
+    exit 2
+    ;;
+esac
