@@ -14,6 +14,7 @@ Choices the paper leaves open, made here:
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
 - The decoder reads [prefix, z_1 .. z_C, prompt, answer] at 0.., as the teacher reads the context (behind_prefix).
 - The loss is per answer token, summed over ratios; `--objective qa`: CE on the answer instead (not the paper's).
+- Several ratios: one encoder pass; one decoder pass over their memories, stacked (model.decode_each; not under aids).
 - Table 3's ablations: MeanPoolConfig's flags; under `--fixed_encoder` the frozen base still encodes bidirectionally.
 - Tiny base: tiny.py's aids (slot k holds window S_k).
 """
