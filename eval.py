@@ -109,7 +109,7 @@ def eval_records(cfg, ecfg):
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data
     if path:
-        return list(train.read_records(path, cfg))[:n]
+        return train.read_records(path, cfg)[:n]
     return tiny.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 

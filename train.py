@@ -164,7 +164,8 @@ def parse_args(argv, *configs, positional=None, usage=USAGE):
     given = vars(make_parser(configs, positional, usage).parse_intermixed_args([str(a) for a in argv]))
     if positional in given:
         given[positional] = " ".join(given[positional])
-    instances = [c(**{k: v for k, v in given.items() if k in {f.name for f in fields(c)}}) for c in configs]
+    names = [{f.name for f in fields(c)} for c in configs]
+    instances = [c(**{k: v for k, v in given.items() if k in keys}) for c, keys in zip(configs, names)]
     return instances, set(given) - {positional}
 
 
@@ -455,6 +456,10 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
     methods, name = method_registry(), state["train"]["method"]
     if name not in methods:
         raise SystemExit(f"error: {run_dir}: unknown method {name!r}; known: {', '.join(methods)}")
+    for key, config in (("train", TrainConfig), ("method", method_config(methods[name]))):
+        unknown = sorted(state[key].keys() - {f.name for f in fields(config)})
+        if unknown:  # a run of an older version (ata's prefix is --no_prefix now)
+            raise SystemExit(f"error: {path}: {key} keys {unknown} are not {config.__name__} fields; retrain the run")
     cfg = TrainConfig(**state["train"])
     mcfg = method_config(methods[name])(**state["method"])
     if name == "base":
@@ -535,12 +540,18 @@ def text_objective(cfg):
     return cfg.objective in ("lm", "ae+lm") and cfg.method != "base"
 
 
-def read_records(path, cfg, stats=None):
-    """The records of a QA file (one that is not UTF-8 text: one line naming it)."""
+def read_file(path, read):
+    """list(read(path)); a file that is not UTF-8 text is one line naming it."""
     try:
-        yield from data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
+        return list(read(path))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_records(path, cfg, stats=None):
+    """The records of a QA file, as a list."""
+    return read_file(path, lambda p: data.read_dataset(p, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad,
+                                                       stats=stats))
 
 
 def read_items(path, cfg, text):
@@ -548,12 +559,9 @@ def read_items(path, cfg, text):
     contexts of a QA file). A file with none is a one-line error."""
     stats = {}
     if text and path.endswith((".txt", ".text", ".jsonl")):
-        try:
-            items = list(data.read_text(path))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        items = read_file(path, data.read_text)
     else:
-        records = list(read_records(path, cfg, stats))
+        records = read_records(path, cfg, stats)
         items = list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
     if stats.get("skipped_bad") or stats.get("unanswerable"):
         print(f"{path}: {stats}")

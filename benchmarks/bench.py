@@ -14,6 +14,7 @@ random-init models with the checkpoints' config.json values: speed and memory de
 """
 import argparse
 import os
+from contextlib import contextmanager
 import random
 import resource
 import subprocess
@@ -196,11 +197,16 @@ ROWS = [  # (row, method and its flags, objective, ratios): the methods' main ob
 ]
 
 
+@contextmanager
 def decode_per_ratio(on):
     """Rows named "per ratio": the methods' decoder runs once per ratio, as before the ratios were stacked."""
-    each = (lambda decode, memories, ids, stack: model.decode_each(decode, memories, ids, False)) if on else \
-        model.decode_each
-    meanpool.decode_each = pic.decode_each = each
+    if on:
+        meanpool.decode_each = pic.decode_each = lambda decode, memories, ids, stack: model.decode_each(
+            decode, memories, ids, False)
+    try:
+        yield
+    finally:
+        meanpool.decode_each = pic.decode_each = model.decode_each
 
 
 def build_row(base, tok, method, objective, ratio, batch_size, context):
@@ -334,29 +340,29 @@ def train_row(shape, tok, row, B, context):
     """Times our step of one row at one shape and prints it -> (base, method module, batch,
     seconds per step, FLOPs per step, context tokens per step)."""
     name, method, objective, ratio = row
-    decode_per_ratio(name.endswith("per ratio"))
-    base = random_model(shape, tok)
-    m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
-    ratios = train.ratios_of(ratio)
+    with decode_per_ratio(name.endswith("per ratio")):  # the decoder pass(es) this row times
+        base = random_model(shape, tok)
+        m, batch, n_tokens = build_row(base, tok, method, objective, ratio, B, context)
+        ratios = train.ratios_of(ratio)
 
-    base.grad_ckpt = args.grad_ckpt
-    counter = FlopCounter(base)
+        base.grad_ckpt = args.grad_ckpt
+        counter = FlopCounter(base)
 
-    def ours():
-        loss, n, _ = m(batch, ratios)
-        counter.close()  # the forward's shapes give every FLOP; the backward's recompute (--grad_ckpt) is not counted
-        return loss / max(float(n), 1.0)
-    step = optimizer_step([p for p in m.parameters() if p.requires_grad], ours)
-    try:
-        step()  # the counted step: the same memory as the timed ones (a step without --grad_ckpt may not fit)
-    finally:
-        counter.close()
-    if args.compile:  # after the counted step, whose hooks would go into the graphs
-        compile_layers(base)
-    secs = time_row(name, step, n_tokens, counter.flops)
-    if args.profile:
-        profile(step)
-    return base, m, batch, secs, counter.flops, n_tokens
+        def ours():
+            loss, n, _ = m(batch, ratios)
+            counter.close()  # the forward's shapes give every FLOP; the backward's recompute (--grad_ckpt) is not counted
+            return loss / max(float(n), 1.0)
+        step = optimizer_step([p for p in m.parameters() if p.requires_grad], ours)
+        try:
+            step()  # the counted step: the same memory as the timed ones (a step without --grad_ckpt may not fit)
+        finally:
+            counter.close()
+        if args.compile:  # after the counted step, whose hooks would go into the graphs
+            compile_layers(base)
+        secs = time_row(name, step, n_tokens, counter.flops)
+        if args.profile:
+            profile(step)
+        return base, m, batch, secs, counter.flops, n_tokens
 
 
 def profile(step):

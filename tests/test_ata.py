@@ -167,11 +167,11 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
     paragraphs = [["A", ["Ann wrote A."]], ["B", ["Ann wrote B."]], ["C", ["Cid slept."]]]  # C: a distractor
     hotpot.write_text(json.dumps([{"_id": "h1", "question": "Who wrote both?", "answer": "Ann",
                                    "supporting_facts": [["A", 0], ["B", 0]], "context": paragraphs}]))
-    rec = next(train.read_records(str(hotpot), cfg))
+    rec = train.read_records(str(hotpot), cfg)[0]
     assert len(rec["chunks"]) == 3 and len(rec["relevant"]) == 2
     gold_only = train.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False)
     train.resolve(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
-    assert len(next(train.read_records(str(hotpot), gold_only))["chunks"]) == 2
+    assert len(train.read_records(str(hotpot), gold_only)[0]["chunks"]) == 2
     tiny_cfg = train.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup
     train.resolve(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10

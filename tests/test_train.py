@@ -245,3 +245,10 @@ def test_tiny_base_trains_on_user_qa_records(tmp_path):
         in_process(["--method", method, "--data", squad, "--max_iters", 1,
                     "--batch_size", 2, "--out_dir", tmp_path / method, "--eval_examples", 0, "--quiet"])
         assert len(open(tmp_path / method / "log.jsonl").readlines()) == 1, method
+
+
+def test_a_run_of_an_older_version_is_one_line(tmp_path):
+    """run.json keys that are no config field (ata's prefix, now --no_prefix): one line naming them, no TypeError."""
+    (tmp_path / "run.json").write_text(json.dumps({"train": {"method": "ata"}, "method": {"prefix": False}}))
+    with pytest.raises(SystemExit, match=r"run.json: method keys \['prefix'\] are not ATAConfig fields"):
+        train.load_run(str(tmp_path))
