@@ -2,11 +2,13 @@
 
 Families: Llama 2/3/3.1/3.2 (rope scaling llama3 or linear), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q_norm/k_norm),
 Gemma 2 (as HF: scaled embeddings, (1 + weight) norms, four per layer, GELU-tanh, soft-capped scores and logits).
-Module names are the HF checkpoint's: loading is a key-for-key copy and adapters save in PEFT's format.
+Module names are the HF checkpoint's but for q/k/v and gate/up, one weight each here (qkv_proj, gate_up_proj):
+loading concatenates their tensors, saving splits them, and adapters save in PEFT's format per projection.
 One ``forward`` serves encoders (custom masks), decoders (a ``Memory`` as prefix embeddings or K/V) and teachers.
 Sliding windows count key slots of [memory, tokens] as HF does (padding included), not position ids.
 Legend: B batch, T tokens, C memory slots, d width, H/Hkv heads, hd head dim, V vocab.
 """
+import itertools
 import json
 import math
 import os
@@ -244,39 +246,68 @@ def decode_each(decode, memories, ids, stack):
 #        x ──► W (frozen) ───────────────┐
 #        └──► A (r, in) ──► B (out, r) ──┴─► + ──► y        A kaiming, B zero: a new
 #                  scaled by alpha / r                        adapter is the identity
+# HF's projections of one input are one weight here (q/k/v, gate/up: gpt-fast's wqkv, w13), and an adapter
+# stacks its projections' A along the rank: three GEMMs for the group (W, A, a block-diagonal B), not nine.
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear (checkpoint keys load unchanged) plus named adapters lora_A[name] (r, in), lora_B[name] (out, r)."""
+    """nn.Linear over HF projections of one input, stacked along the output: ``parts`` {HF name: out features}
+    in order (q_proj, k_proj, v_proj; gate_proj, up_proj; or one alone). Adapter `name` covers adapted[name]
+    (a subset of the parts): lora_A[name] (P r, in) is their A's stacked, lora_B[name] (their outs, r) their B's."""
 
-    def __init__(self, in_features, out_features, bias=False):
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features, parts, bias=False):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+        ends = itertools.accumulate(self.parts.values())
+        self.rows = {p: slice(end - n, end) for (p, n), end in zip(self.parts.items(), ends)}  # each part's outputs
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
-        self.scaling, self.dropout, self.active = {}, {}, None  # per adapter; the adapter in use
+        self.adapted, self.scaling, self.dropout, self.active = {}, {}, {}, None  # per adapter; the adapter in use
 
-    def add_adapter(self, name, r, alpha, dropout):
-        A = torch.empty(r, self.in_features, device=self.weight.device, dtype=torch.float32)
-        self.lora_A[name] = nn.Parameter(nn.init.kaiming_uniform_(A, a=math.sqrt(5)))
-        self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, r, device=A.device))
-        self.scaling[name], self.dropout[name] = alpha / r, dropout
+    def add_adapter(self, name, r, alpha, dropout, parts):
+        A = torch.empty(len(parts) * r, self.in_features, device=self.weight.device, dtype=torch.float32)
+        self.lora_A[name] = nn.Parameter(nn.init.kaiming_uniform_(A, a=math.sqrt(5)))  # fan-in: in, as per part
+        self.lora_B[name] = nn.Parameter(torch.zeros(sum(self.parts[p] for p in parts), r, device=A.device))
+        self.adapted[name], self.scaling[name], self.dropout[name] = list(parts), alpha / r, dropout
 
-    def forward(self, x):
+    def remove_adapter(self, name):
+        del self.lora_A[name], self.lora_B[name], self.adapted[name], self.scaling[name], self.dropout[name]
+
+    def pieces(self, name):
+        """{part: (A (r, in), B (out, r))}: views of adapter `name`, PEFT's tensors per projection."""
+        A, B, parts = self.lora_A[name], self.lora_B[name], self.adapted[name]
+        return dict(zip(parts, zip(A.split(B.shape[1]), B.split([self.parts[p] for p in parts]))))
+
+    def stacked(self, name):
+        """A (P r, in) and the block-diagonal s B (out, P r), the scale folded into the small matrix;
+        a part without the adapter has no rows in A and zero rows in B."""
+        B, parts = self.lora_B[name], self.adapted[name]
+        Bs = iter(B.split([self.parts[p] for p in parts]))
+        blocks = [next(Bs) if p in parts else B.new_zeros(n, 0) for p, n in self.parts.items()]
+        return self.lora_A[name], torch.block_diag(*blocks) * self.scaling[name]
+
+    def forward(self, x, part=None):
+        """W x + s B A x under the active adapter, in x's dtype (autocast's); given a part, its outputs only."""
+        W, b, rows = self.weight, self.bias, self.rows.get(part, slice(None))
+        if part is not None:
+            W, b = W[rows], None if b is None else b[rows]
         name = self.active
         if name is None or name not in self.lora_A:
-            return F.linear(x, self.weight, self.bias)
-        A, B, s = self.lora_A[name], self.lora_B[name], self.scaling[name]
-        if self.merges(name, x):
-            return F.linear(x, self.weight + s * B @ A, self.bias)
-        y = F.linear(x, self.weight, self.bias)
-        x = F.dropout(x, self.dropout[name], self.training)
-        return y + (x.to(A.dtype) @ A.T @ B.T * s).to(y.dtype)
+            return F.linear(x, W, b)
+        A, B = self.stacked(name)
+        B = B if part is None else B[rows]
+        if self.merges(name, W, x):
+            return F.linear(x, W + B @ A, b)
+        y = F.linear(x, W, b)
+        x = F.dropout(x, self.dropout[name], self.training)  # one mask for the group (PEFT draws one per projection)
+        return y + F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype))
 
-    def merges(self, name, x):
-        """One matmul on W + s B A beats three (W, A, B) when in·out < 9 r(in + out) (thin matmuls run ~3x slower)
-        and tokens >= in; only in fp32 without autocast (bf16 rounds the update away) and without dropout."""
-        r, (out, inp) = self.lora_A[name].shape[0], self.weight.shape
+    def merges(self, name, W, x):
+        """One matmul on W + s B A beats three (W, A, B) when in·out < 9 r(in + out), r the stacked rank (thin
+        matmuls run ~3x slower), and tokens >= in; only in fp32 without autocast (bf16 rounds the update away)
+        and without dropout."""
+        r, (out, inp) = self.lora_A[name].shape[0], W.shape
         return (self.dropout[name] == 0 and inp * out < 9 * r * (inp + out) and x.numel() >= inp * inp
-                and x.dtype == self.weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type))
+                and x.dtype == W.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type))
 
 
 @contextmanager
@@ -358,10 +389,8 @@ class Attention(nn.Module):
         super().__init__()
         d, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv_bias = cfg.attention_bias or cfg.model_type == "qwen2"
-        self.q_proj = LoRALinear(d, H * hd, bias=qkv_bias)
-        self.k_proj = LoRALinear(d, Hkv * hd, bias=qkv_bias)
-        self.v_proj = LoRALinear(d, Hkv * hd, bias=qkv_bias)
-        self.o_proj = LoRALinear(H * hd, d, bias=cfg.attention_bias)
+        self.qkv_proj = LoRALinear(d, dict(q_proj=H * hd, k_proj=Hkv * hd, v_proj=Hkv * hd), bias=qkv_bias)
+        self.o_proj = LoRALinear(H * hd, dict(o_proj=d), bias=cfg.attention_bias)
         if cfg.model_type == "qwen3":
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         self.H, self.Hkv, self.hd = H, Hkv, hd
@@ -370,9 +399,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, prefix_kv):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.hd)
-        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.Hkv, self.hd).transpose(1, 2)  # (B, Hkv, T, hd)
+        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.parts.values()), dim=-1)
+        q, k = q.view(B, T, self.H, self.hd), k.view(B, T, self.Hkv, self.hd)
+        v = v.view(B, T, self.Hkv, self.hd).transpose(1, 2)  # (B, Hkv, T, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
@@ -387,13 +416,13 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = LoRALinear(d, f, bias=bias)
-        self.up_proj = LoRALinear(d, f, bias=bias)
-        self.down_proj = LoRALinear(f, d, bias=bias)
+        self.gate_up_proj = LoRALinear(d, dict(gate_proj=f, up_proj=f), bias=bias)
+        self.down_proj = LoRALinear(f, dict(down_proj=d), bias=bias)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -462,7 +491,8 @@ class Transformer(nn.Module):
         return model.to(device)
 
     def load_base_weights(self, state, dtype=None):
-        """Key-for-key copy with one-line errors for missing/unexpected/mis-shaped tensors."""
+        """Key-for-key copy of HF's tensors, q/k/v and gate/up concatenated, with one-line errors for
+        missing/unexpected/mis-shaped tensors."""
         own = self.base_state(cpu=False)  # a tied lm_head.weight is not own: skipped
         state = {k: v for k, v in state.items()
                  if (k in own or k != "lm_head.weight") and not k.endswith("rotary_emb.inv_freq")}
@@ -473,6 +503,8 @@ class Transformer(nn.Module):
             if keys:
                 more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
                 raise ValueError(f"checkpoint has {len(keys)} {what} tensors: {', '.join(keys[:5])}{more}")
+        for key, hf in self.fused_keys():
+            state[key] = torch.cat([state.pop(k) for k, _ in hf])
         super().load_state_dict({k: v.to(dtype) if dtype and v.is_floating_point() else v
                                  for k, v in state.items()}, strict=False, assign=True)
         if self.config.tie_word_embeddings:
@@ -480,10 +512,21 @@ class Transformer(nn.Module):
         return self
 
     def base_state(self, cpu=True):
-        """The checkpoint's tensors (no adapters; a tied head once, as embed_tokens), on the CPU unless cpu=False."""
+        """The HF checkpoint's tensors (no adapters; a tied head once, as embed_tokens), on the CPU unless cpu=False."""
         tied = "lm_head.weight" if self.config.tie_word_embeddings else None
-        state = {k: v for k, v in self.state_dict().items() if "lora_" not in k and k != tied}
+        fused, state = dict(self.fused_keys()), {}
+        for k, v in self.state_dict().items():
+            if "lora_" not in k and k != tied:
+                state.update({hf: v[rows] for hf, rows in fused[k]} if k in fused else {k: v})
         return {k: v.detach().contiguous().cpu() for k, v in state.items()} if cpu else state
+
+    def fused_keys(self):
+        """(our key, [(HF key, rows)]) of every fused weight and bias: q/k/v's and gate/up's, per layer."""
+        for path, m in self.lora_modules().items():
+            for kind in ("weight", "bias") if len(m.parts) > 1 else ():
+                if getattr(m, kind) is not None:
+                    parent = path.rpartition(".")[0]
+                    yield f"{path}.{kind}", [(f"{parent}.{p}.{kind}", rows) for p, rows in m.rows.items()]
 
     def save_pretrained(self, path):
         """HF layout (config.json + model.safetensors), base weights only."""
@@ -586,14 +629,19 @@ class Transformer(nn.Module):
     def lora_modules(self):
         return {n: m for n, m in self.named_modules() if isinstance(m, LoRALinear)}
 
-    def add_adapter(self, name, r, alpha, dropout=0.0, targets=LORA_TARGETS):
-        """A named LoRA adapter on every LoRALinear whose name ends with one of targets."""
-        mods = {n: m for n, m in self.lora_modules().items() if n.split(".")[-1] in targets}
-        if not mods:
+    def add_adapter(self, name, r, alpha, dropout=0.0, targets=LORA_TARGETS, skip=()):
+        """A named LoRA adapter on every HF projection named in targets (q_proj, ...), but those whose path
+        (model.layers.3.self_attn.q_proj) is in skip."""
+        adapted = set()
+        for path, m in self.lora_modules().items():
+            parent = path.rpartition(".")[0]
+            parts = [p for p in m.parts if p in targets and f"{parent}.{p}" not in skip]
+            if parts:
+                m.add_adapter(name, r, alpha, dropout, parts)
+                adapted.update(parts)
+        if not adapted:
             raise ValueError(f"no module matches LoRA targets {targets}")
-        for m in mods.values():
-            m.add_adapter(name, r, alpha, dropout)
-        targets = sorted({n.split(".")[-1] for n in mods})
+        targets = sorted(adapted)
         self.adapter_configs[name] = dict(r=r, alpha=alpha, dropout=dropout, targets=targets)
 
     @contextmanager
@@ -606,8 +654,9 @@ class Transformer(nn.Module):
             yield self
 
     def adapter_state(self, name):
-        """{module path: (A, B)} tensors of one adapter."""
-        return {n: (m.lora_A[name], m.lora_B[name]) for n, m in self.lora_modules().items() if name in m.lora_A}
+        """{HF module path: (A (r, in), B (out, r))} of one adapter: views into its stacked tensors."""
+        return {f"{path.rpartition('.')[0]}.{p}": AB for path, m in self.lora_modules().items() if name in m.lora_A
+                for p, AB in m.pieces(name).items()}
 
     def save_adapter(self, name, path):
         """PEFT format: adapter_config.json + adapter_model.safetensors."""
@@ -629,13 +678,13 @@ class Transformer(nn.Module):
                 raise ValueError(f"{config}: missing key {key!r} "
                                  "(a PEFT LoRA adapter has r, lora_alpha, target_modules)")
         self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
-        mods = self.lora_modules()
+        views = self.adapter_state(name)
         for key, t in read_tensors(os.path.join(path, "adapter_model.safetensors")).items():
             module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
-            which = "lora_" + ab.split(".")[0]
-            if module not in mods or name not in getattr(mods[module], which):
+            if module not in views or ab[0] not in "AB":
                 raise ValueError(f"{path}: adapter tensor {key} matches no module of this model")
-            getattr(mods[module], which)[name].data.copy_(t)
+            with torch.no_grad():
+                views[module]["AB".index(ab[0])].copy_(t)
         return self
 
     @torch.no_grad()
@@ -643,8 +692,9 @@ class Transformer(nn.Module):
         """Fold W + (alpha/r) B A into W (export); the adapter is removed."""
         for m in self.lora_modules().values():
             if name in m.lora_A:
-                m.weight += (m.lora_B[name] @ m.lora_A[name] * m.scaling[name]).to(m.weight.dtype)
-                del m.lora_A[name], m.lora_B[name]
+                A, B = m.stacked(name)
+                m.weight += (B @ A).to(m.weight.dtype)
+                m.remove_adapter(name)
         self.adapter_configs.pop(name)
 
 

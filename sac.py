@@ -122,11 +122,11 @@ class SAC(nn.Module):
         self.pad_id = tok.pad_id if tok.pad_id is not None else 0
         self.n_prefix = int(tok.bos_id is not None and run.prompt != "sac")  # collate_lm rows start with [bos]
         targets = LORA_TARGETS if cfg.lora_targets == "all" else tuple(cfg.lora_targets.split(","))
-        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, targets=targets)
-        last = base.model.layers[-1]  # the memory is K/V: the last layer's q, o and MLP never reach it
-        for mod in (last.self_attn.q_proj, last.self_attn.o_proj, *last.mlp.children()):
-            if "encoder" in mod.lora_A:  # (no dead parameters; DDP needs none)
-                del mod.lora_A["encoder"], mod.lora_B["encoder"]
+        # the memory is K/V: the last layer's q, o and MLP never reach it (no dead parameters; DDP needs none)
+        last = f"model.layers.{base.config.num_hidden_layers - 1}."
+        unread = {last + p for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                     "mlp.down_proj")}
+        base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, targets=targets, skip=unread)
         d, r_min = base.config.hidden_size, min(int(r) for r in f"{run.ratio},{run.eval_ratio}".strip(",").split(","))
         self.anchor_emb = None if cfg.no_anchor_embedding else nn.Parameter(  # e_A (d,), or a row per anchor slot
             torch.zeros(d) if cfg.anchor_emb == "one" else torch.randn(max(1, cfg.sub_len // r_min), d) * 0.02)

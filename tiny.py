@@ -248,7 +248,8 @@ def head_log_attention(attn, inputs, rows, pos, keys_valid=None, n_memory=0):
     x, cos, sin = (t.float() for t in inputs[:3])  # (B, T, d), (B, 1, T, hd) x 2
     prefix = inputs[4]  # the layer's prefix K/V, or None
     at = pos if prefix is not None else pos + n_memory  # the query's row of x
-    q, k = attn.q_proj(x[rows, at])[:, :attn.hd], attn.k_proj(x)[..., :attn.hd]  # head 0 and its kv head
+    q = attn.qkv_proj(x[rows, at], "q_proj")[:, :attn.hd]  # head 0
+    k = attn.qkv_proj(x, "k_proj")[..., :attn.hd]  # its kv head
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = apply_rope(q, cos[rows, 0, at], sin[rows, 0, at])  # (N, hd)
@@ -551,7 +552,7 @@ class AttentionDistillation:
     def head_output(self, p, rows, inputs):
         """(N, hd) head 0's output sum_j p_j v_j from its attention p (N, C + T); inputs as keep_attention_inputs."""
         attn = self.base.model.layers[self.last].self_attn
-        v = attn.v_proj(inputs[0].float())[..., :attn.hd]  # (B, T, hd): head 0's kv head
+        v = attn.qkv_proj(inputs[0].float(), "v_proj")[..., :attn.hd]  # (B, T, hd): head 0's kv head
         if inputs[4] is not None:  # K/V memory: its values come first
             v = torch.cat([inputs[4][1][:, 0].float(), v], 1)
         return torch.einsum("ns,nsd->nd", p, v.index_select(0, rows))  # not v[rows]: see head_log_attention
@@ -629,10 +630,10 @@ class AttentionDistillation:
         x = x.flatten(0, 1).index_select(0, flat).float()  # pairs repeat (head_log_attention says why)
         attn = self.base.model.layers[self.last].self_attn
         with self.base.adapter(self.adapter):
-            kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], -1)
+            kv = torch.cat([attn.qkv_proj(x, "k_proj"), attn.qkv_proj(x, "v_proj")], -1)
         with torch.no_grad(), self.base.adapter(None):
             x_t = x_teacher[rows, targets].float()
-            kv_teacher = torch.cat([attn.k_proj(x_t), attn.v_proj(x_t)], -1)
+            kv_teacher = torch.cat([attn.qkv_proj(x_t, "k_proj"), attn.qkv_proj(x_t, "v_proj")], -1)
         return GIST_KV * (kv - kv_teacher).pow(2).sum(-1).mean() / kv_teacher.pow(2).sum(-1).mean()
 
 

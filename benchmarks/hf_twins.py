@@ -34,7 +34,7 @@ def hf_peft(ours):
     dev, dtype = ours.lm_head.weight.device, ours.lm_head.weight.dtype
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
-    state = {k: v for k, v in ours.state_dict(keep_vars=True).items() if "lora_" not in k}
+    state = ours.base_state(cpu=False)  # HF's tensors per projection: views of our fused ones
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
     if ours.config.tie_word_embeddings:

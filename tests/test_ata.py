@@ -112,7 +112,7 @@ def test_loss_terms_and_ablations(base_dir):
     loss, n, metrics = m(batch, [1])
     assert metrics["k_qa"] == 3.0 and n == int((batch["rel_labels"] != -100).sum() + (batch["qa_labels"] != -100).sum())
     loss.backward()
-    for name in ("comp", "probe.mlp.2.weight", "base.model.layers.0.self_attn.q_proj.lora_A.encoder"):
+    for name in ("comp", "probe.mlp.2.weight", "base.model.layers.0.self_attn.qkv_proj.lora_A.encoder"):
         assert dict(m.named_parameters())[name].grad.abs().sum() > 0, name
 
 

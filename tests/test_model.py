@@ -487,29 +487,73 @@ def test_lora_merge_switch_and_roundtrip(lora):
             pass
 
 
-def test_lora_linear_merged_path_is_the_adapter_formula():
-    """A rank large next to the layer (the tiny base's r 64 at d 128) takes the merged matmul
-    W + s B A; its output and grads equal W x + s B A x spelled out, and a rank 4, a thin input,
-    bf16 or dropout keep the three-matmul path."""
+def test_lora_linear_is_each_projections_formula():
+    """A fused q/k/v with an adapter on q and v: the output and grads are each projection's W_p x + s B_p A_p x
+    spelled out, on the merged matmul W + s B A (a rank large next to the layer: the tiny base's r 64 at d 128)
+    and on three matmuls (rank 4); a thin input, bf16 or dropout keep the three; a part alone is its rows;
+    under autocast the adapter runs in bf16 and its fp32 weights get fp32 grads."""
     from model import LoRALinear
     torch.manual_seed(0)
-    lin = LoRALinear(128, 384)
-    lin.add_adapter("a", 64, 32, 0.0)
-    lin.add_adapter("narrow", 4, 8, 0.0)
-    lin.add_adapter("drop", 64, 32, 0.1)
-    lin.lora_B["a"].data.normal_(0, 0.1)
+    lin = LoRALinear(128, dict(q_proj=128, k_proj=64, v_proj=64))
     lin.weight.requires_grad_(False)
-    lin.active = "a"
+    for name, r in [("a", 64), ("narrow", 4)]:
+        lin.add_adapter(name, r, 2 * r, 0.0, ["q_proj", "v_proj"])
+        lin.lora_B[name].data.normal_(0, 0.1)
+    lin.add_adapter("drop", 64, 32, 0.1, ["q_proj"])
     x = torch.randn(3, 50, 128, requires_grad=True)
-    A, B = lin.lora_A["a"], lin.lora_B["a"]
-    assert lin.merges("a", x) and not lin.merges("a", x[:, :1]) and not lin.merges("a", x.bfloat16())
-    assert not lin.merges("narrow", x) and not lin.merges("drop", x)
-    got = lin(x)
-    (g_x, g_a, g_b) = torch.autograd.grad(got.square().sum(), (x, A, B))
-    ref = x @ lin.weight.T + 0.5 * (x @ A.T) @ B.T
-    (r_x, r_a, r_b) = torch.autograd.grad(ref.square().sum(), (x, A, B))
-    for a, b in [(got, ref), (g_x, r_x), (g_a, r_a), (g_b, r_b)]:
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    W = lin.weight
+    assert lin.merges("a", W, x) and not lin.merges("a", W, x[:, :1]) and not lin.merges("a", W, x.bfloat16())
+    assert not lin.merges("narrow", W, x) and not lin.merges("drop", W, x)
+    for name in ("a", "narrow"):
+        lin.active = name
+        A, B = lin.lora_A[name], lin.lora_B[name]
+        r = A.shape[0] // 2
+        (Aq, Av), (Bq, Bv) = A.split(r), B.split([128, 64])
+        Wq, Wk, Wv = W.split([128, 64, 64])
+        ref = torch.cat([x @ Wq.T + 2 * (x @ Aq.T) @ Bq.T, x @ Wk.T, x @ Wv.T + 2 * (x @ Av.T) @ Bv.T], -1)
+        got = lin(x)
+        grads = [torch.autograd.grad(y.square().sum(), (x, A, B)) for y in (got, ref)]
+        for a, b in [(got, ref), *zip(*grads)]:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lin(x, "v_proj"), ref[..., 192:], atol=1e-4, rtol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lin(x)
+    got.float().square().sum().backward()
+    assert got.dtype == torch.bfloat16 and lin.lora_A["narrow"].grad.dtype == torch.float32
+    torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_projections_match_peft_logits_and_grads(ckpt, family, tmp_path):
+    """One GEMM for q/k/v and one for gate/up, an adapter's projections stacked: the logits and every adapter
+    gradient equal transformers + peft's, one module per projection (fp32, every family)."""
+    import peft
+    hf, path = ckpt[family]
+    ours = Transformer.from_pretrained(path).eval()
+    ours.add_adapter("a", r=4, alpha=8)
+    randomize_adapter(ours, "a", 5)
+    ours.save_adapter("a", str(tmp_path))
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path), is_trainable=True).eval()
+    ids = ids_like(2, 40)
+    with ours.adapter("a"):
+        got = ours(ids)
+    ref = pm(ids).logits
+    close(got, ref)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))  # a loss that reads every logit
+    (got * weights).sum().backward()
+    (ref * weights).sum().backward()
+    n = 0
+    for mod_path, m in ours.lora_modules().items():  # our stacked grads, cut per projection
+        parts = m.adapted["a"]
+        grad_A, grad_B = m.lora_A["a"].grad.split(4), m.lora_B["a"].grad.split([m.parts[p] for p in parts])
+        for p, g_A, g_B in zip(parts, grad_A, grad_B):
+            peft_mod = pm.base_model.model.get_submodule(f"{mod_path.rpartition('.')[0]}.{p}")
+            for g, want in [(g_A, peft_mod.lora_A["default"].weight.grad),
+                            (g_B, peft_mod.lora_B["default"].weight.grad)]:
+                assert want.abs().max() > 0
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+            n += 1
+    assert n == 7 * hf.config.num_hidden_layers
 
 
 # -----------------------------------------------------------------------------

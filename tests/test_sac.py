@@ -369,8 +369,7 @@ def test_a_real_checkpoint_compresses_the_whole_context_with_the_official_lora_t
     tok = data.load_tokenizer(base_dir)
     base = Transformer.from_pretrained(base_dir).requires_grad_(False)
     m = sac.SAC(base, mcfg, tok, cfg)
-    adapted = [n for n, mod in base.lora_modules().items() if "encoder" in mod.lora_A]
-    layers = base.config.num_hidden_layers
+    adapted, layers = base.adapter_state("encoder"), base.config.num_hidden_layers
     assert sorted({n.split(".")[-1] for n in adapted}) == ["q_proj", "v_proj"] and len(adapted) == 2 * layers - 1
     words = " ".join(f"w{i % 97}" for i in range(4000))
     stats = {}

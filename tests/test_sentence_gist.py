@@ -209,7 +209,7 @@ def test_stages_choose_the_trainables(base_dir):
         assert m.lr_schedule == ("linear" if stage == 3 else "cosine")
     assert names[1] == {"gist"}
     assert names[2] == names[3] and "gist" in names[2] and all("lora_" in n for n in names[2] - {"gist"})
-    assert len(names[2]) == 1 + 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+    assert len(names[2]) == 1 + 2 * 4 * 2  # 2 layers x 4 weights (q/k/v and gate/up fused) x (A, B)
 
 
 @pytest.mark.parametrize("stage, iters, lr, warmup, clip, end_lr", [

@@ -54,8 +54,8 @@ def test_base_head_nll_is_the_attention_mass(base_dir):
     layer = base.config.num_hidden_layers - 1
     att = base.model.layers[layer].self_attn
     x, cos, sin = method.layer_inputs[layer][:3]
-    q = apply_rope(att.q_proj(x).view(2, 12, att.H, att.hd).transpose(1, 2), cos, sin)
-    k = apply_rope(att.k_proj(x).view(2, 12, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+    q = apply_rope(att.qkv_proj(x, "q_proj").view(2, 12, att.H, att.hd).transpose(1, 2), cos, sin)
+    k = apply_rope(att.qkv_proj(x, "k_proj").view(2, 12, att.Hkv, att.hd).transpose(1, 2), cos, sin)
     weights = F.scaled_dot_product_attention(q, k, torch.eye(12).expand(2, att.Hkv, 12, 12), is_causal=True,
                                              enable_gqa=True)  # (B, H, T, T)
     want = -torch.stack([weights[r, 0, p][m].sum().log() for r, p, m in zip(rows, pos, keys)]).mean()
@@ -156,8 +156,8 @@ def test_attention_loss_reads_the_window_of_the_teachers_token(tmp_path):
         att = m.base.model.layers[m.aid.last].self_attn
         x, cos, sin = m.aid.inputs[m.aid.last][:3]
         B, T, _ = x.shape
-        q = apply_rope(att.q_proj(x).view(B, T, att.H, att.hd).transpose(1, 2), cos, sin)
-        k = apply_rope(att.k_proj(x).view(B, T, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+        q = apply_rope(att.qkv_proj(x, "q_proj").view(B, T, att.H, att.hd).transpose(1, 2), cos, sin)
+        k = apply_rope(att.qkv_proj(x, "k_proj").view(B, T, att.Hkv, att.hd).transpose(1, 2), cos, sin)
     C = memory.embeds.shape[1]
     keys = torch.cat([memory.mask, torch.ones_like(batch["qa"], dtype=torch.bool)], 1)  # (B, T)
     mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & keys[:, None]  # (B, T, T)
@@ -286,8 +286,8 @@ def test_writer_loss_is_the_mass_compression_tokens_put_on_the_answer(base_dir):
         (B, T), S = ids.shape, x.shape[1]
         att = m.base.model.layers[layer].self_attn
         with m.base.adapter("encoder"):
-            q = apply_rope(att.q_proj(x).view(B, S, att.H, att.hd).transpose(1, 2), cos, sin)
-            k = apply_rope(att.k_proj(x).view(B, S, att.Hkv, att.hd).transpose(1, 2), cos, sin)
+            q = apply_rope(att.qkv_proj(x, "q_proj").view(B, S, att.H, att.hd).transpose(1, 2), cos, sin)
+            k = apply_rope(att.qkv_proj(x, "k_proj").view(B, S, att.Hkv, att.hd).transpose(1, 2), cos, sin)
         valid = torch.arange(S)[None] >= T - batch["enc_len"][:, None]
         valid[:, T:] = True
         mask = torch.ones(S, S, dtype=torch.bool).tril()[None] & valid[:, None]  # (B, S, S)
@@ -447,10 +447,11 @@ def test_attention_distillation_trains_the_heads_the_decoder_reads_with(base_dir
     tiny.add_decoder_adapter(m)
     m.aid = tiny.AttentionDistillation(m, 1.0)
     last = m.base.config.num_hidden_layers - 1
-    q_B = m.base.model.layers[last].self_attn.q_proj.lora_B[m.dec_adapter]
+    qkv = m.base.model.layers[last].self_attn.qkv_proj
+    B, q_rows = qkv.lora_B[m.dec_adapter], qkv.rows["q_proj"]  # q's B: the first rows of the stacked B
 
     def grad(aid):
-        m.aid, q_B.grad = aid, None
+        m.aid, B.grad = aid, None
         m(batch, [r])[0].backward()
-        return q_B.grad.clone()
+        return B.grad[q_rows].clone()
     assert not torch.allclose(grad(m.aid), grad(None))
