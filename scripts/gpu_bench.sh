@@ -6,6 +6,8 @@
 #       and --compile
 #   run(command="bash scripts/gpu_bench.sh part2", timeout_s=600)  # bench.py attention at B = 8 x 4K (pic block-wise,
 #       sentence_gist's listed blocks); ttft from a 16x Memory at Llama-3.2-1B and Llama-3.1-8B, eager and --compile
+#   run(command="bash scripts/gpu_bench.sh part3", timeout_s=600)  # meanpool kd against its transformers + peft twin
+#       at Llama-3.1-8B (fused projections against peft's module per projection), eager and --compile; its profile
 # --smoke (after the part): the same commands at the tiny shapes on a CPU, in seconds: the tests collected, not run,
 # no --compile (tests/test_suite.py).
 set -uo pipefail
@@ -43,8 +45,15 @@ case "${1:-}" in
     step ttft 90 python benchmarks/bench.py ttft $TTFT
     [ -n "$SMOKE" ] || step ttft_compile 130 python benchmarks/bench.py ttft $TTFT --compile
     ;;
+  part3)
+    step twins 200 python benchmarks/hf_twins.py $SHAPE --methods "meanpool kd" --iters 5
+    if [ -z "$SMOKE" ]; then
+      step twins_compile 250 python benchmarks/hf_twins.py $SHAPE --methods "meanpool kd" --iters 5 --compile
+      step profile 120 python benchmarks/bench.py train $SHAPE --methods "meanpool kd" --iters 3 --compile --profile
+    fi
+    ;;
   *)
-    echo "usage: bash scripts/gpu_bench.sh part1|part2 [--smoke]" >&2
+    echo "usage: bash scripts/gpu_bench.sh part1|part2|part3 [--smoke]" >&2
     exit 2
     ;;
 esac
