@@ -17,6 +17,7 @@ mkdir -p "$OUT"
 SMOKE=$([ "${2:-}" = --smoke ] && echo 1 || echo "")
 ROWS="meanpool kd,meanpool kd per ratio,tokens kd,tokens kd per ratio"
 SHAPE=$([ -n "$SMOKE" ] && echo "--tiny" || echo "--shapes llama-3.1-8b")
+ITERS=$([ -n "$SMOKE" ] && echo 1 || echo 5)
 
 step() {  # step NAME SECONDS COMMAND...: its output to $OUT/NAME.txt, and a line here
   local name=$1 limit=$2
@@ -31,8 +32,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 git rev-parse --short HEAD >> "$OUT/device.txt" 2>/dev/null || true
 case "${1:-}" in
   part1)
-    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n 4 tests
-    step train 160 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters 5
+    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n "$([ -n "$SMOKE" ] && echo 0 || echo 4)" tests
+    step train 160 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters "$ITERS"
     [ -n "$SMOKE" ] || step train_compile 200 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters 5 --compile
     ;;
   part2)
@@ -46,7 +47,7 @@ case "${1:-}" in
     [ -n "$SMOKE" ] || step ttft_compile 130 python benchmarks/bench.py ttft $TTFT --compile
     ;;
   part3)
-    step twins 200 python benchmarks/hf_twins.py $SHAPE --methods "meanpool kd" --iters 5
+    step twins 200 python benchmarks/hf_twins.py $SHAPE --methods "meanpool kd" --iters "$ITERS"
     if [ -z "$SMOKE" ]; then
       step twins_compile 250 python benchmarks/hf_twins.py $SHAPE --methods "meanpool kd" --iters 5 --compile
       step profile 120 python benchmarks/bench.py train $SHAPE --methods "meanpool kd" --iters 3 --compile --profile
