@@ -280,10 +280,10 @@ class LoRALinear(nn.Linear):
     def stacked(self, name):
         """A (P r, in) and the block-diagonal s B (out, P r), the scale folded into the small matrix;
         a part without the adapter has no rows in A and zero rows in B."""
-        B, parts = self.lora_B[name], self.adapted[name]
-        Bs = iter(B.split([self.parts[p] for p in parts]))
-        blocks = [next(Bs) if p in parts else B.new_zeros(n, 0) for p, n in self.parts.items()]
-        return self.lora_A[name], torch.block_diag(*blocks) * self.scaling[name]
+        pieces, B = self.pieces(name), self.lora_B[name]
+        blocks = [pieces[p][1] if p in pieces else B.new_zeros(n, 0) for p, n in self.parts.items()]
+        B = torch.block_diag(*blocks) if len(blocks) > 1 else B  # o_proj, down_proj: B itself, no copy
+        return self.lora_A[name], B * self.scaling[name]
 
     def forward(self, x, part=None):
         """W x + s B A x under the active adapter, in x's dtype (autocast's); given a part, its outputs only."""
