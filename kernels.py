@@ -31,6 +31,37 @@ def compiled(fn, backend="inductor", dynamic=False):
     return torch._dynamo.config.patch(recompile_limit=GRAPHS)(torch.compile(fn, dynamic=dynamic, backend=backend))
 
 
+class CUDAGraphed:
+    """fn(*args) replayed as a CUDA graph, one per shapes of its tensor args (other args are part of the key and
+    kept as they are). A new shape's call runs fn on a side stream (the warm-up: compiles, allocates; its result is
+    returned) and captures it; later calls copy their tensors into the captured inputs and replay. A replay
+    returns the graph's own output tensors, which the next replay overwrites. Off CUDA, fn itself."""
+
+    def __init__(self, fn):
+        self.fn, self.graphs = fn, {}
+
+    def __call__(self, *args):
+        if not any(torch.is_tensor(t) and t.is_cuda for t in args):
+            return self.fn(*args)
+        key = tuple((t.shape, t.dtype) if torch.is_tensor(t) else t for t in args)
+        if key in self.graphs:
+            graph, inputs, out = self.graphs[key]
+            for buf, t in zip(inputs, args):
+                if torch.is_tensor(t):
+                    buf.copy_(t)
+            graph.replay()
+            return out
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self.fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        inputs, graph = [t.clone() if torch.is_tensor(t) else t for t in args], torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the kernels, runs none
+            self.graphs[key] = graph, inputs, self.fn(*inputs)
+        return out
+
+
 def _flex(q, k, v, block_mask, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) padded to the block mask's bucketed sizes."""
     global _compiled_flex

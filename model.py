@@ -204,6 +204,18 @@ class Memory:
         return Memory(None if self.embeds is None else self.embeds.to(dtype), kv, self.mask, self.next_pos)
 
 
+class KVCache:
+    """generate's keys and values of every slot its decode reaches, preallocated: per layer (B, Hkv, S, hd), the
+    slots' mask (B, S). A step writes its token at `slot` and reads all S slots, those not yet written masked:
+    the same shapes every step, which a CUDA graph needs."""
+
+    def __init__(self, kv, mask, pos, extra):
+        self.kv = [tuple(F.pad(t, (0, 0, 0, extra)) for t in layer) for layer in kv]
+        self.mask = F.pad(mask, (0, extra), value=False)
+        self.slot = torch.full((), mask.shape[1], device=mask.device)  # the next token's slot
+        self.pos = pos.clone()  # (B,) its position id
+
+
 def behind_prefix(model, prefix, embeds, mask):
     """Embedding memory (B, C, d) behind the prefix ids (BOS, the attention sink of real checkpoints; a chat
     header), as the teacher reads [prefix, context, prompt]. Prefix slots count as memory. The slots take positions
@@ -406,7 +418,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
-        if prefix_kv is not None:  # (B, Hkv, P + T, hd)
+        if prefix_kv is not None and len(prefix_kv) == 3:  # a KVCache layer: write at its slot, read all slots
+            *cache, slot = prefix_kv
+            k, v = (buf.index_copy_(2, slot.view(1), t) for buf, t in zip(cache, (k, v)))
+        elif prefix_kv is not None:  # (B, Hkv, P + T, hd)
             k, v = (torch.cat([p.to(t.dtype), t], dim=2) for p, t in zip(prefix_kv, (k, v)))
         y = kernels.attention(q, k, v, mask, self.scale, self.score_mod)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
@@ -474,7 +489,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.adapter_configs, self._inv_freq = {}, None
+        self.adapter_configs, self._inv_freq, self.prefill_graphs = {}, None, {}
         self.grad_ckpt = False  # recompute each layer in the backward (train.py --grad_ckpt): memory for compute
 
     @classmethod
@@ -569,11 +584,7 @@ class Transformer(nn.Module):
             mask = kernels.with_prefix(mask, P, valid[:, :P])
         elif mask is None and valid is not None:
             mask = kernels.causal_after_prefix(P, valid)
-        masks = [None if mask is None else kernels.Mask(mask, B, Q, S, x.device)] * 2  # (full, sliding) layers
-        if self.config.sliding_window:
-            window = kernels.sliding_window(self.config.sliding_window, torch.full((), P, device=x.device))
-            within = kernels.and_masks(kernels.causal if mask is None else mask, window)
-            masks[1] = kernels.Mask(within, B, Q, S, x.device)
+        masks = self.layer_masks(mask, B, Q, S, torch.full((), P, device=x.device))
         cos, sin = (t.to(x.dtype) for t in self.rope(pos))
         kvs = []
         for i, layer in enumerate(self.model.layers):
@@ -584,6 +595,15 @@ class Transformer(nn.Module):
         h = self.model.norm(x[:, n_mem:])
         out = h if output == "hidden" else self.logits(h)
         return (out, kvs) if return_kv else out
+
+    def layer_masks(self, mask, B, Q, S, first):
+        """[full layers' Mask, sliding layers' Mask] of mask_mod `mask` (None: causal, SDPA's own) for queries at key
+        slots first, first + 1, ... (a 0-d tensor): the window counts slots back from each query's."""
+        masks = [None if mask is None else kernels.Mask(mask, B, Q, S, first.device)] * 2
+        if self.config.sliding_window:
+            window = kernels.sliding_window(self.config.sliding_window, first)
+            masks[1] = kernels.Mask(kernels.and_masks(mask or kernels.causal, window), B, Q, S, first.device)
+        return masks
 
     def logits(self, h):
         """(..., V) logits of final hidden states; Gemma 2 soft-caps them after lm_head (as HF and the losses)."""
@@ -599,9 +619,13 @@ class Transformer(nn.Module):
         return kernels.chunked_kd(h, w, teacher_h, w, softcap=self.config.final_logit_softcapping)
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, memory=None, eos_ids=None):
-        """Greedy decoding with a KV cache. prompts: (B, T) ids or id lists (left-padded here); memory: an
-        optional ``Memory``. Stops at ``eos_ids`` (default: the checkpoint's). Returns id lists (EOS excluded)."""
+    def generate(self, prompts, max_new_tokens, memory=None, eos_ids=None, cuda_graphs=False):
+        """Greedy decoding with a preallocated KV cache. prompts: (B, T) ids or id lists (left-padded here); memory:
+        an optional ``Memory``. Stops at ``eos_ids`` (default: the checkpoint's). Returns id lists (EOS excluded).
+        cuda_graphs (CUDA; weights in their dtype, no autocast, whose weight cache a graph would keep): the prefill
+        replays a graph captured at the first call of its shapes and adapters, and each call captures its decode
+        step once, so the host launches a graph instead of every kernel. The prefill graphs read weights and
+        adapters where they were at capture: clear ``self.prefill_graphs`` after adding or removing one."""
         if torch.is_tensor(prompts):
             prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
         eos = set(self.config.eos_token_id if eos_ids is None else eos_ids)
@@ -611,20 +635,51 @@ class Transformer(nn.Module):
         valid = torch.tensor([[False] * (T - len(p)) + [True] * len(p) for p in prompts], device=device)  # left-padded
         pos = (valid.cumsum(1) - 1).clamp(min=0) + (0 if memory is None else memory.next_pos[:, None])
         plain = memory is None and bool(valid.all())  # no padding, no memory: plain causal
-        logits, kv = self(ids, pos=pos, memory=memory, valid=None if plain else valid, return_kv=True)
-        cache_valid = valid if memory is None else torch.cat([memory.mask, valid], dim=1)  # (B, C + T)
-        out, done = [[] for _ in range(B)], [False] * B
-        for step in range(max_new_tokens):
-            tok = logits[:, -1].argmax(-1)  # (B,)
+        mem = () if memory is None else (memory.mask, memory.next_pos,
+                                         *([memory.embeds] if memory.kv is None else itertools.chain(*memory.kv)))
+        prefill, step = self.prefill, self.decode_step
+        if cuda_graphs:
+            if torch.is_autocast_enabled(device.type):
+                raise ValueError("generate(cuda_graphs=True) under autocast: cast the model to its dtype instead")
+            adapters = tuple(m.active for m in self.lora_modules().values())
+            prefill = self.prefill_graphs.setdefault(adapters, kernels.CUDAGraphed(self.prefill))
+            step = kernels.CUDAGraphed(self.decode_step)
+        last, kv = prefill(ids, pos, None if plain else valid, *mem)
+        cache = KVCache(kv, valid if memory is None else torch.cat([memory.mask, valid], 1), pos[:, -1] + 1,
+                        max_new_tokens - 1)
+        tok, out, done = last.argmax(-1), [[] for _ in range(B)], [False] * B
+        for i in range(max_new_tokens):
             for b, t in enumerate(tok.tolist()):
                 done[b] = done[b] or t in eos
                 if not done[b]:
                     out[b].append(t)
-            if all(done) or step == max_new_tokens - 1:  # no forward for a token never returned
+            if all(done) or i == max_new_tokens - 1:  # no forward for a token never returned
                 break
-            cache = Memory(kv=kv, mask=F.pad(cache_valid, (0, step), value=True), next_pos=pos[:, -1] + 1 + step)
-            logits, kv = self(tok[:, None], memory=cache, return_kv=True)
+            tok = step(tok, cache)
         return out
+
+    def prefill(self, ids, pos, valid, mask=None, next_pos=None, *memory):
+        """generate's first forward, over tensors only (a graph's inputs): memory is (embeds,) or each layer's k, v.
+        Returns the last logits (B, V) and every layer's (k, v)."""
+        if memory:
+            kv = list(zip(memory[::2], memory[1::2])) if len(memory) > 1 else None
+            memory = Memory(embeds=None if kv else memory[0], kv=kv, mask=mask, next_pos=next_pos)
+        h, kv = self(ids, pos=pos, memory=memory or None, valid=valid, return_kv=True, output="hidden")
+        return self.logits(h[:, -1]), kv
+
+    def decode_step(self, tok, cache):
+        """One token a row (B,) at cache.slot, in fixed shapes: writes its K/V into the cache, advances the slot,
+        returns the next tokens (B,)."""
+        cache.mask.index_fill_(1, cache.slot.view(1), True)
+        x = self.model.embed_tokens(tok[:, None])  # (B, 1, d)
+        B, S = cache.mask.shape
+        masks = self.layer_masks(kernels.bidirectional(cache.mask), B, 1, S, cache.slot)
+        cos, sin = (t.to(x.dtype) for t in self.rope(cache.pos[:, None]))
+        for layer, (k, v) in zip(self.model.layers, cache.kv):
+            x, _ = layer(x, cos, sin, masks, (k, v, cache.slot))
+        cache.slot += 1
+        cache.pos += 1
+        return self.logits(self.model.norm(x))[:, -1].argmax(-1)
 
     def lora_modules(self):
         return {n: m for n, m in self.named_modules() if isinstance(m, LoRALinear)}

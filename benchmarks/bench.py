@@ -444,11 +444,12 @@ def bench_ttft():
             path = os.path.join(d, "memory.safetensors")
             Memory(embeds=torch.randn(1, L // r, base.config.hidden_size, generator=g) * 0.02).save(path)
             dtype = base.lm_head.weight.dtype
-            memory_s = timeit(lambda: base.generate(ids[:, L:], 1, memory=Memory.load(path, device).to(dtype)),
-                              args.burn_in, args.iters)
-        full_s = timeit(lambda: base.generate(ids, 1), args.burn_in, args.iters)
-        print(f"  {shape:14s} full context {full_s * 1000:9.1f} ms   from Memory {memory_s * 1000:8.1f} ms   "
-              f"speed-up {full_s / memory_s:5.2f}x (ideal {ideal:.2f}x)")
+            for graphs in (False, True) if device.type == "cuda" else (False,):  # graphs: the first call captures
+                memory_s = timeit(lambda: base.generate(ids[:, L:], 1, memory=Memory.load(path, device).to(dtype),
+                                                        cuda_graphs=graphs), args.burn_in, args.iters)
+                full_s = timeit(lambda: base.generate(ids, 1, cuda_graphs=graphs), args.burn_in, args.iters)
+                print(f"  {shape:14s} {'CUDA graphs' if graphs else 'eager':11s} full context {full_s * 1000:9.1f} ms"
+                      f"   from Memory {memory_s * 1000:8.1f} ms   speed-up {full_s / memory_s:5.2f}x (ideal {ideal:.2f}x)")
         del base
 
 

@@ -6,6 +6,7 @@
   fp32 tight, bf16 loose;
 - --compile (train.py's torch.compile of the model forward) gives the eager loss;
 - generation from a Memory equals generation with the memory spelled out, on the flex path;
+- generation with CUDA graphs (captured prefill and decode steps) equals eager generation;
 - a 1-process torchrun training run over NCCL.
 Shapes are tiny (bench.py's "tiny" shape, bench.build_row's batches, >= 128 queries so
 the flex path is the one a real run takes).
@@ -93,6 +94,23 @@ def test_generate_from_memory_equals_spelled_out(tok):
         e = model.model.embed_tokens(a)
     assert model.generate(b, 8, memory=Memory(kv=kv), eos_ids=[]) == ref
     assert model.generate(b, 8, memory=Memory(embeds=e), eos_ids=[]) == ref
+
+
+def test_generate_cuda_graphs_equals_eager(tok):
+    """Captured prefill and decode give the eager tokens: plain, left-padded, from K/V and embedding memories
+    (140-token prompts: the flex prefill), twice (the second call replays the captured prefill)."""
+    model = bench.random_model("tiny", tok, CUDA, torch.float32)
+    ids = torch.randint(10, tok.vocab_size, (2, 340), generator=torch.Generator().manual_seed(1)).to(CUDA)
+    with torch.no_grad():
+        _, kv = model(ids[:, :200], return_kv=True)
+        e = model.model.embed_tokens(ids[:, :200])
+    cases = [(ids, None), ([ids[0, 5:].tolist(), ids[1].tolist()], None),
+             (ids[:, 200:], Memory(kv=kv)), (ids[:, 200:], Memory(embeds=e))]
+    for prompts, memory in cases:
+        ref = model.generate(prompts, 8, memory=memory, eos_ids=[])
+        for _ in range(2):
+            assert model.generate(prompts, 8, memory=memory, eos_ids=[], cuda_graphs=True) == ref
+    assert len(model.prefill_graphs[(None,) * len(model.lora_modules())].graphs) == len(cases)
 
 
 def test_torchrun_one_process_nccl(base_dir, tmp_path):
