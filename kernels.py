@@ -25,10 +25,11 @@ def bucket(n):
     return -(-n // BLOCK) * BLOCK
 
 
-def compiled(fn, backend="inductor", dynamic=False):
+def compiled(fn, backend="inductor", dynamic=False, mode=None):
     """torch.compile(fn): one graph per query bucket x key bucket x mask_mod x batch size, more than dynamo's
     default limit of 8 (flex then runs unfused): raised to GRAPHS for these calls only (a scoped config.patch)."""
-    return torch._dynamo.config.patch(recompile_limit=GRAPHS)(torch.compile(fn, dynamic=dynamic, backend=backend))
+    fn = torch.compile(fn, dynamic=dynamic, backend=backend, mode=mode)
+    return torch._dynamo.config.patch(recompile_limit=GRAPHS)(fn)
 
 
 class CUDAGraphed:

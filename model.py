@@ -753,11 +753,13 @@ class Transformer(nn.Module):
         self.adapter_configs.pop(name)
 
 
-def compile_layers(model, backend="inductor"):
+def compile_layers(model, backend="inductor", cuda_graphs=False):
     """Regional torch.compile (train.py --compile): each decoder layer runs compiled but for its attention
-    (kernels.attention calls its own compiled flex). The layers share graphs: a few, not a model per length bucket."""
+    (kernels.attention calls its own compiled flex). The layers share graphs: a few, not a model per length bucket.
+    cuda_graphs: mode="reduce-overhead", each graph replayed as a CUDA graph per shape (torch's cudagraph trees)."""
+    mode = "reduce-overhead" if cuda_graphs else None
     for layer in model.model.layers:  # dynamic=None: static shapes first, dynamic after a recompile
-        layer.forward = kernels.compiled(layer.forward, backend, dynamic=None)
+        layer.forward = kernels.compiled(layer.forward, backend, dynamic=None, mode=mode)
 
 
 def read_safetensors(path, device="cpu"):

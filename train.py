@@ -80,6 +80,7 @@ class TrainConfig:
     device: str = ""           # "" = cuda if available else cpu
     dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
     compile: bool = False      # torch.compile the model and the losses
+    cuda_graphs: bool = False  # with --compile on CUDA: the compiled layers replay as CUDA graphs (reduce-overhead)
     grad_ckpt: bool = False    # activation checkpointing per decoder layer: large models fit, ~1/3 more compute
     seed: int = 1337
     resume: bool = False
@@ -232,6 +233,10 @@ def check_stage(cfg, mcfg, cls):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
+    cuda = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
+        raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
+                         "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
 
@@ -707,6 +712,8 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
     total, count, metrics, tokens = 0.0, 0.0, {}, 0
     for i, mb in enumerate(micro):
         mb = to_device(mb, device)
+        if cfg.cuda_graphs:  # a new forward: the graphs may overwrite the last one's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         sync = nullcontext() if (not ddp or i == len(micro) - 1) else model.no_sync()
         with sync, autocast:
             loss, n, m = model(mb, ratios)
@@ -798,7 +805,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             atomic_write(log, lambda p: open(p, "w").writelines(kept))
     # 2) compile, DDP wrap, data (tokenized once: the tokenizer keeps each text's ids)
     if cfg.compile:
-        compile_layers(base)
+        compile_layers(base, cuda_graphs=cfg.cuda_graphs)
     ddp_ids = [device] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
     records, val_records, val_text = items

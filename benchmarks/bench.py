@@ -52,6 +52,7 @@ parser.add_argument("--train_batch", type=int, default=8, help="train: examples 
 parser.add_argument("--methods", default="", help="train: comma list of rows to run (default all)")
 parser.add_argument("--grad_ckpt", action="store_true", help="train: activation checkpointing per layer (ours; not the HF rows)")
 parser.add_argument("--compile", action="store_true", help="train, ttft: model.compile_layers, as train.py --compile")
+parser.add_argument("--cuda_graphs", action="store_true", help="train: with --compile, as train.py --cuda_graphs")
 parser.add_argument("--profile", action="store_true", help="train: after each row, its kernels by device time")
 parser.add_argument("--attn_batch", type=int, default=1, help="attention: sequences per call")
 parser.add_argument("--lengths", default="4096,8192", help="attention: about how many tokens a sequence has")
@@ -63,6 +64,8 @@ def configure(argv):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.cuda_graphs and not (args.compile and cuda and not args.grad_ckpt):
+        parser.error("--cuda_graphs needs --compile and --device cuda, and not --grad_ckpt")
 
 
 def set_threads():
@@ -305,7 +308,7 @@ def train_shapes():
     """(shapes, B, context) of `train`, its header printed."""
     context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
     hardware = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
-    flags = "".join(f", --{f}" for f in ("grad_ckpt", "compile") if getattr(args, f))
+    flags = "".join(f", --{f}" for f in ("grad_ckpt", "compile", "cuda_graphs") if getattr(args, f))
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device} ({hardware}), "
           f"{'bf16 weights + autocast' if cuda else 'fp32'}{flags}; median"
           f" of {args.iters} after 1 untimed; peak = max_memory_allocated{'' if cuda else ' (n/a on CPU)'}")
@@ -349,6 +352,8 @@ def train_row(shape, tok, row, B, context):
         counter = FlopCounter(base)
 
         def ours():
+            if args.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             loss, n, _ = m(batch, ratios)
             counter.close()  # the forward's shapes give every FLOP; the backward's recompute (--grad_ckpt) is not counted
             return loss / max(float(n), 1.0)
@@ -358,7 +363,7 @@ def train_row(shape, tok, row, B, context):
         finally:
             counter.close()
         if args.compile:  # after the counted step, whose hooks would go into the graphs
-            compile_layers(base)
+            compile_layers(base, cuda_graphs=args.cuda_graphs)
         secs = time_row(name, step, n_tokens, counter.flops)
         if args.profile:
             profile(step)

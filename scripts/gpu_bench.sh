@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Issue 79's GPU checks in two device calls of at most 9 minutes each; every command's output goes to
+# Issue 79's GPU checks in four device calls of at most 9 minutes each; every command's output goes to
 # $OUT/<name>.txt (the device tool's returned folder; default out/gpu_bench), each command under its own timeout.
 #   run(command="bash scripts/gpu_bench.sh part1", timeout_s=600)  # the gpu tests; bench.py train at Llama-3.1-8B
 #       shapes: meanpool kd and the compression tokens, one decoder pass for all ratios and a pass per ratio, eager
 #       and --compile
 #   run(command="bash scripts/gpu_bench.sh part2", timeout_s=600)  # bench.py attention at B = 8 x 4K (pic block-wise,
-#       sentence_gist's listed blocks); ttft from a 16x Memory at Llama-3.2-1B and Llama-3.1-8B, eager and --compile
+#       sentence_gist's listed blocks); ttft from a 16x Memory at Llama-3.2-1B and Llama-3.1-8B, eager and --compile,
+#       each with and without generate's CUDA graphs
 #   run(command="bash scripts/gpu_bench.sh part3", timeout_s=600)  # meanpool kd against its transformers + peft twin
 #       at Llama-3.1-8B (fused projections against peft's module per projection), eager and --compile; its profile
+#   run(command="bash scripts/gpu_bench.sh part4", timeout_s=600)  # bench.py train at Llama-3.1-8B, --compile
+#       --cuda_graphs (meanpool kd, pic qa); its profile
 # --smoke (after the part): the same commands at the tiny shapes on a CPU, in seconds: the tests collected, not run,
 # no --compile (tests/test_suite.py).
 set -uo pipefail
@@ -40,11 +43,11 @@ case "${1:-}" in
     if [ -n "$SMOKE" ]; then
       step attention 120 python benchmarks/bench.py attention --lengths 512 --iters 1
     else
-      step attention 300 python benchmarks/bench.py attention --attn_batch 8 --lengths 4096 --iters 3
+      step attention 240 python benchmarks/bench.py attention --attn_batch 8 --lengths 4096 --iters 3
     fi
     TTFT=$([ -n "$SMOKE" ] && echo "--tiny" || echo "--shapes llama-3.2-1b,llama-3.1-8b")
-    step ttft 90 python benchmarks/bench.py ttft $TTFT
-    [ -n "$SMOKE" ] || step ttft_compile 130 python benchmarks/bench.py ttft $TTFT --compile
+    step ttft 140 python benchmarks/bench.py ttft $TTFT
+    [ -n "$SMOKE" ] || step ttft_compile 140 python benchmarks/bench.py ttft $TTFT --compile
     ;;
   part3)
     step twins 200 python benchmarks/hf_twins.py $SHAPE --methods "meanpool kd" --iters "$ITERS"
@@ -53,8 +56,18 @@ case "${1:-}" in
       step profile 120 python benchmarks/bench.py train $SHAPE --methods "meanpool kd" --iters 3 --compile --profile
     fi
     ;;
+  part4)
+    if [ -z "$SMOKE" ]; then  # CUDA graphs only on CUDA: the smoke checks the flag's one-line error
+      step train_graphs 300 python benchmarks/bench.py train $SHAPE --methods "meanpool kd,pic qa" --iters 5 \
+        --compile --cuda_graphs
+      step profile_graphs 200 python benchmarks/bench.py train $SHAPE --methods "meanpool kd" --iters 3 --compile \
+        --cuda_graphs --profile
+    else
+      step train_graphs 60 python benchmarks/bench.py train $SHAPE --cuda_graphs
+    fi
+    ;;
   *)
-    echo "usage: bash scripts/gpu_bench.sh part1|part2|part3 [--smoke]" >&2
+    echo "usage: bash scripts/gpu_bench.sh part1|part2|part3|part4 [--smoke]" >&2
     exit 2
     ;;
 esac

@@ -4,7 +4,8 @@
 
 - every method's loss and gradients through flex (BlockMask) equal the dense SDPA path:
   fp32 tight, bf16 loose;
-- --compile (train.py's torch.compile of the model forward) gives the eager loss;
+- --compile (train.py's torch.compile of the model forward) gives the eager loss, and with --cuda_graphs the
+  eager loss and gradients;
 - generation from a Memory equals generation with the memory spelled out, on the flex path;
 - generation with CUDA graphs (captured prefill and decode steps) equals eager generation;
 - a 1-process torchrun training run over NCCL.
@@ -81,6 +82,32 @@ def test_compile_loss_equals_eager(tok, row):
         loss, n, _ = m(batch, train.ratios_of(ratio))
         losses.append(loss.item() / n)
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
+
+
+@pytest.mark.parametrize("row", [bench.ROWS[0], bench.ROWS[2]], ids=["meanpool-kd", "pic-qa"])
+def test_cuda_graph_step_equals_eager(tok, row):
+    """--compile --cuda_graphs: the loss and every gradient of the eager step (bf16 autocast), on a replay."""
+    _, method, objective, ratio = row
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        base = bench.random_model("tiny", tok, CUDA, torch.float32)
+        m, batch, _ = bench.build_row(base, tok, method, objective, ratio, 2, 192)
+        if graphs:
+            compile_layers(base, cuda_graphs=True)  # as train.py --compile --cuda_graphs
+        for _ in range(3):  # the first records, the next replay
+            torch.compiler.cudagraph_mark_step_begin()
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, n, _ = m(batch, train.ratios_of(ratio))
+            (loss / n).backward()
+        runs.append((loss.item() / n, {k: p.grad.float().clone() for k, p in m.named_parameters() if p.grad is not None}))
+    (eager, grads_e), (graphed, grads_g) = runs
+    assert abs(graphed - eager) <= 2e-2 * abs(eager), (eager, graphed)
+    assert grads_g.keys() == grads_e.keys() and grads_e
+    for k in grads_e:
+        scale = grads_e[k].abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(grads_g[k] / scale, grads_e[k] / scale, **TOL[torch.bfloat16], msg=k)
 
 
 def test_generate_from_memory_equals_spelled_out(tok):

@@ -59,6 +59,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be an integer"),
     ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
+    ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu
 ]
 
 

@@ -124,16 +124,17 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
 
 
 def test_gpu_bench_smoke_runs_every_step(tmp_path):
-    """scripts/gpu_bench.sh part1, part2 and part3 --smoke: every step runs to rc 0 at the tiny shapes and writes its
-    file."""
+    """scripts/gpu_bench.sh part1 to part4 --smoke: every step runs to rc 0 at the tiny shapes and writes its file;
+    part4's CUDA graphs, on a CPU, stop at their flag's one-line error."""
     env = dict(os.environ, OUT=str(tmp_path))
-    for part in ("part1", "part2", "part3"):
+    for part in ("part1", "part2", "part3", "part4"):
         p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), part, "--smoke"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
     steps = (tmp_path / "steps.txt").read_text().splitlines()
-    assert [s.split(":")[0] for s in steps] == ["gpu_tests", "train", "attention", "ttft", "twins"]
-    assert all(": rc 0," in s for s in steps), steps
+    assert [s.split(":")[0] for s in steps] == ["gpu_tests", "train", "attention", "ttft", "twins", "train_graphs"]
+    assert all(": rc 0," in s for s in steps[:-1]) and ": rc 2," in steps[-1], steps
+    assert "--cuda_graphs needs --compile" in (tmp_path / "train_graphs.txt").read_text()
     train_rows = (tmp_path / "train.txt").read_text()
     assert "meanpool kd per ratio" in train_rows and "tokens kd per ratio" in train_rows
     assert "sentence_gist" in (tmp_path / "attention.txt").read_text() and "speed-up" in (tmp_path / "ttft.txt").read_text()
