@@ -11,7 +11,6 @@ Legend: B batch, H/Hkv heads, Q query tokens, S key tokens, hd head dim, N token
 """
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 BACKEND = None  # the one override: None = pick by device; "dense" or "flex" forces a backend (tests)
 # Flex pads queries and keys to a multiple of BLOCK: one compiled (dynamic=False) graph serves a bucket of
@@ -65,6 +64,7 @@ class CUDAGraphed:
 
 def _flex(q, k, v, block_mask, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) padded to the block mask's bucketed sizes."""
+    from torch.nn.attention.flex_attention import flex_attention  # here: it imports dynamo, ~1 s a CPU process
     global _compiled_flex
     if _compiled_flex is None and q.device.type == "cuda":
         _compiled_flex = compiled(flex_attention)
@@ -191,6 +191,7 @@ def every_causal_block(mask_mod):
 
 def causal_blocks(mask_mod, B, n, device):
     """BlockMask of n x n blocks: block (i, j) partial (mask_mod decides inside) where j <= i, absent above."""
+    from torch.nn.attention.flex_attention import BlockMask
     rows = torch.arange(n, device=device, dtype=torch.int32)
     kv_num_blocks = (rows + 1).expand(B, 1, n).contiguous()  # (B, 1, n)
     kv_indices = rows.expand(B, 1, n, n).contiguous()  # (B, 1, n, n): row i reads blocks 0..i
@@ -214,6 +215,7 @@ class Mask:
 
     def block(self):
         """BlockMask over (bucket(Q), bucket(S)): compiled on CUDA (never materialises B*Q*S), eager on CPU."""
+        from torch.nn.attention.flex_attention import create_block_mask
         global _compiled_block_mask
         if self._block is None:
             if _compiled_block_mask is None and self.device.type == "cuda":
@@ -227,7 +229,6 @@ class Mask:
         return self._block
 
 
-@torch.compiler.disable  # model.compile_layers: the dispatch stays eager; flex compiles on its own
 def attention(q, k, v, mask=None, scale=None, score_mod=None):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S. scale: of q.k
     (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap). GQA without repeating K/V."""

@@ -262,7 +262,16 @@ def decode_each(decode, memories, ids, stack):
 # stacks its projections' A along the rank: three GEMMs for the group (W, A, a block-diagonal B), not nine.
 
 
-class LoRALinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear without its random init on the meta device (from_pretrained loads every weight after): that init
+    runs torch's Python refs, which import dynamo, ~1 s of every process."""
+
+    def reset_parameters(self):
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class LoRALinear(Linear):
     """nn.Linear over HF projections of one input, stacked along the output: ``parts`` {HF name: out features}
     in order (q_proj, k_proj, v_proj; gate_proj, up_proj; or one alone). Adapter `name` covers adapted[name]
     (a subset of the parts): lora_A[name] (P r, in) is their A's stacked, lora_B[name] (their outs, r) their B's."""
@@ -362,6 +371,10 @@ class Embedding(nn.Embedding):
         super().__init__(n, d)
         self.scale = scale
 
+    def reset_parameters(self):  # as Linear's
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids):
         x = super().forward(ids)
         return x if self.scale is None else x * torch.tensor(self.scale, dtype=x.dtype)
@@ -408,6 +421,7 @@ class Attention(nn.Module):
         self.H, self.Hkv, self.hd = H, Hkv, hd
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.score_mod = kernels.softcap(cfg.attn_logit_softcapping) if cfg.attn_logit_softcapping else None
+        self.attend = kernels.attention  # compile_layers: the same, kept out of the compiled graph
 
     def forward(self, x, cos, sin, mask, prefix_kv):
         B, T, _ = x.shape
@@ -423,7 +437,7 @@ class Attention(nn.Module):
             k, v = (buf.index_copy_(2, slot.view(1), t) for buf, t in zip(cache, (k, v)))
         elif prefix_kv is not None:  # (B, Hkv, P + T, hd)
             k, v = (torch.cat([p.to(t.dtype), t], dim=2) for p, t in zip(prefix_kv, (k, v)))
-        y = kernels.attention(q, k, v, mask, self.scale, self.score_mod)
+        y = self.attend(q, k, v, mask, self.scale, self.score_mod)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
@@ -486,7 +500,7 @@ class Transformer(nn.Module):
         self.model.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size ** 0.5 if gemma else None)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.adapter_configs, self._inv_freq, self.prefill_graphs = {}, None, {}
@@ -755,10 +769,12 @@ class Transformer(nn.Module):
 
 def compile_layers(model, backend="inductor", cuda_graphs=False):
     """Regional torch.compile (train.py --compile): each decoder layer runs compiled but for its attention
-    (kernels.attention calls its own compiled flex). The layers share graphs: a few, not a model per length bucket.
+    (kernels.attention: the dispatch stays eager, flex compiles on its own). The layers share graphs: a few, not a
+    model per length bucket.
     cuda_graphs: mode="reduce-overhead", each graph replayed as a CUDA graph per shape (torch's cudagraph trees)."""
     mode = "reduce-overhead" if cuda_graphs else None
     for layer in model.model.layers:  # dynamic=None: static shapes first, dynamic after a recompile
+        layer.self_attn.attend = torch.compiler.disable(kernels.attention)
         layer.forward = kernels.compiled(layer.forward, backend, dynamic=None, mode=mode)
 
 

@@ -3,6 +3,7 @@ each other, and the chunked losses (values and gradients) against their naive tw
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
 
 import kernels
 
@@ -122,7 +123,7 @@ def test_every_causal_block_lists_the_blocks_create_block_mask_needs(monkeypatch
     mask_mod = sg.sentence_mask(sentence, kind)
     block = kernels.Mask(mask_mod, B, T, T, torch.device("cpu")).block()
     assert block.kv_num_blocks[:, 0].tolist() == [[1, 2, 3]] * B and block.full_kv_num_blocks is None
-    found = kernels.create_block_mask(kernels.padded(mask_mod, T, T, "cpu"), B, None, 384, 384, device="cpu")
+    found = create_block_mask(kernels.padded(mask_mod, T, T, "cpu"), B, None, 384, 384, device="cpu")
     assert (found.kv_num_blocks + found.full_kv_num_blocks <= block.kv_num_blocks).all()
     q, k, v = rand(B, H, T, hd, seed=3), rand(B, H, T, hd, seed=4), rand(B, H, T, hd, seed=5)
     outs = {}
