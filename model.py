@@ -331,6 +331,12 @@ class LoRALinear(Linear):
                 and x.dtype == W.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type))
 
 
+def hf_path(path, part):
+    """The HF module path of one projection of our module at `path`: (...self_attn.qkv_proj, k_proj) ->
+    ...self_attn.k_proj."""
+    return f"{path.rpartition('.')[0]}.{part}"
+
+
 @contextmanager
 def active_adapters(mods, names):
     """Sets mods[i].active = names[i] (LoRALinear modules) inside the block, then restores."""
@@ -554,8 +560,7 @@ class Transformer(nn.Module):
         for path, m in self.lora_modules().items():
             for kind in ("weight", "bias") if len(m.parts) > 1 else ():
                 if getattr(m, kind) is not None:
-                    parent = path.rpartition(".")[0]
-                    yield f"{path}.{kind}", [(f"{parent}.{p}.{kind}", rows) for p, rows in m.rows.items()]
+                    yield f"{path}.{kind}", [(f"{hf_path(path, p)}.{kind}", rows) for p, rows in m.rows.items()]
 
     def save_pretrained(self, path):
         """HF layout (config.json + model.safetensors), base weights only."""
@@ -703,8 +708,7 @@ class Transformer(nn.Module):
         (model.layers.3.self_attn.q_proj) is in skip."""
         adapted = set()
         for path, m in self.lora_modules().items():
-            parent = path.rpartition(".")[0]
-            parts = [p for p in m.parts if p in targets and f"{parent}.{p}" not in skip]
+            parts = [p for p in m.parts if p in targets and hf_path(path, p) not in skip]
             if parts:
                 m.add_adapter(name, r, alpha, dropout, parts)
                 adapted.update(parts)
@@ -724,7 +728,7 @@ class Transformer(nn.Module):
 
     def adapter_state(self, name):
         """{HF module path: (A (r, in), B (out, r))} of one adapter: views into its stacked tensors."""
-        return {f"{path.rpartition('.')[0]}.{p}": AB for path, m in self.lora_modules().items() if name in m.lora_A
+        return {hf_path(path, p): AB for path, m in self.lora_modules().items() if name in m.lora_A
                 for p, AB in m.pieces(name).items()}
 
     def save_adapter(self, name, path):
