@@ -37,7 +37,7 @@ def fresh_dynamo():
 
 @pytest.fixture(scope="module")
 def tok():
-    return data.load_tokenizer(str(bench.os.path.join(bench.os.path.dirname(bench.__file__), "tiny_base")))
+    return data.load_tokenizer(bench.TINY_BASE)
 
 
 def loss_and_grads(tok, row, dtype, backend):
