@@ -474,10 +474,13 @@ class DecoderLayer(nn.Module):
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
-        self.sliding = bool(cfg.sliding_window) and cfg.layer_types[layer] == "sliding_attention"
+        sliding = bool(cfg.sliding_window) and cfg.layer_types[layer] == "sliding_attention"
+        # into layer_masks' [full, sliding]; an int: torch 2.11's dynamo fails on a bool list index (the layer
+        # then runs eager)
+        self.mask_index = int(sliding)
 
     def forward(self, x, cos, sin, masks, prefix_kv):
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, masks[self.sliding], prefix_kv)
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, masks[self.mask_index], prefix_kv)
         if not hasattr(self, "pre_feedforward_layernorm"):
             x = x + a
             return x + self.mlp(self.post_attention_layernorm(x)), kv
