@@ -25,7 +25,11 @@ the hub model's on easy prompts but logits differ by quantization noise.
 
 One fix to the tokenizer: the GGUF names its pre-tokenizer "smollm" (llama.cpp: digits
 split one by one, then GPT-2's regex), which transformers' converter leaves out, so the
-dir gets the hub tokenizer.json's Sequence[Digits(individual), ByteLevel] back.
+dir gets the hub tokenizer.json's Sequence[Digits(individual), ByteLevel] back. The specials
+(bos <|im_start|>, eos and pad <|im_end|>) are the GGUF's own ids: transformers 5.17 (the GPU
+machine's) names <|im_start|> the tokenizer's eos, and answers would run past <|im_end|>. And
+the vocabulary is byte-level BPE as the GGUF says ("gpt2"): transformers 5.17 writes it with
+sentencepiece's byte fallback, unknown token and decoder, which data.load_tokenizer refuses.
 """
 import argparse
 import importlib.util
@@ -76,26 +80,39 @@ def convert(out_dir, gguf_file=None):
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
 
-    # 1) tokenizer: the "smollm" pre-tokenizer (see the docstring), then the HF files
-    pre = gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
-    if pre == "smollm":
+    # 1) tokenizer: the "smollm" pre-tokenizer and the specials (see the docstring), then the HF files
+    fields = gguf.GGUFReader(path).fields
+    special = {k: int(fields[f"tokenizer.ggml.{k}_token_id"].contents()) for k in ("bos", "eos", "padding")}
+    bos, eos, pad = special["bos"], special["eos"], special["padding"]
+    if fields["tokenizer.ggml.pre"].contents() == "smollm":
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     os.makedirs(out_dir, exist_ok=True)
     tok.save_pretrained(out_dir)
+    if fields["tokenizer.ggml.model"].contents() == "gpt2":  # byte-level BPE, whatever transformers wrote
+        tj_path = os.path.join(out_dir, "tokenizer.json")
+        tj = json.load(open(tj_path))
+        tj["model"].update(byte_fallback=False, fuse_unk=False, unk_token=None)
+        tj["normalizer"], tj["decoder"] = None, dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True,
+                                                     use_regex=True)
+        with open(tj_path, "w") as f:
+            json.dump(tj, f, indent=2, ensure_ascii=False)
     template = os.path.join(out_dir, "chat_template.jinja")  # transformers 5 writes it apart
+    name_of = tok.convert_ids_to_tokens
     edit_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_class="GPT2Tokenizer",  # the hub's
-              chat_template=open(template).read() if os.path.exists(template) else tok.chat_template)
+              chat_template=open(template).read() if os.path.exists(template) else tok.chat_template,
+              bos_token=name_of(bos), eos_token=name_of(eos), pad_token=name_of(pad),
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if os.path.exists(template):
         os.remove(template)
     # 2) weights and config: a plain fp32 Llama, no trace of the GGUF source
     del model.config.quantization_config
     model.hf_quantizer = None
     model.save_pretrained(out_dir)
-    edit_json(os.path.join(out_dir, "config.json"), _model_name_or_path=None)
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id).save_pretrained(out_dir)
+    edit_json(os.path.join(out_dir, "config.json"), _model_name_or_path=None, bos_token_id=bos, eos_token_id=eos,
+              pad_token_id=pad)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out_dir)
     # 3) every file is there, and config.json says what it is
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
               "generation_config.json"):
