@@ -474,10 +474,8 @@ class DecoderLayer(nn.Module):
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
-        sliding = bool(cfg.sliding_window) and cfg.layer_types[layer] == "sliding_attention"
-        # into layer_masks' [full, sliding]; an int: torch 2.11's dynamo fails on a bool list index (the layer
-        # then runs eager)
-        self.mask_index = int(sliding)
+        # into layer_masks' [full, sliding]: an int, as torch 2.11's dynamo fails on a bool index (the layer runs eager)
+        self.mask_index = int(bool(cfg.sliding_window) and cfg.layer_types[layer] == "sliding_attention")
 
     def forward(self, x, cos, sin, masks, prefix_kv):
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, masks[self.mask_index], prefix_kv)

@@ -71,7 +71,7 @@ def convert(out_dir, gguf_file=None):
     """GGUF -> HF checkpoint dir at out_dir; returns out_dir."""
     try:
         import gguf  # transformers' GGUF loader needs it too
-        from tokenizers import pre_tokenizers
+        from tokenizers import decoders, pre_tokenizers
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is not installed: pip install -r requirements-dev.txt")
@@ -82,22 +82,17 @@ def convert(out_dir, gguf_file=None):
 
     # 1) tokenizer: the "smollm" pre-tokenizer and the specials (see the docstring), then the HF files
     fields = gguf.GGUFReader(path).fields
-    special = {k: int(fields[f"tokenizer.ggml.{k}_token_id"].contents()) for k in ("bos", "eos", "padding")}
-    bos, eos, pad = special["bos"], special["eos"], special["padding"]
+    bos, eos, pad = (int(fields[f"tokenizer.ggml.{k}_token_id"].contents()) for k in ("bos", "eos", "padding"))
+    backend = tok.backend_tokenizer
     if fields["tokenizer.ggml.pre"].contents() == "smollm":
-        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if fields["tokenizer.ggml.model"].contents() == "gpt2":  # byte-level BPE, whatever transformers made of it
+        backend.model.byte_fallback, backend.model.fuse_unk, backend.model.unk_token = False, False, None
+        backend.normalizer, backend.decoder = None, decoders.ByteLevel()
     os.makedirs(out_dir, exist_ok=True)
     tok.save_pretrained(out_dir)
-    if fields["tokenizer.ggml.model"].contents() == "gpt2":  # byte-level BPE, whatever transformers wrote
-        tj_path = os.path.join(out_dir, "tokenizer.json")
-        tj = json.load(open(tj_path))
-        tj["model"].update(byte_fallback=False, fuse_unk=False, unk_token=None)
-        tj["normalizer"], tj["decoder"] = None, dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True,
-                                                     use_regex=True)
-        with open(tj_path, "w") as f:
-            json.dump(tj, f, indent=2, ensure_ascii=False)
     template = os.path.join(out_dir, "chat_template.jinja")  # transformers 5 writes it apart
     name_of = tok.convert_ids_to_tokens
     edit_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_class="GPT2Tokenizer",  # the hub's
