@@ -442,6 +442,9 @@ def build(cfg, mcfg, device, dtype):
     if tiny.aided(cfg):
         tiny.add_decoder_adapter(method)
     method = method.to(device)
+    for p in method.parameters():  # fp32 master weights where a bf16 base trains (sentence_gist --lora_r 0): a bf16
+        if p.requires_grad:        # weight drops every update below its precision, ~1e-4 of |w| at these lrs
+            p.data = p.data.float()
     for m in method.modules():  # the base and any separate encoder / decoder (pic)
         if isinstance(m, Transformer):
             m.grad_ckpt = cfg.grad_ckpt

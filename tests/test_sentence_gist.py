@@ -212,6 +212,18 @@ def test_stages_choose_the_trainables(base_dir):
     assert len(names[2]) == 1 + 2 * 4 * 2  # 2 layers x 4 weights (q/k/v and gate/up fused) x (A, B)
 
 
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_a_bf16_base_trains_fp32_master_weights(base_dir, lora_r):
+    """train.build with a bf16 base (real checkpoints on CUDA): whatever trains is fp32 (stage 3 --lora_r 0 trains
+    every base weight; a bf16 weight would drop AdamW's updates), whatever is frozen stays bf16."""
+    argv = ["--method", "sentence_gist", "--init_from", base_dir, "--stage", "3", "--lora_r", str(lora_r)]
+    (cfg, mcfg), explicit = train.parse_args(argv, train.TrainConfig, sg.SentenceGistConfig)
+    train.resolve(cfg, mcfg, explicit, sg.SentenceGist)
+    method = train.build(cfg, mcfg, torch.device("cpu"), torch.bfloat16)[2]
+    dtypes = {(p.requires_grad, p.dtype) for p in method.parameters()}
+    assert dtypes == ({(True, torch.float32)} if lora_r == 0 else {(True, torch.float32), (False, torch.bfloat16)})
+
+
 @pytest.mark.parametrize("stage, iters, lr, warmup, clip, end_lr", [
     (1, 1000, 1e-4, 100, 1.0, 5e-5), (2, 9000, 1e-4, 1000, 2.0, 5e-5), (3, 2000, 5e-5, 100, 2.0, 0.0)])
 def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_lr):
