@@ -78,6 +78,8 @@ def huber(pred, target, delta):
 
 def encoder_mask(valid):
     """Causal over [prompt, c_1..c_kmax]; valid (B, T) marks real tokens (left padding)."""
+    valid = kernels.bucketed(valid)
+
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & valid[b, kv_idx]
     mask_mod.__name__ = "ata_encoder"

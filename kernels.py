@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 BACKEND = None  # the one override: None = pick by device; "dense" or "flex" forces a backend (tests)
 # Flex pads queries and keys to a multiple of BLOCK: one compiled (dynamic=False) graph serves a bucket of
-# lengths. Ints a mask_mod closes over go in as 0-d tensors: dynamo would recompile for every new int value.
+# lengths. A mask_mod's (B, N) tensors are padded so too (bucketed), and its ints go in as 0-d tensors: dynamo
+# guards their shapes and values, and would recompile for every new length or int.
 BLOCK = 128
 GRAPHS = 64  # graphs one compiled function may hold: see compiled()
 _compiled_flex = _compiled_block_mask = None  # built once, on the first CUDA call
@@ -91,7 +92,7 @@ def causal(b, h, q_idx, kv_idx):
 def causal_after_prefix(prefix_len, key_valid):
     """Queries (the last Q of S keys) see valid keys (key_valid (B, S)): all prefix_len first, the rest causally."""
     P = torch.full((), prefix_len, device=key_valid.device)  # not an int: see BLOCK
-    key_valid = pad_keys(key_valid)
+    key_valid = bucketed(key_valid)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return key_valid[b, kv_idx] & (kv_idx <= q_idx + P)
@@ -100,6 +101,8 @@ def causal_after_prefix(prefix_len, key_valid):
 
 def bidirectional(key_valid):
     """Every token sees every valid token (padding is never seen)."""
+    key_valid = bucketed(key_valid)
+
     def mask_mod(b, h, q_idx, kv_idx):
         return key_valid[b, kv_idx] & (q_idx >= 0)
     return named(mask_mod, "bidirectional")
@@ -108,7 +111,7 @@ def bidirectional(key_valid):
 def with_prefix(mask_mod, prefix_len, prefix_valid):
     """mask_mod shifted behind a prefix of prefix_len keys, seen where prefix_valid (B, P) is True (decoding)."""
     last = torch.full((), prefix_len - 1, device=prefix_valid.device)  # not an int: see BLOCK
-    prefix_valid = pad_keys(prefix_valid)
+    prefix_valid = bucketed(prefix_valid)
 
     def shifted(b, h, q_idx, kv_idx):
         kv_new = (kv_idx - last - 1).clamp(min=0)
@@ -147,9 +150,10 @@ def soft_cap(logits, cap):
     return cap * torch.tanh(logits / cap) if cap else logits
 
 
-def pad_keys(key_valid):
-    """(B, S) -> (B, bucket(S)), False after S: bucketed like q/k/v, so compiled guards hold for a whole bucket."""
-    return F.pad(key_valid, (0, bucket(key_valid.shape[1]) - key_valid.shape[1]), value=False)
+def bucketed(t):
+    """A tensor a mask_mod indexes by position, (B, N) -> (B, bucket(N)), zero (False) after N: shaped per bucket
+    like q/k/v (see BLOCK). Nothing reads the padding: padded() clamps the indices, dense_mask stays below N."""
+    return F.pad(t, (0, bucket(t.shape[1]) - t.shape[1]))
 
 
 def padded(mask_mod, Q, S, device):

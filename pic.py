@@ -54,7 +54,8 @@ class PICConfig:
 
 def blockwise(z):
     """PIC eq. 5: causal everywhere (rules 1, 2), and memory t reads only chunk t (rule 3)."""
-    group, lo, hi, valid = z["group"], z["lo"], z["hi"], z["valid"]
+    group, lo, hi, valid = (kernels.bucketed(z[k]) for k in ("group", "lo", "hi", "valid"))
+
     def mask_mod(b, h, q_idx, kv_idx):
         in_chunk = (lo[b, q_idx] <= kv_idx) & (kv_idx < hi[b, q_idx])
         return valid[b, kv_idx] & (kv_idx <= q_idx) & ((group[b, q_idx] == group[b, kv_idx]) | in_chunk)
@@ -64,7 +65,8 @@ def blockwise(z):
 
 def causal(z):
     """PCC / ICAE: memory t reads the whole context and memory <= t."""
-    group, valid = z["group"], z["valid"]
+    group, valid = kernels.bucketed(z["group"]), kernels.bucketed(z["valid"])
+
     def mask_mod(b, h, q_idx, kv_idx):
         return valid[b, kv_idx] & (kv_idx <= q_idx) & ((group[b, q_idx] == group[b, kv_idx]) | (group[b, kv_idx] == 0))
     mask_mod.__name__ = "pic_causal"
@@ -73,7 +75,8 @@ def causal(z):
 
 def bidir(z):
     """meanpool §5.1: causal context; memory reads the whole context and all memory."""
-    group, valid = z["group"], z["valid"]
+    group, valid = kernels.bucketed(z["group"]), kernels.bucketed(z["valid"])
+
     def mask_mod(b, h, q_idx, kv_idx):
         mem_pair = (group[b, q_idx] > 0) & (group[b, q_idx] == group[b, kv_idx])
         return valid[b, kv_idx] & (((kv_idx <= q_idx) & (group[b, kv_idx] == 0)) | mem_pair)

@@ -74,6 +74,8 @@ def insert_gists(ids, is_end, n_gists, max_sentence_len, run=0, close=False):
 def sentence_mask(sentence, kind):
     """mask_mod over (B, T) sentence ids and kinds (§3.3): causal; a key is seen when it is in the query's
     sentence or is a gist (of earlier sentences, or g_1..g_j of its own) or the sink; padding (PAD) never."""
+    sentence, kind = kernels.bucketed(sentence), kernels.bucketed(kind)
+
     def mask_mod(b, h, q_idx, kv_idx):
         seen = (sentence[b, q_idx] == sentence[b, kv_idx]) | (kind[b, kv_idx] > 0)
         return (kind[b, kv_idx] != PAD) & (kv_idx <= q_idx) & seen

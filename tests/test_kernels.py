@@ -133,6 +133,42 @@ def test_every_causal_block_lists_the_blocks_create_block_mask_needs(monkeypatch
     torch.testing.assert_close(outs["flex"], outs["dense"], atol=1e-5, rtol=1e-5)
 
 
+def every_mask(S, B=2):
+    """[(name, mask_mod, Q)] of every method's flex masks over S keys, padding in example 1: closures of length S."""
+    import ata
+    import pic
+    import sac
+    import sentence_gist as sg
+    valid = torch.arange(S)[None].expand(B, S) < torch.tensor([[S], [S - 9]])
+    P, L = 5, S * 16 // 17
+    z, _ = pic.layout(torch.tensor([L, L - 9]), L, [16])
+    kind = (torch.arange(S) % 10 == 9).long()[None].expand(B, S)
+    return [("bidirectional", kernels.bidirectional(valid), S), ("sac causal", sac.sac_encoder_mask(valid, True), S),
+            ("causal_after_prefix", kernels.causal_after_prefix(P, valid), S - P),
+            ("with_prefix", kernels.with_prefix(kernels.causal, P, valid[:, :P]), S - P),
+            ("ata", ata.encoder_mask(valid), S), ("sentence_gist", sg.sentence_mask(kind.cumsum(1), kind), S),
+            *((f"pic {k}", pic.MASKS[k](z), z["valid"].shape[1]) for k in pic.MASKS)]
+
+
+def test_one_compiled_flex_graph_serves_every_length_of_a_bucket(monkeypatch):
+    """A mask's closure tensors are shaped per bucket (kernels.bucketed), like the padded q/k/v, so compiled flex
+    (dynamic=False, dynamo's shape guards) compiles each mask once for every length of a 128-token bucket, not once
+    per length: a real run's batches have as many lengths as batches. The graphs are counted, not compiled."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+    B, H, hd = 2, 2, 8
+    monkeypatch.setattr(kernels, "BACKEND", "flex")
+    for i, (name, _, _) in enumerate(every_mask(200)):
+        counter = CompileCounter()
+        monkeypatch.setattr(kernels, "_compiled_flex", kernels.compiled(flex_attention, backend=counter))
+        for S in (200, 208, 251):  # one bucket: 256 keys
+            _, mask_mod, Q = every_mask(S)[i]
+            q, k, v = rand(B, H, Q, hd, seed=1), rand(B, H, S, hd, seed=2), rand(B, H, S, hd, seed=3)
+            kernels.attention(q, k, v, kernels.Mask(mask_mod, B, Q, S, q.device))
+        assert counter.frame_count == 1, f"{name}: {counter.frame_count} graphs for one bucket"
+    torch._dynamo.reset()
+
+
 # -----------------------------------------------------------------------------
 # chunked losses == naive twins, values and gradients
 
