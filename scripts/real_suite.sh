@@ -87,7 +87,7 @@ train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log
   limited python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1
 }
 evaluate() {  # RUN_DIR: its rows in RUN_DIR/metrics.json. The first run to get here computes the teacher and
-  # no-context rows; the others wait for it (a minute at most), then share them (eval.sibling_teacher_rows)
+  # no-context rows; the others wait for its evaluation, then share them (eval.sibling_teacher_rows)
   local rc=0
   if mkdir "$OUT/.teacher-rows" 2> /dev/null; then
     limited python eval.py "$1" --n "$EXAMPLES" > "$1.eval.log" 2>&1 || rc=$?
