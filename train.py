@@ -64,6 +64,7 @@ class TrainConfig:
     max_iters: int = 0         # steps; several stages share them in the recipe's proportion (--pretrain aside)
     batch_size: int = 0        # the global batch: examples a step over all ranks and --grad_accum micro-batches
     grad_accum: int = 1        # micro-batches a step per rank: its examples sorted by context length (less padding)
+    micro_batch: int = 0       # at most N examples a micro-batch per rank: sets each stage's --grad_accum by its batch
     lr: float = 0.0
     min_lr_frac: float = 0.1   # cosine decays to lr * min_lr_frac
     warmup_frac: float = 0.05
@@ -329,6 +330,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     stages in their recipe's proportion (each at least one step). A stage before the last trains into
     OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs the stages after it.
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
+    if cfg.micro_batch < 0 or (cfg.micro_batch and "grad_accum" in explicit):
+        raise SystemExit(f"error: --micro_batch {cfg.micro_batch}: it must be >= 0, and it sets --grad_accum (give one)")
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
         stages, source = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None), "tiny"
@@ -386,6 +389,11 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if c.objective not in cls.objectives:
             raise SystemExit(f"error: --objective {c.objective!r} does not apply to --method {cfg.method}; "
                              f"choose from {', '.join(cls.objectives)}")
+        if cfg.micro_batch:  # the fewest micro-batches of at most micro_batch examples that divide the batch
+            c.grad_accum = -(-c.batch_size // (world * cfg.micro_batch))
+            while c.batch_size % (world * c.grad_accum) and c.grad_accum < c.batch_size:
+                c.grad_accum += 1
+            sources["grad_accum"] = f"flag (--micro_batch {cfg.micro_batch})"
         while "grad_accum" not in explicit and c.grad_accum > 1 and c.batch_size % (world * c.grad_accum):
             c.grad_accum -= 1  # a recipe's micro-batches divide the global batch (--batch_size 2 of gist's 4)
         if c.batch_size % (world * c.grad_accum):

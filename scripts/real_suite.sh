@@ -48,8 +48,8 @@ RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's 
   "sac-random-r5    --method sac --ratio 5 --anchors random"
   "ata              --method ata"                              # rel, then qa (§3.5); Table 2
   "ata-no_aac       --method ata --no_aac"
-  "gist-4           --method sentence_gist --gists 4 --grad_accum 4"  # Table 3's stages, lm; perplexity and F1
-  "gist-2           --method sentence_gist --gists 2 --grad_accum 4"  # (stage 3's 512 texts: 4 micro-batches)
+  "gist-4           --method sentence_gist --gists 4"          # Table 3's stages, lm; perplexity and F1
+  "gist-2           --method sentence_gist --gists 2"
   "meanpool-single4 --method meanpool --ratio 4"
   "meanpool-single16 --method meanpool --ratio 16"
 )
@@ -68,7 +68,9 @@ else
   python scripts/smollm2.py "$MODEL" --squad "$SQUAD" ${GGUF:+--gguf "$GGUF"} > "$OUT/model.log"
 fi
 COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODEL/squad-heldout.json"
-        --eval_examples 0 --seed "$SEED" --quiet "${EXTRA[@]}")  # evaluated below, the teacher rows once
+        --eval_examples 0 --seed "$SEED" --quiet --micro_batch 32 "${EXTRA[@]}")  # evaluated below
+# --micro_batch 32: what a step keeps for backward grows with its batch x its longest text. At 135M, 32 SQuAD
+# examples of 456 tokens keep 21-25 GiB, sentence_gist's 512 texts of 720 tokens 364 GiB (BENCHMARKS.md)
 if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu.csv" &
   smi=$!

@@ -87,6 +87,21 @@ def test_stage_flags_and_the_one_steps_rule(base_dir):
         train.resolve(cfg, mcfg, explicit, cls, world=2)
 
 
+def test_micro_batch_sets_each_stages_accumulation(base_dir):
+    """--micro_batch N: each stage's batch in the fewest micro-batches of at most N examples that divide it per rank
+    (sentence_gist's 64, 128 and 512 texts; a 135M model's 512 texts in one micro-batch need ~360 GiB)."""
+    real = ["--init_from", base_dir, "--method", "sentence_gist"]
+    for world, micro, accum in ((1, 32, [2, 4, 16]), (2, 32, [1, 2, 8]), (1, 48, [2, 4, 16]), (1, 600, [1, 1, 1])):
+        cfg, mcfg, explicit, cls = train.configure([str(a) for a in real + ["--micro_batch", micro]])
+        stages = train.resolve(cfg, mcfg, explicit, cls, world=world)
+        assert [c.grad_accum for c, _, _ in stages] == accum, (world, micro)
+        assert all(c.batch_size // (world * c.grad_accum) <= micro for c, _, _ in stages)
+        assert stages[0][2]["grad_accum"] == f"flag (--micro_batch {micro})"
+    for flags in (["--micro_batch", "-1"], ["--micro_batch", "8", "--grad_accum", "2"]):
+        with pytest.raises(SystemExit, match="--micro_batch"):
+            resolved(real + flags)
+
+
 @pytest.mark.slow
 def test_one_step_per_stage_writes_the_papers_recipe_into_run_json(tmp_path):
     """Every method and the teacher, one step a stage on a tiny random HF checkpoint and a SQuAD file,
