@@ -327,8 +327,10 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     4. the dataclass defaults.
     Which stages run: --objective those with that objective (or the last, with it), sentence_gist's --stage that
     one; --pretrain N runs the first of several for N steps (0: not at all); --max_iters N is shared by the other
-    stages in their recipe's proportion (each at least one step). A stage before the last trains into
-    OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs the stages after it.
+    stages in their recipe's proportion (each at least one step), and a warmup given in steps (SAC's, ATA's 300)
+    with its stage's: unscaled, it would outlast a stage cut to 200 steps, whose lr never reached the paper's then.
+    A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
+    the stages after it.
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
     if cfg.micro_batch < 0 or (cfg.micro_batch and "grad_accum" in explicit):
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch}: it must be >= 0, and it sets --grad_accum (give one)")
@@ -355,15 +357,15 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             raise SystemExit(f"error: --pretrain runs a pretraining stage before the last; --method {cfg.method} "
                              f"--objective {stages[-1].objective} has none")
         stages = stages[1:] if cfg.pretrain == 0 and len(stages) > 1 else stages
-    steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
-    fixed = 1 if "pretrain" in explicit and cfg.pretrain else 0
+    recipe_steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
+    steps, fixed = list(recipe_steps), 1 if "pretrain" in explicit and cfg.pretrain else 0
     if fixed:
         steps[0] = cfg.pretrain
     if "max_iters" in explicit:
         steps[fixed:] = split_steps(cfg.max_iters, steps[fixed:])
     out_dir = cfg.out_dir or os.path.join("out", cfg.method)
     resolved, init_from = [], cfg.init_from
-    for i, (stage, n) in enumerate(zip(stages, steps)):
+    for i, (stage, n, n_recipe) in enumerate(zip(stages, steps, recipe_steps)):
         c, m, sources = copy.deepcopy(cfg), copy.deepcopy(mcfg), {}
         stage_source = source if source == "tiny" else f"paper ({stage.cite})"
         for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.official, "official code"),
@@ -374,6 +376,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
                     sources[key] = origin
         sources.update({key: "flag" for key in explicit})
         c.objective, c.max_iters = stage.objective, n
+        if c.warmup_iters and "warmup_iters" not in explicit and n != n_recipe:  # a count keeps its share of the stage
+            c.warmup_iters = max(1, round(c.warmup_iters * n / n_recipe))
+            sources["warmup_iters"] = f"{sources.get('warmup_iters', 'default')}, x {n}/{n_recipe} steps"
         sources["objective"] = "flag" if "objective" in explicit else stage_source
         if fixed and i == 0:
             sources["max_iters"] = "flag (--pretrain)"

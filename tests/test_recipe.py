@@ -72,6 +72,15 @@ def test_stage_flags_and_the_one_steps_rule(base_dir):
     real = ["--init_from", base_dir]
     assert [c.max_iters for c, _, _ in resolved(["--method", "sac", "--max_iters", 1000, *real])] == [500, 500]
     assert [c.max_iters for c, _, _ in resolved(["--method", "ata", "--max_iters", 1000, *real])] == [750, 250]
+    # a warmup given in steps keeps its share of the stage: 300 of 20,000 -> 8 of 500 (7.5); 300 of 52,500 -> 4 of 750
+    assert [c.warmup_iters for c, _, _ in resolved(["--method", "sac", "--max_iters", 1000, *real])] == [8, 8]
+    assert [c.warmup_iters for c, _, _ in resolved(["--method", "ata", "--max_iters", 1000, *real])] == [4, 4]
+    assert [c.warmup_iters for c, _, _ in resolved(["--method", "sac", "--max_iters", 4, *real])] == [1, 1]
+    assert [c.warmup_iters for c, _, _ in resolved(["--method", "sac", *real])] == [300, 300]  # the recipe's steps
+    assert [c.warmup_iters for c, _, _ in resolved(["--method", "sac", "--max_iters", 1000, "--warmup_iters", 50,
+                                                    *real])] == [50, 50]
+    _, _, sources = resolved(["--method", "ata", "--max_iters", 1000, *real])[1]
+    assert sources["warmup_iters"] == "paper (§3.5, Table 5), x 250/17500 steps"
     assert [c.max_iters for c, _, _ in resolved(["--method", "sac", "--pretrain", 7, "--max_iters", 30, *real])] == [7, 30]
     assert [c.objective for c, _, _ in resolved(["--method", "sac", "--pretrain", 0, *real])] == ["qa"]
     assert [c.objective for c, _, _ in resolved(["--method", "pic", "--objective", "ae+lm", *real])] == ["ae+lm"]
@@ -118,6 +127,8 @@ def test_one_step_per_stage_writes_the_papers_recipe_into_run_json(tmp_path):
                 got, source = st["values"][key]
                 if key in ("max_iters", "max_context", "lora_r"):  # given as flags here
                     assert source.startswith("flag"), (method, key, source)
+                elif key == "warmup_iters":  # scaled with the one step --max_iters gives each stage
+                    assert got == 1 and source.startswith("paper") and source.endswith(" steps"), (method, source)
                 else:
                     assert got == pytest.approx(want) and source.startswith("paper"), (method, key, got, source)
         assert [len(open(st["out_dir"] + "/log.jsonl").readlines()) for st in recipe] == [1] * len(stages)
