@@ -156,8 +156,8 @@ def test_r_is_drawn_per_step_for_the_whole_batch(base_dir):
 
 
 def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
-    """Issue 20 items 7 and 9: on a real checkpoint 300 warmup steps (Tables 4-5), whatever
-    --max_iters is; HotpotQA keeps its distractor paragraphs (explicit flags win)."""
+    """Issue 20 items 7 and 9: on a real checkpoint 300 warmup steps (Tables 4-5) of the recipe's steps
+    (--max_iters keeps their share: test_recipe); HotpotQA keeps its distractor paragraphs (explicit flags win)."""
     cfg, mcfg = train.TrainConfig(method="ata", init_from=base_dir), ata.ATAConfig()
     train.resolve(cfg, mcfg, set(), ata.ATA)
     assert cfg.warmup_iters == 300 and cfg.max_iters == 17_500 and cfg.hotpot_distractors and cfg.ratio == "10"
