@@ -390,7 +390,7 @@ def main(argv):
     run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
-    device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = train.pick_device(ecfg.device)
     if ecfg.context or ecfg.memory or ecfg.question:
         return one_shot(ecfg, run_dirs[0], device)
     results = [res for r in run_dirs for res in (earlier_results(r) if r.endswith(".json") else

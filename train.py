@@ -234,7 +234,7 @@ def check_stage(cfg, mcfg, cls):
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
-    cuda = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    cuda = pick_device(cfg.device).type == "cuda"
     if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
         raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
                          "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")
@@ -691,9 +691,23 @@ def lr_at(step, cfg, schedule="cosine"):
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def pick_device(name, flag="--device"):
+    """The torch.device `name` ("": cuda where there is one, else cpu); one line for one this machine lacks."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise SystemExit(f"error: {flag} {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return torch.device("cpu")  # cpu:N too (safetensors reads "cpu" only)
+    if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
+        raise SystemExit(f"error: {flag} {name!r}: use cpu or cuda[:N]; this machine has {torch.cuda.device_count()} "
+                         "CUDA device(s)")
+    return device
+
+
 def init_distributed(cfg):
     """(ddp, rank, world, device) from the torchrun environment: NCCL on CUDA, gloo on CPU."""
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(pick_device(cfg.device))
     if int(os.environ.get("RANK", -1)) == -1:
         return False, 0, 1, torch.device(device)
     if not dist.is_initialized():  # one group per process: --pretrain's two stages share it

@@ -60,6 +60,8 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
     ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu
+    ("device", ["--device", "tpu"], "--device 'tpu' is not a device"),
+    ("device absent", ["--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda[:N]; this machine has"),
 ]
 
 
@@ -120,7 +122,8 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                           ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
                           ([tmp_path / "nothing", "--n", 2], "is not a run dir"),
                           ([tmp_path / "one.json", "--n", 2], "one.json: not an eval.py --out JSON"),
-                          ([files / "latin1.json", "--n", 2], "cannot read it as an eval.py --out JSON")):
+                          ([files / "latin1.json", "--n", 2], "cannot read it as an eval.py --out JSON"),
+                          ([run_dir, "--n", 2, "--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda")):
         line = in_process(argv + (["--question", "Where?"] if "--n" not in argv else []), evaluate.main)
         assert line.startswith("error: ") and message in line, (argv, line)
     p = run([run_dir, "--memory", files / "squad.json", "--question", "Where?"], script="eval.py", check=False)
