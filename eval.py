@@ -384,9 +384,28 @@ def one_shot(ecfg, run_dir, device):
         print(f"saved the compressed context to {ecfg.save_memory}")
 
 
+def check_flags(ecfg):
+    """eval.py's own flags, before any work: one line naming the flag."""
+    for flag in ("batch_size", "max_new_tokens"):
+        if getattr(ecfg, flag) < 1:
+            raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)} must be a positive integer")
+    if ecfg.n < 0:
+        raise SystemExit(f"error: --n {ecfg.n} must be >= 0 (0: the run's --eval_examples)")
+    if ecfg.ratio:
+        train.ratios_of(ecfg.ratio)
+    if ecfg.split not in tiny.SPLITS:
+        raise SystemExit(f"error: --split {ecfg.split!r}; choose from {', '.join(tiny.SPLITS)}")
+    if ecfg.eval_data and not os.path.isfile(ecfg.eval_data):
+        raise SystemExit(f"error: --eval_data {ecfg.eval_data!r}: no such file")
+    for flag in ("out", "save_memory"):
+        if getattr(ecfg, flag):
+            train.check_writable(getattr(ecfg, flag), f"--{flag}", folder=False)
+
+
 def main(argv):
     (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs",
                                    usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
+    check_flags(ecfg)
     run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")

@@ -213,6 +213,19 @@ def check_inputs(cfg, mcfg):
             raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
+    check_writable(cfg.out_dir, "--out_dir")
+
+
+def check_writable(path, flag, folder=True):
+    """One line, before any work, when `path` (a folder to use or make; folder=False: a file to write) cannot be."""
+    if not folder and os.path.isdir(path):
+        raise SystemExit(f"error: {flag} {path!r} is a folder; name a file")
+    there = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(there):  # the nearest folder that exists: the rest is made in it
+        there = os.path.dirname(there)
+    if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
+        why = "is not writable" if os.path.isdir(there) else "is a file, not a folder"
+        raise SystemExit(f"error: {flag} {path!r}: {there} {why}")
 
 
 def check_stage(cfg, mcfg, cls):
@@ -227,6 +240,8 @@ def check_stage(cfg, mcfg, cls):
         value = getattr(cfg, flag)
         if not math.isfinite(value) or value < 0 or (flag == "lr" and value == 0):
             raise SystemExit(f"error: --{flag} {value!r} must be a finite number {'> 0' if flag == 'lr' else '>= 0'}")
+        if flag in ("min_lr_frac", "warmup_frac") and value > 1:
+            raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
         raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
     if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
@@ -794,6 +809,9 @@ def main(argv):
     for c, m, _ in stages:
         check_stage(c, m, cls)
     check_inputs(*stages[0][:2])
+    if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
+        raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
+                         f"--method {cfg.method} run has none")
     items = [stage_data(c) for c, _, _ in stages]
     ddp, rank, world, device = init_distributed(cfg)
     recipe, text = recipe_table(stages)

@@ -61,6 +61,10 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
     ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu
     ("device", ["--device", "tpu"], "--device 'tpu' is not a device"),
+    ("out_dir", ["--out_dir", "bad.json"], "bad.json is a file, not a folder"),
+    ("out_dir below", ["--out_dir", "bad.json/run"], "bad.json is a file, not a folder"),
+    ("warmup_frac", ["--warmup_frac", 2], "--warmup_frac 2.0 is a fraction"),
+    ("pretrain_data", ["--pretrain_data", "bad.jsonl"], "--pretrain_data is read by a text stage"),
     ("device absent", ["--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda[:N]; this machine has"),
 ]
 
@@ -78,7 +82,8 @@ def in_process(argv, main=train.main):
 
 @pytest.mark.parametrize("what, flags, message", CASES, ids=[c[0] for c in CASES])
 def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags, message):
-    flags = [str(files / f) if (files / str(f)).exists() or str(f).endswith(".json") else f for f in flags]
+    flags = [str(files / f) if (files / str(f).split("/")[0]).exists() or str(f).endswith(".json") else f
+             for f in flags]
     argv = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
             "--out_dir", tmp_path / "out", *flags]
     line = in_process(argv)
@@ -123,7 +128,14 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                           ([tmp_path / "nothing", "--n", 2], "is not a run dir"),
                           ([tmp_path / "one.json", "--n", 2], "one.json: not an eval.py --out JSON"),
                           ([files / "latin1.json", "--n", 2], "cannot read it as an eval.py --out JSON"),
-                          ([run_dir, "--n", 2, "--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda")):
+                          ([run_dir, "--n", 2, "--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda"),
+                          ([run_dir, "--n", -1], "--n -1 must be >= 0"),
+                          ([run_dir, "--n", 2, "--batch_size", 0], "--batch_size 0 must be a positive integer"),
+                          ([run_dir, "--n", 2, "--max_new_tokens", 0], "--max_new_tokens 0 must be a positive"),
+                          ([run_dir, "--n", 2, "--split", "dev"], "--split 'dev'; choose from"),
+                          ([run_dir, "--n", 2, "--eval_data", tmp_path / "none.json"], "--eval_data"),
+                          ([run_dir, "--n", 2, "--out", tmp_path / "doc.txt" / "x.json"], "is a file, not a folder"),
+                          ([run_dir, "--n", 2, "--out", tmp_path], "is a folder; name a file")):
         line = in_process(argv + (["--question", "Where?"] if "--n" not in argv else []), evaluate.main)
         assert line.startswith("error: ") and message in line, (argv, line)
     p = run([run_dir, "--memory", files / "squad.json", "--question", "Where?"], script="eval.py", check=False)
