@@ -157,10 +157,13 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     Returns {"train", "heldout"}: (path, articles, questions)."""
     import data
     doc = data._load_json(path)
+    if not isinstance(doc, dict) or not all(isinstance(a, dict) and "title" in a for a in doc.get("data", [None])):
+        raise SystemExit(f"error: {path}: not SQuAD v1.1 (a data list of articles, each with a title)")
     articles = sorted(doc["data"], key=lambda a: a["title"])
     if not 0 < heldout_articles < len(articles):
         raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")
     held = set(random.Random(seed).sample([a["title"] for a in articles], heldout_articles))
+    os.makedirs(out_dir, exist_ok=True)
     out = {}
     for name, keep in (("train", lambda a: a["title"] not in held), ("heldout", lambda a: a["title"] in held)):
         part = [a for a in articles if keep(a)]
@@ -198,19 +201,21 @@ def main(argv):
     parser.add_argument("--random", action="store_true", help="a tiny random stand-in, its tokenizer trained on --squad")
     args = parser.parse_args(argv)
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
-        if path and not os.path.exists(path):
+        if path and not os.path.isfile(path):
             raise SystemExit(f"error: {flag} {path}: file not found")
+    import train
+    train.check_writable(args.out_dir, "out_dir")
     if args.random:
         if not args.squad:
             raise SystemExit("error: --random trains its tokenizer on --squad's contexts: give --squad")
         import data
         random_standin(args.out_dir, [r["context"] for r in data.read_dataset(args.squad)][::5])
+    if args.squad:  # first: a broken file stops the script before the conversion's half minute
+        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, args.heldout_articles).items():
+            print(f"wrote {path}: {arts} articles, {qs} questions")
     if not os.path.exists(os.path.join(args.out_dir, "model.safetensors")):
         convert(args.out_dir, args.gguf or None)
         print(f"wrote {args.out_dir}: " + ", ".join(sorted(os.listdir(args.out_dir))))
-    if args.squad:
-        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, args.heldout_articles).items():
-            print(f"wrote {path}: {arts} articles, {qs} questions")
     if args.zero_shot:
         heldout = os.path.join(args.out_dir, "squad-heldout.json")
         if not os.path.exists(heldout):
@@ -221,5 +226,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as e:  # e.g. a tokenizer.json that data.load_tokenizer cannot read
+    except (ValueError, OSError) as e:  # e.g. a tokenizer.json that data.load_tokenizer cannot read, a broken GGUF
         raise SystemExit(f"error: {e}")

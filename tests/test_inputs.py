@@ -140,3 +140,16 @@ def test_eval_inputs_are_one_line(files, tmp_path):
         assert line.startswith("error: ") and message in line, (argv, line)
     p = run([run_dir, "--memory", files / "squad.json", "--question", "Where?"], script="eval.py", check=False)
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr  # the script itself
+
+
+def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_path):
+    """scripts/smollm2.py: a broken --squad, a --gguf that is no file, an out_dir under a file: one line each on
+    stderr, and no out_dir made (the SQuAD split runs before the half-minute conversion)."""
+    (tmp_path / "a_file").write_text("")
+    for args, message in (([tmp_path / "out", "--squad", files / "bad.json"], "bad.json:1: invalid JSON"),
+                          ([tmp_path / "out", "--squad", files / "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
+                          ([tmp_path / "out", "--gguf", tmp_path], "--gguf"),
+                          ([tmp_path / "a_file" / "out"], "a_file is a file, not a folder")):
+        p = run(args, script="scripts/smollm2.py", check=False)
+        assert p.returncode != 0 and p.stderr.count("\n") == 1 and message in p.stderr, (args, p.stderr[-2000:])
+        assert not (tmp_path / "out").exists()

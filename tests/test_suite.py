@@ -165,3 +165,13 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
     assert "meanpool kd per ratio" in train_rows and "tokens kd per ratio" in train_rows
     assert "sentence_gist" in (tmp_path / "attention.txt").read_text() and "speed-up" in (tmp_path / "ttft.txt").read_text()
     assert "ours / HF + peft" in (tmp_path / "twins.txt").read_text()
+
+
+def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
+    for setting in ("STEPS=abc", "JOBS=0", "SEED=-1", "DEADLINE=-5", "TEACHER_STEPS=1.5"):
+        name, value = setting.split("=")
+        env = dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), **{name: value})
+        p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True,
+                           text=True, env=env)
+        want = f"error: {setting}: want a whole number{'' if name == 'SEED' else ' > 0'}\n"
+        assert p.returncode == 1 and p.stderr == want and not (tmp_path / "out").exists(), p.stderr
