@@ -20,6 +20,7 @@ STEPS=${STEPS:-400}              # training steps per compressor run, shared by 
 TEACHER_STEPS=${TEACHER_STEPS:-600}
 JOBS=${JOBS:-6}                  # runs at a time (one GPU; a 135M model's steps are bound by the host)
 EXAMPLES=${EXAMPLES:-1000}       # held-out questions per row (the same questions for every row)
+MICRO=${MICRO:-16}               # --micro_batch of the compressors, JOBS at a time on one GPU (below)
 SEED=${SEED:-1337}
 DEADLINE=${DEADLINE:-}           # seconds after the start by which every run ends ("": none)
 ONLY=${ONLY:-}                   # a later part of the suite: the names of the runs it trains, comma-separated
@@ -30,7 +31,7 @@ RESULTS=${RESULTS:-RESULTS.md}
 SECTION="SmolLM2-135M-Instruct on SQuAD: every method on one GPU"
 EXTRA=()
 given="${DEADLINE:+DEADLINE=$DEADLINE }${ONLY:+ONLY=$ONLY }${PRIOR:+PRIOR=$PRIOR }"
-CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED ${given}bash scripts/real_suite.sh"
+CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES MICRO=$MICRO SEED=$SEED ${given}bash scripts/real_suite.sh"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke STEPS=2 TEACHER_STEPS=1 EXAMPLES=4 JOBS=2 CMD="${given}bash scripts/real_suite.sh --smoke"
   RESULTS=$OUT/RESULTS.md
@@ -38,7 +39,7 @@ if [ "${1:-}" = "--smoke" ]; then
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
-for var in STEPS TEACHER_STEPS JOBS EXAMPLES SEED DEADLINE; do  # whole numbers; SEED may be 0, DEADLINE unset
+for var in STEPS TEACHER_STEPS JOBS EXAMPLES MICRO SEED DEADLINE; do  # whole numbers; SEED may be 0, DEADLINE unset
   value=${!var}
   [ "$var" != DEADLINE ] || [ -n "$value" ] || continue
   [[ $value =~ ^[0-9]+$ ]] && { [ "$var" = SEED ] || [ "$value" -gt 0 ]; } ||
@@ -74,9 +75,11 @@ else
   python scripts/smollm2.py "$MODEL" --squad "$SQUAD" ${GGUF:+--gguf "$GGUF"} > "$OUT/model.log"
 fi
 COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODEL/squad-heldout.json"
-        --eval_examples 0 --seed "$SEED" --quiet --micro_batch 32 "${EXTRA[@]}")  # evaluated below
-# --micro_batch 32: what a step keeps for backward grows with its batch x its longest text. At 135M, 32 SQuAD
-# examples of 456 tokens keep 21-25 GiB, sentence_gist's 512 texts of 720 tokens 364 GiB (BENCHMARKS.md)
+        --eval_examples 0 --seed "$SEED" --quiet "${EXTRA[@]}")  # evaluated below
+# --micro_batch: what a step keeps for backward grows with its micro-batch x its longest text, and every run
+# meets the longest SQuAD context (800 tokens) within its 400 steps. There, 32 examples keep 38 GiB (meanpool),
+# 46 GiB (each token baseline), 29 GiB (sentence_gist); the first six runs together 166 GiB, more than the H200's
+# 139 (BENCHMARKS.md). The teacher runs alone at 32 (20 GiB); the compressors at MICRO = 16, about 101 GiB.
 if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu.csv" &
   smi=$!
@@ -122,7 +125,7 @@ rm -rf "$OUT/.teacher-rows"
 # 2) the teacher (meanpool_multi_ratio §5.1: finetuned, then frozen; Table 6), then the compressors from it
 echo "== teacher: --method teacher --max_iters $TEACHER_STEPS"
 t=$SECONDS
-train_one teacher --method teacher --max_iters "$TEACHER_STEPS" ||
+train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --micro_batch 32 ||
   { echo "error: the teacher did not finish (rc $?); see $OUT/teacher.log" >&2; exit 1; }
 echo "   teacher: train $(( SECONDS - t )) s"
 pids=() names=()
@@ -130,7 +133,8 @@ for spec in "${RUNS[@]}"; do
   read -r -a words <<< "$spec"
   [ -z "$ONLY" ] || [[ ",$ONLY," == *",${words[0]},"* ]] || continue
   wait_for_a_slot
-  run_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$STEPS" & pids+=($!)
+  run_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$STEPS" --micro_batch "$MICRO" &
+  pids+=($!)
   names+=("${words[0]}")
 done
 finished=() stopped=() failed=()
