@@ -342,8 +342,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     4. the dataclass defaults.
     Which stages run: --objective those with that objective (or the last, with it), sentence_gist's --stage that
     one; --pretrain N runs the first of several for N steps (0: not at all); --max_iters N is shared by the other
-    stages in their recipe's proportion (each at least one step), and a warmup given in steps (SAC's, ATA's 300)
-    with its stage's: unscaled, it would outlast a stage cut to 200 steps, whose lr never reached the paper's then.
+    stages in their recipe's proportion (each at least one step); a warmup given in steps (SAC's and ATA's 300)
+    scales with its stage's steps (left at 300, it outlasted a stage cut to 200, whose lr never reached the paper's).
     A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
     the stages after it.
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
