@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 git rev-parse --short HEAD >> "$OUT/device.txt" 2>/dev/null || true
 case "${1:-}" in
   part1)
-    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n "$([ -n "$SMOKE" ] && echo 0 || echo 4)" tests
+    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n "$([ -n "$SMOKE" ] && echo 0 || echo 4)" tests/test_gpu.py
     step train 160 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters "$ITERS"
     [ -n "$SMOKE" ] || step train_compile 200 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters 5 --compile
     ;;

@@ -22,6 +22,7 @@ RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it
 CORES=$(getconf _NPROCESSORS_ONLN)    # nproc would read OMP_NUM_THREADS back
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}
 start=$(date +%s)
+EVAL_EACH=$EXAMPLES              # each run evaluates itself after training (eval.py), JOBS at a time
 COMMON=(--seed "$SEED" --quiet)
 BASE=tiny_base
 CTOK_ITERS=(--max_iters 500)     # tiny base: the multi-ratio tokens' steps, as RESULTS.md's rows ran them
@@ -29,13 +30,14 @@ CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke ITERS=2 PRE_ITERS=2 EXAMPLES=4
   RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
+  EVAL_EACH=0  # the table's one eval.py evaluates every run: a process start costs more than 4 questions
   COMMON+=(--batch_size 2 --init_from "$BASE")
   python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet
 elif [ -n "${INIT_FROM:-}" ]; then
   BASE=$INIT_FROM CTOK_ITERS=()
   COMMON+=(--init_from "$INIT_FROM" --data "$DATA" --eval_data "$EVAL_DATA")
 fi
-COMMON+=(--eval_examples "$EXAMPLES")
+COMMON+=(--eval_examples "$EVAL_EACH")
 evaluated=() pids=()
 train_one() {  # NAME FLAGS...: one run dir, its output in NAME.log (ITERS's --max_iters comes last: it wins)
   local name=$1 t=$SECONDS; shift
@@ -90,7 +92,7 @@ for family in meanpool ctok pic gist sac ata; do
   for d in "${evaluated[@]}"; do [[ $(basename "$d") == $family* ]] && table+=("$d"); done
 done
 [ ${#table[@]} -eq ${#evaluated[@]} ] || { echo "error: a run's name starts with no family above" >&2; exit 1; }
-python eval.py "${table[@]}" --out "$OUT/results.json" | tee "$OUT/results.md"
+python eval.py "${table[@]}" --n "$EXAMPLES" --out "$OUT/results.json" | tee "$OUT/results.md"
 python scripts/claims.py "$OUT/results.json" | tee -a "$OUT/results.md"
 wall=$(( $(date +%s) - start ))
 echo "suite: $wall s, commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee -a "$OUT/results.md"

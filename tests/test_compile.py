@@ -101,6 +101,7 @@ def test_compiled_layers_recompile_a_bounded_number_of_times(compiled_flex):
     assert frames[1] == frames[0] <= 16 and not counters["unimplemented"], (frames, dict(counters["unimplemented"]))
 
 
+@pytest.mark.slow
 def test_one_run_compiles_every_graph_it_needs(compiled_flex, monkeypatch):
     """meanpool kd over nine context lengths, one per 128-token bucket (130..1154 tokens), as one run's batches
     vary: flex and create_block_mask need more than 16 graphs between them (query and key buckets x mask_mods),

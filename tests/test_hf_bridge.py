@@ -58,6 +58,7 @@ def test_transformers_generate_from_the_bridged_memory_gives_our_tokens(ckpt, na
     torch.testing.assert_close(logits, first, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sentence_gist_and_a_memory_that_does_not_fit_are_one_line(tmp_path):
     ckpt, squad = hf_checkpoint(tmp_path / "hf"), squad_file(tmp_path / "squad.json")
     common = ["--init_from", ckpt, "--data", squad, "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0,

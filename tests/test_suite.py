@@ -39,6 +39,7 @@ def test_suite_smoke_runs_every_entry(tmp_path):
     assert "| meanpool_multi_ratio T1 | mean pooling > causal compression tokens, 16x |" in table  # printed too
 
 
+@pytest.mark.slow
 def test_seeds_runs_one_setting_per_seed_with_a_table_each(base_dir, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "seeds"))
     p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "1,2", "--method", "meanpool", "--init_from",
@@ -149,6 +150,7 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     assert p.returncode != 0 and "sha256 differs" in p.stderr
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke_runs_every_step(tmp_path):
     """scripts/gpu_bench.sh part1 to part4 --smoke: every step runs to rc 0 at the tiny shapes and writes its file;
     part4's CUDA graphs, on a CPU, stop at their flag's one-line error."""

@@ -179,6 +179,7 @@ def _repo_files():
     return {l for l in p.stdout.splitlines() if "__pycache__" not in l and ".pytest_cache" not in l}
 
 
+@pytest.mark.slow
 def test_a_run_on_another_tiny_base_trains_nothing_and_writes_nothing_in_the_repo(tmp_path, monkeypatch):
     """--init_from a tiny base run dir (as the suite's smoke mode does): the shipped base is
     neither trained nor touched, and every file lands under --out_dir."""

@@ -1,4 +1,5 @@
 """train.py: loss goes down, exact resume, atomic checkpoints, DDP, compile, real checkpoints, CLI errors."""
+import functools
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import model
 import train
 from common import DDP_ATOL, ROOT, hf_checkpoint, read_params, run, squad_file, torchrun
 
@@ -92,7 +94,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path,
 @pytest.mark.slow
 def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     common = ["--method", "meanpool", "--init_from", base_dir, "--max_iters", 3, "--ratio", "4",
-              "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 3, "--lr", "1e-2"]
+              "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 3, "--lr", "1e-2", "--eval_examples", 0]
     torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
     run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
     recipes = [json.load(open(tmp_path / d / "run.json"))["recipe"][0]["values"] for d in ("ddp", "one")]
@@ -105,7 +107,9 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
 
 @pytest.mark.slow
 def test_compile_gives_the_eager_loss(base_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no stale shared cache
+    """--compile's graphs, forward and backward, as AOTAutograd builds them (backend aot_eager): inductor's code
+    generation is torch's own, costs ~100 s of CPU compiling here, and test_gpu.py runs it on CUDA."""
+    monkeypatch.setattr(train, "compile_layers", functools.partial(model.compile_layers, backend="aot_eager"))
     in_process(args(base_dir, tmp_path / "eager", "--max_iters", 2, "--eval_interval", 2))
     in_process(args(base_dir, tmp_path / "comp", "--max_iters", 2, "--eval_interval", 2, "--compile"))
     a = [json.loads(l)["loss"] for l in open(tmp_path / "eager" / "log.jsonl")]
