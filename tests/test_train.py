@@ -160,9 +160,20 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "meanpool", "--pretrain", "5"], "--method meanpool --objective kd has none"),
 ])
 def test_cli_errors_are_one_line(argv, message):
-    p = run(argv + ["--init_from", "/nonexistent"], check=False)
-    assert p.returncode != 0
-    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    """In process: the exit's one-line message (argparse's errors too), before any work."""
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ["--init_from", "/nonexistent"])
+    err = str(e.value.code)
+    assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_cli_errors_in_a_process_are_one_line():
+    """As a user sees them: exit != 0, stderr one line, no traceback."""
+    for argv, message in ((["--max_iters", "ten"], "argument --max_iters: invalid int value"),
+                          (["--method", "pic", "--ratio", "0"], "every ratio must be a positive integer")):
+        p = run(argv + ["--init_from", "/nonexistent"], check=False)
+        assert p.returncode != 0 and p.stderr.startswith("error:") and p.stderr.count("\n") == 1, p.stderr
+        assert message in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("method,extra", [("sac", ["--ratio", 5, "--lora_r", 4]), ("ata", ["--lora_r", 4])])
