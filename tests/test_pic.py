@@ -359,7 +359,7 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
               "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 2, "--lr", "1e-2",
               "--eval_examples", 1]
     torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
-    run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    train.main([str(a) for a in common + ["--batch_size", 2, "--out_dir", tmp_path / "one"]])  # one rank, in this process
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert read_params(tmp_path / "ddp" / "pretrain").keys() >= {"ae", "mem_embed"}
     assert (tmp_path / "ddp" / "metrics.json").exists()  # rank 0 evaluates after the process group ends

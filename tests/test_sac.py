@@ -288,7 +288,7 @@ def test_ddp_matches_single_process(tmp_path, base_dir):
     args = ["--method", "sac", "--init_from", base_dir, "--objective", "lm", "--max_iters", 2, "--ratio", 4,
             "--lr", 1e-2, "--eval_examples", 0, "--device", "cpu", "--quiet", "--lora_r", 4]
     torchrun(args + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
-    run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    train.main([str(a) for a in args + ["--batch_size", 2, "--out_dir", tmp_path / "one"]])  # one rank, in this process
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert a.keys() == b.keys() and "anchor_emb" in a
     assert a["anchor_emb"].abs().sum() > 0 and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)

@@ -273,7 +273,7 @@ def test_ddp_matches_one_process(base_dir, tmp_path):
     args = ["--method", "sentence_gist", "--init_from", base_dir, "--stage", 2, "--lora_r", 16, "--max_iters", 2,
             "--lr", "1e-3", "--device", "cpu", "--quiet", "--eval_examples", 0, "--max_context", 128]
     torchrun(args + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
-    run(args + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    train.main([str(a) for a in args + ["--batch_size", 2, "--out_dir", tmp_path / "one"]])  # one rank, in this process
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
     assert set(a) == set(b) and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:

@@ -96,7 +96,7 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     common = ["--method", "meanpool", "--init_from", base_dir, "--max_iters", 3, "--ratio", "4",
               "--device", "cpu", "--quiet", "--max_context", 128, "--eval_interval", 3, "--lr", "1e-2", "--eval_examples", 0]
     torchrun(common + ["--batch_size", 2, "--out_dir", tmp_path / "ddp"])  # the global batch, 1 per rank
-    run(common + ["--batch_size", 2, "--out_dir", tmp_path / "one"])
+    train.main([str(a) for a in common + ["--batch_size", 2, "--out_dir", tmp_path / "one"]])  # one rank, in this process
     recipes = [json.load(open(tmp_path / d / "run.json"))["recipe"][0]["values"] for d in ("ddp", "one")]
     assert recipes[0] == recipes[1] and recipes[0]["batch_size"] == [2, "flag"]  # --batch_size: the global batch
     a, b = read_params(tmp_path / "ddp"), read_params(tmp_path / "one")
