@@ -130,6 +130,18 @@ def run(args, script="train.py", env=None, check=True):
     return p
 
 
+def cli_error(argv):
+    """train.main(argv) in process must exit with a one-line "error: ..." message; returns it (test_train.py
+    checks such errors once in a real process, as a user sees them)."""
+    import pytest
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main([str(a) for a in argv])
+    err = str(e.value.code)
+    assert err.startswith("error:") and "\n" not in err, err
+    return err
+
+
 def torchrun(args, nproc=2, check=True):
     """train.py under torchrun with the gloo backend on CPU."""
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
