@@ -488,14 +488,16 @@ def _jsonl(path):
         yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
 
 
-def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
+def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=None):
     """SQuAD v1.1 / v2.0 JSON (or a .zip of it), a record per question; chunks = sentences, relevant = the first
-    answer's. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question index."""
-    doc = _load_json(path)
+    answer's. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question index.
+    doc: the file's JSON where the caller has read it (read_dataset)."""
+    doc = _load_json(path) if doc is None else doc
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
     items = ((para, qa) for article in doc["data"] for para in article.get("paragraphs", [])
              for qa in para.get("qas", []))
+    sentences = {}  # context -> (chunks, their ends): split once for all of a paragraph's questions
 
     def parse(item):
         para, qa = item
@@ -506,8 +508,10 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None):
             if not keep_unanswerable:
                 return []
         texts, starts = [_field(a, "text", str) for a in answers], [_field(a, "answer_start", int) for a in answers]
-        chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s]  # split after . ! ? and whitespace
-        ends = chunk_ends(context, chunks)
+        if context not in sentences:
+            chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s]  # split after . ! ? and whitespace
+            sentences[context] = chunks, chunk_ends(context, chunks)
+        chunks, ends = sentences[context]
         relevant = [next((c for c, e in zip(chunks, ends) if e > starts[0]), chunks[-1])] if starts else None
         return [_record(qa.get("id"), context, question, texts, relevant, chunks)]
     return _parsed(path, enumerate(items, 1), parse, skip_bad, stats)
@@ -524,10 +528,10 @@ def read_mrqa(path, skip_bad=False, stats=None):
     return _parsed(path, None, parse, skip_bad, stats)
 
 
-def read_hotpot(path, distractors=False, skip_bad=False, stats=None):
+def read_hotpot(path, distractors=False, skip_bad=False, stats=None, doc=None):
     """HotpotQA JSON list. chunks = "Title: sentences" paragraphs, the gold ones (titles in supporting_facts) or all
     ten with distractors=True; relevant = the gold paragraphs. Error "line" = 1-based index of the record."""
-    recs = _load_json(path)
+    recs = _load_json(path) if doc is None else doc
     if not isinstance(recs, list):
         raise ValueError(f"{path}:1: not a HotpotQA file (expected a JSON list)")
 
@@ -548,13 +552,13 @@ def read_hotpot(path, distractors=False, skip_bad=False, stats=None):
     return _parsed(path, enumerate(recs, 1), parse, skip_bad, stats)
 
 
-def read_msmarco(path, skip_bad=False, stats=None):
+def read_msmarco(path, skip_bad=False, stats=None, doc=None):
     """MS MARCO v2.1: the official columnar JSON ({"query": {"0": ...}, "passages": ...}; error "line" = 1-based
     record index) or JSONL records {"query", "passages": [{"passage_text", "is_selected"}], "answers"}. chunks =
     passages, relevant = the selected ones; records answered "No Answer Present." are skipped and counted."""
     items = None  # JSONL
     if ".jsonl" not in Path(path).name:
-        cols = _load_json(path)
+        cols = _load_json(path) if doc is None else doc
         if not isinstance(cols, dict) or not isinstance(cols.get("query"), dict):
             raise ValueError(f"{path}:1: not an MS MARCO file (no 'query' column)")
         rows = ({c: v[k] for c, v in cols.items() if isinstance(v, dict) and k in v} for k in cols["query"])
@@ -613,11 +617,11 @@ def read_dataset(path, distractors=False, **kw):
         return reader(path, **kw)
     doc = _load_json(path)
     if isinstance(doc, dict) and "data" in doc:
-        return read_squad(path, **kw)
+        return read_squad(path, doc=doc, **kw)
     if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "supporting_facts" in doc[0]:
-        return read_hotpot(path, distractors=distractors, **kw)
+        return read_hotpot(path, distractors=distractors, doc=doc, **kw)
     if isinstance(doc, dict) and "passages" in doc:
-        return read_msmarco(path, **kw)
+        return read_msmarco(path, doc=doc, **kw)
     raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
 
 
