@@ -550,8 +550,10 @@ def test_fused_projections_match_peft_logits_and_grads(ckpt, family, tmp_path):
             peft_mod = pm.base_model.model.get_submodule(f"{mod_path.rpartition('.')[0]}.{p}")
             for g, want in [(g_A, peft_mod.lora_A["default"].weight.grad),
                             (g_B, peft_mod.lora_B["default"].weight.grad)]:
+                # fp32 sums over every logit, in another order on another CPU: a tolerance scaled to the
+                # largest entry (a wrong part or scaling is off by that much, summation noise by ~1e-5 of it)
                 assert want.abs().max() > 0
-                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
             n += 1
     assert n == 7 * hf.config.num_hidden_layers
 
