@@ -1,4 +1,5 @@
 """train.py: loss goes down, exact resume, atomic checkpoints, DDP, compile, real checkpoints, CLI errors."""
+import copy
 import functools
 import json
 import math
@@ -58,6 +59,45 @@ def test_resume_reaches_the_same_parameters(base_dir, tmp_path, monkeypatch):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_adamw_is_torchs_step_for_step_and_reads_its_state():
+    """train.AdamW against torch.optim.AdamW: decay and no-decay groups, a parameter without a gradient for a
+    step, the lr changed between steps, and each optimizer resumed from the other's state_dict."""
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(3), torch.randn(4, 4)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(6)]
+
+    def groups(params):
+        return [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+
+    def steps(opt, params, first, last):
+        for t in range(first, last):
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 / (t + 1)
+            for p, grad in zip(params, grads[t]):
+                p.grad = None if (t == 1 and p is params[2]) else grad.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    ours, theirs = ([torch.nn.Parameter(p.clone()) for p in start] for _ in range(2))
+    opt_ours = train.AdamW(groups(ours), lr=1e-2, betas=(0.9, 0.95))
+    opt_theirs = torch.optim.AdamW(groups(theirs), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    steps(opt_ours, ours, 0, 3)
+    steps(opt_theirs, theirs, 0, 3)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    swapped_ours, swapped_theirs = ([torch.nn.Parameter(p.detach().clone()) for p in ours] for _ in range(2))
+    resumed_ours = train.AdamW(groups(swapped_ours), lr=1.0, betas=(0.9, 0.95))
+    resumed_ours.load_state_dict(opt_theirs.state_dict())
+    resumed_theirs = torch.optim.AdamW(groups(swapped_theirs), lr=1.0, betas=(0.9, 0.95), foreach=False)
+    resumed_theirs.load_state_dict(copy.deepcopy(opt_ours.state_dict()))  # not the tensors opt_ours goes on with
+    for opt, params in [(opt_ours, ours), (resumed_ours, swapped_ours), (resumed_theirs, swapped_theirs)]:
+        steps(opt, params, 3, 6)
+    assert (ours[0] - start[0]).abs().max() > 1e-3
+    for params in (swapped_ours, swapped_theirs):
+        for a, b in zip(params, ours):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
 
 
 def test_resume_from_an_optimizer_state_keyed_by_name_is_one_line(base_dir, tmp_path):
