@@ -146,6 +146,11 @@ class ATA(nn.Module):
             raise SystemExit(f"error: --k_max {cfg.k_max}: need at least one compression token")
         if not all(r.strip().isdigit() and int(r) > 0 for r in cfg.rel_ratios.split(",")):
             raise SystemExit(f"error: --rel_ratios {cfg.rel_ratios!r}: a comma list of positive integers, like 1,5,10")
+        if not 0 <= cfg.lora_dropout < 1:
+            raise SystemExit(f"error: --lora_dropout {cfg.lora_dropout} must lie in [0, 1)")
+        if not (cfg.huber_delta > 0 and cfg.huber_lambda >= 0):
+            raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be > 0 and --huber_lambda "
+                             f"{cfg.huber_lambda} >= 0 (eq. 8-10)")
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 

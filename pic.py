@@ -123,6 +123,7 @@ class PIC(nn.Module):
     TINY = dict(lr=2e-3, pretrain=100, max_iters=1100, batch_size=8, grad_accum=2, ratio="4", eval_ratio="4,16",
                 mem_pos="")
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
+    full_finetuning = True  # --lora_r 0 with --encoder: the paper's fully finetuned encoder
     compresses_half_text = True  # ae+lm compresses half a text: train.py reads 2 x max_context tokens
 
     @staticmethod
@@ -131,7 +132,7 @@ class PIC(nn.Module):
             value = getattr(mcfg, flag)
             if value not in choices:
                 raise SystemExit(f"error: --{flag} {value!r}; choose from {', '.join(filter(None, choices))}")
-        if mcfg.lora_r < 0 or (mcfg.lora_r == 0 and not mcfg.encoder):
+        if mcfg.lora_r == 0 and not mcfg.encoder:
             raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
                              "the frozen decoder shares the base weights")
         n = math.ceil(cfg.max_context / min(int(r) for r in cfg.ratio.split(",")))

@@ -122,6 +122,7 @@ class SentenceGist(nn.Module):
     objectives = ("lm", "qa")
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
     STAGE_FLAGS = ("stage",)  # what a later stage may change
+    full_finetuning = True  # --lora_r 0: every weight trains in stages 2-3 (§3.5)
     token_slots = None  # a gisted token is held by its sentence's gists: tiny.py's aid reads the layout instead
     TINY = dict(objective="qa", stage=2, gists=2, lr=4e-3, max_iters=700, batch_size=16, grad_accum=4, grad_clip=1.0,
                 warmup_frac=0.1, max_context=1024, lora_r=16)
@@ -157,8 +158,6 @@ class SentenceGist(nn.Module):
             raise SystemExit(f"error: --gists {mcfg.gists}: choose 1, 2, 4 or 8 (the paper's N_g)")
         if mcfg.stage not in (1, 2, 3):
             raise SystemExit(f"error: --stage {mcfg.stage}: choose 1 (gist rows), 2 (+ LoRA) or 3 (cool-down)")
-        if mcfg.lora_r < 0:
-            raise SystemExit(f"error: --lora_r {mcfg.lora_r}: a LoRA rank, or 0 to train every weight")
         if mcfg.max_sentence_len < 1:
             raise SystemExit(f"error: --max_sentence_len {mcfg.max_sentence_len} must be >= 1")
         if cfg.ratio != "1":

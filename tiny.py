@@ -329,6 +329,18 @@ class Base(torch.nn.Module):
         ramp = min(1.0, (frac - 0.55) / 0.2)  # to 2-8 people, 1-6 attributes at 75 %
         return (2, 2 + round(6 * ramp)), (1, 1 + round(5 * ramp)), 1, ramp
 
+    @staticmethod
+    def check_config(cfg, bc):
+        if min(bc.d_model, bc.n_layers, bc.n_heads, bc.qa_per_context) < 1 or bc.d_model % (2 * bc.n_heads):
+            raise SystemExit(f"error: --d_model {bc.d_model}, --n_layers {bc.n_layers}, --n_heads {bc.n_heads}, "
+                             f"--qa_per_context {bc.qa_per_context}: each must be >= 1, and d_model a multiple of 2 x n_heads "
+                             "(RoPE rotates head-size pairs)")
+        if bc.vocab_size < 512:  # sentencepiece needs 326 pieces here: 256 bytes, specials, the corpus's characters
+            raise SystemExit(f"error: --vocab_size {bc.vocab_size} must be >= 512")
+        if not (0 <= bc.context_weight <= 1 and 0 <= bc.attn_weight < math.inf):
+            raise SystemExit(f"error: --context_weight {bc.context_weight} must lie in [0, 1] and --attn_weight "
+                             f"{bc.attn_weight} be a number >= 0")
+
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.last = base, cfg, base.config.num_hidden_layers - 1
@@ -351,12 +363,16 @@ class Base(torch.nn.Module):
         return loss, n, {}
 
 
-def init_base(out_dir, bc, seed):
-    """Tokenizer and a random-init model in out_dir for `--method base` from scratch."""
+def init_base(out_dir, bc, seed, resume=False):
+    """Tokenizer and a random-init model in out_dir for `--method base` from scratch; a dir trained before gets
+    a new model of bc's shape (its tokenizer kept where bc.vocab_size matches it), except under --resume."""
     os.makedirs(out_dir, exist_ok=True)
     tok_path = os.path.join(out_dir, "tokenizer.model")
-    tok = data.load_tokenizer(tok_path) if os.path.exists(tok_path) else \
-        train_default_tokenizer(tok_path, seed=0, vocab_size=bc.vocab_size)
+    tok = data.load_tokenizer(tok_path) if os.path.exists(tok_path) else None
+    if tok is None or (not resume and tok.vocab_size != bc.vocab_size):
+        tok = train_default_tokenizer(tok_path, seed=0, vocab_size=bc.vocab_size)
+    if resume and os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return tok
     mc = ModelConfig(vocab_size=tok.vocab_size, hidden_size=bc.d_model, intermediate_size=3 * bc.d_model,
                      num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads, rope_theta=10000.0,
                      max_position_embeddings=2048, tie_word_embeddings=True,
@@ -367,8 +383,7 @@ def init_base(out_dir, bc, seed):
         if p.dim() == 2:
             deep = n.endswith(("o_proj.weight", "down_proj.weight"))
             torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * mc.num_hidden_layers) if deep else 1))
-    if not os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)
     return tok
 
 

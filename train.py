@@ -253,6 +253,12 @@ def check_stage(cfg, mcfg, cls):
     if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
         raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
                          "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")
+    lowest = 0 if getattr(cls, "full_finetuning", False) else 1  # pic and sentence_gist: --lora_r 0 trains weights
+    if getattr(mcfg, "lora_r", lowest) < lowest:
+        raise SystemExit(f"error: --lora_r {mcfg.lora_r} must be >= {lowest}"
+                         + (" (0: full finetuning, no LoRA)" if lowest == 0 else " (the adapters' rank)"))
+    if getattr(mcfg, "lora_alpha", 1) <= 0:
+        raise SystemExit(f"error: --lora_alpha {mcfg.lora_alpha} must be > 0 (the adapters scale by alpha / r)")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
 
@@ -319,17 +325,16 @@ def first_stage(init_from, method):
     return state if state["train"]["method"] == method else None
 
 
-def inherit_first_stage(cfg, mcfg, explicit, cls):
-    """A second stage runs under the first stage's method config, which shaped and trained its tensors (a
-    pic memory table of --max_mem rows, an encoder pretrained with --mask causal). A flag given with another
-    value is a one-line error, except the stage's own (cls.STAGE_FLAGS: gist's --stage)."""
-    first = first_stage(cfg.init_from, cfg.method)
-    for key, val in (first["method"] if first else {}).items():
-        if key in getattr(cls, "STAGE_FLAGS", ()) or not hasattr(mcfg, key):
+def inherit_method_config(state, what, mcfg, explicit, skip=()):
+    """A run that continues `state` (the run.json of its first stage, or of the run --resume continues) keeps the
+    method config that shaped and trained its tensors (a pic memory table of --max_mem rows, an encoder pretrained
+    with --mask causal). A flag given with another value is a one-line error, except those in `skip`."""
+    for key, val in state["method"].items():
+        if key in skip or not hasattr(mcfg, key):
             continue
         if key in explicit and getattr(mcfg, key) != val:
-            raise SystemExit(f"error: --{key} {getattr(mcfg, key)!r} conflicts with the first stage "
-                             f"{cfg.init_from} ({key}={val!r}); drop the flag to inherit it")
+            raise SystemExit(f"error: --{key} {getattr(mcfg, key)!r} conflicts with {what} ({key}={val!r}); "
+                             "drop the flag to inherit it")
         setattr(mcfg, key, val)
 
 
@@ -347,6 +352,14 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
     the stages after it.
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
+    for flag in ("max_iters", "batch_size", "lr", "pretrain"):  # 0 = the recipe's (--pretrain 0: no first stage)
+        value = getattr(cfg, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise SystemExit(f"error: --{flag} {value} must be a finite number >= 0 (0: the recipe's)")
+        if flag != "pretrain" and value == 0:
+            explicit.discard(flag)
+    if cfg.grad_accum < 1:
+        raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
     if cfg.micro_batch < 0 or (cfg.micro_batch and "grad_accum" in explicit):
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch}: it must be >= 0, and it sets --grad_accum (give one)")
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
@@ -419,7 +432,14 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if c.batch_size % (world * c.grad_accum):
             raise SystemExit(f"error: --batch_size {c.batch_size} (the global batch) must be a multiple of "
                              f"{world} ranks x --grad_accum {c.grad_accum}")
-        inherit_first_stage(c, m, explicit, cls)
+        first = first_stage(c.init_from, c.method)
+        if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
+            inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
+        if c.resume:
+            state = read_json(os.path.join(c.out_dir, "run.json"))
+            if state.get("train", {}).get("method") != c.method:
+                raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
+            inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
         resolved.append((c, m, sources))
         init_from = c.out_dir
     if cfg.resume and not any(c.resume for c, _, _ in resolved):
@@ -550,9 +570,10 @@ def load_checkpoint(out_dir, method, opt=None):
         raise ValueError(f"{out_dir}/run.json: not a run.json written by train.py (needs step, files)")
     params = {n: p for n, p in method.named_parameters() if p.requires_grad or opt is None}  # --resume: trainable only
     tensors = read_tensors(os.path.join(out_dir, state["files"]["ckpt"]))
-    unknown = [k for k in tensors if k not in params]
+    unknown = [k for k, v in tensors.items() if k not in params or v.shape != params[k].shape]
     if unknown:
-        raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters")
+        raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters "
+                         "(names or shapes)")
     with torch.no_grad():
         for k, v in tensors.items():
             params[k].copy_(v)
@@ -738,7 +759,7 @@ def prepare_base(cfg, mcfg, master, ddp):
     whose base is the shipped tiny_base/ trains it first when it has been deleted."""
     if cfg.method == "base" and tiny.is_tiny(cfg.init_from):
         if master:
-            tiny.init_base(cfg.out_dir, mcfg, cfg.seed)
+            tiny.init_base(cfg.out_dir, mcfg, cfg.seed, cfg.resume)
         cfg.init_from = cfg.out_dir
     elif ddp and tiny.needs_training(cfg.init_from):
         raise SystemExit(f"error: no {tiny.BASE_DIR}: train it first without torchrun (python train.py --method base)")

@@ -66,6 +66,10 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("warmup_frac", ["--warmup_frac", 2], "--warmup_frac 2.0 is a fraction"),
     ("pretrain_data", ["--pretrain_data", "bad.jsonl"], "--pretrain_data is read by a text stage"),
     ("device absent", ["--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda[:N]; this machine has"),
+    ("max_iters", ["--max_iters", -3], "--max_iters -3 must be a finite number >= 0 (0: the recipe's)"),
+    ("grad_accum", ["--grad_accum", 0], "--grad_accum 0 must be a positive integer"),
+    ("lora_r", ["--lora_r", 0], "--lora_r 0 must be >= 1 (the adapters' rank)"),
+    ("lora_alpha", ["--lora_alpha", 0], "--lora_alpha 0 must be > 0"),
 ]
 
 
@@ -92,6 +96,28 @@ def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags
     if what in ("config type", "weights", "data bytes"):  # the script itself: one line on stderr, no traceback
         p = run(argv, check=False)
         assert p.returncode != 0 and p.stderr.strip() == line, p.stderr[-2000:]
+
+
+def test_resume_keeps_the_runs_method_and_its_config(files, tmp_path):
+    """--resume continues a run under the method config that shaped its tensors: another method or a flag with
+    another value is one line, a flag left out is inherited; tensors of another shape are one line too."""
+    out = tmp_path / "run"
+    common = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST, "--out_dir", out]
+    assert in_process(common) == ""
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    for flags, message in ((["--max_iters", 2, "--resume", "--lora_r", 8], "--lora_r 8 conflicts with the run --resume "
+                                                                          f"continues, {out} (lora_r=4)"),
+                           (["--max_iters", 2, "--resume", "--method", "pic"], f"--resume: {out} is not a --method pic")):
+        line = in_process(common + flags)
+        assert line.startswith("error: ") and message in line, line
+    state = json.loads(before["run.json"])
+    (out / "run.json").write_text(json.dumps(dict(state, method=dict(state["method"], lora_r=8))))
+    line = in_process([a for a in common if a not in ("--lora_r", 4)] + ["--max_iters", 2, "--resume"])
+    assert line.startswith("error: ") and "do not match this method's parameters (names or shapes)" in line, line
+    (out / "run.json").write_bytes(before["run.json"])
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert in_process([a for a in common if a not in ("--lora_r", 4)] + ["--max_iters", 2, "--resume"]) == ""
+    assert json.loads((out / "run.json").read_text())["method"]["lora_r"] == 4
 
 
 def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):

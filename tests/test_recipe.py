@@ -52,6 +52,14 @@ def test_a_real_checkpoint_gets_the_papers_stages_and_values(base_dir, method):
     assert [c.init_from for c, _, _ in stages[1:]] == [c.out_dir for c, _, _ in stages[:-1]]  # each from the last
 
 
+def test_zero_steps_batch_or_lr_is_the_recipes_value(base_dir):
+    """--max_iters, --batch_size and --lr 0 name the recipe's value, as their help says: the stages of no flag."""
+    argv = ["--method", "sac", "--init_from", base_dir, "--out_dir", "/o"]
+    plain, zeros = resolved(argv), resolved(argv + ["--max_iters", 0, "--batch_size", 0, "--lr", 0])
+    assert [(vars(c), vars(m), s) for c, m, s in zeros] == [(vars(c), vars(m), s) for c, m, s in plain]
+    assert plain[-1][0].max_iters == 20_000
+
+
 def test_the_tiny_base_keeps_its_own_recipe_and_no_aids_is_the_papers_at_its_scale():
     (c, m, sources), = resolved(["--method", "meanpool"])
     assert (c.lr, c.max_iters, c.batch_size, c.ratio, m.lora_r) == (2e-3, 700, 8, "4,8,16", 64)

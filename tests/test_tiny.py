@@ -456,3 +456,20 @@ def test_attention_distillation_trains_the_heads_the_decoder_reads_with(base_dir
         m(batch, [r])[0].backward()
         return B.grad[q_rows].clone()
     assert not torch.allclose(grad(m.aid), grad(None))
+
+
+def test_a_base_trained_again_starts_from_a_new_model_of_its_shape(tmp_path):
+    """--method base into a dir trained before: a new random model of the flags' shape, not the old weights;
+    --resume keeps the old ones."""
+    from safetensors.torch import load_file, save_file
+    bc = tiny.BaseConfig(d_model=32, n_heads=2, vocab_size=600)
+    path = tmp_path / "model.safetensors"
+    tiny.init_base(str(tmp_path), bc, seed=0)
+    init = load_file(path)
+    save_file({k: v + 1 for k, v in init.items()}, path)  # as if trained
+    tiny.init_base(str(tmp_path), bc, seed=0, resume=True)
+    assert all(torch.equal(v, init[k] + 1) for k, v in load_file(path).items())
+    tiny.init_base(str(tmp_path), bc, seed=0)
+    assert all(torch.equal(v, init[k]) for k, v in load_file(path).items())
+    tiny.init_base(str(tmp_path), tiny.BaseConfig(d_model=64, n_heads=2, vocab_size=600), seed=0)
+    assert load_file(path)["model.embed_tokens.weight"].shape == (600, 64)

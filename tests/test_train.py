@@ -198,6 +198,14 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "meanpool", "--objective", "ae+lm"], "does not apply to --method meanpool"),
     (["--method", "base", "--no_linear"], "--no_linear does not apply to --method base"),
     (["--method", "meanpool", "--pretrain", "5"], "--method meanpool --objective kd has none"),
+    (["--method", "sentence_gist", "--lora_r", "-1"], "--lora_r -1 must be >= 0 (0: full finetuning, no LoRA)"),
+    (["--method", "sac", "--lora_r", "0"], "--lora_r 0 must be >= 1"),
+    (["--method", "ata", "--lora_dropout", "1"], "--lora_dropout 1.0 must lie in [0, 1)"),
+    (["--method", "ata", "--huber_delta", "0"], "--huber_delta 0.0 must be > 0"),
+    (["--method", "base", "--n_heads", "3"], "d_model a multiple of 2 x n_heads"),
+    (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each must be >= 1"),
+    (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must be >= 512"),
+    (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
 ])
 def test_cli_errors_are_one_line(argv, message):
     assert message in cli_error(argv + ["--init_from", "/nonexistent"])  # argparse's errors too
