@@ -757,8 +757,12 @@ class Transformer(nn.Module):
             module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
             if module not in views or ab[0] not in "AB":
                 raise ValueError(f"{path}: adapter tensor {key} matches no module of this model")
+            view = views[module]["AB".index(ab[0])]
+            if view.shape != t.shape:
+                raise ValueError(f"{path}: adapter tensor {key} is {tuple(t.shape)}, this model's "
+                                 f"{tuple(view.shape)}: an adapter of another base")
             with torch.no_grad():
-                views[module]["AB".index(ab[0])].copy_(t)
+                view.copy_(t)
         return self
 
     @torch.no_grad()

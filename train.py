@@ -211,6 +211,9 @@ def check_inputs(cfg, mcfg):
                        ("decoder", getattr(mcfg, "decoder", ""))):
         if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
             raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
+    if cfg.method != "teacher" and first_stage(cfg.init_from, "teacher"):
+        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
+                         "(its adapter is merged into the base)")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
     check_writable(cfg.out_dir, "--out_dir")

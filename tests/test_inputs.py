@@ -120,6 +120,21 @@ def test_resume_keeps_the_runs_method_and_its_config(files, tmp_path):
     assert json.loads((out / "run.json").read_text())["method"]["lora_r"] == 4
 
 
+def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_path):
+    """A teacher run dir given as --init_from, or as --teacher of a base of another shape (the shipped tiny base's
+    MLP is 384 wide; the teacher's base's, 128): one line each, nothing written."""
+    teacher = tmp_path / "teacher"
+    assert in_process(["--method", "teacher", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                       "--out_dir", teacher]) == ""
+    for flags, message in ((["--init_from", teacher], f"--init_from '{teacher}' is a --method teacher run: pass it as "
+                                                      "--teacher"),
+                           (["--teacher", teacher], "down_proj.lora_A.weight is (4, 128), this model's (4, 384): an adapter of "
+                                                    "another base")):
+        line = in_process(["--method", "meanpool", *FAST, "--out_dir", tmp_path / "out", *flags])
+        assert line.startswith("error: ") and message in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
     out = tmp_path / "run"
     common = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST[2:],
