@@ -463,7 +463,12 @@ def _parsed(path, items, parse, skip_bad, stats):
 
 
 def _open_text(path):
-    return gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")
+    if not str(path).endswith(".gz"):
+        return open(path, encoding="utf-8")
+    with open(path, "rb") as f:
+        if f.read(2) != b"\x1f\x8b":
+            raise ValueError(f"{path}: not a gzip file")
+    return gzip.open(path, "rt", encoding="utf-8")
 
 
 def _load_json(path):
@@ -473,6 +478,8 @@ def _load_json(path):
         if path.suffix != ".zip":
             with _open_text(path) as f:
                 return json.load(f)
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"{path}: not a zip file")
         with zipfile.ZipFile(path) as z:
             names = [n for n in z.namelist() if n.endswith(".json")]
             if len(names) != 1:
@@ -495,8 +502,13 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
     doc = _load_json(path) if doc is None else doc
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
-    items = ((para, qa) for article in doc["data"] for para in article.get("paragraphs", [])
-             for qa in para.get("qas", []))
+    def listed(obj, key, where):  # obj[key]: a list, [] when absent
+        if not isinstance(obj, dict) or not isinstance(obj.get(key, []), list):
+            raise ValueError(f"{path}: {where} should be an object whose {key!r} is a list")
+        return obj.get(key, [])
+    items = [(para, qa) for a, article in enumerate(doc["data"])
+             for p, para in enumerate(listed(article, "paragraphs", f"data[{a}]"))
+             for qa in listed(para, "qas", f"data[{a}].paragraphs[{p}]")]
     sentences = {}  # context -> (chunks, their ends): split once for all of a paragraph's questions
 
     def parse(item):
@@ -522,9 +534,11 @@ def read_mrqa(path, skip_bad=False, stats=None):
     def parse(obj):
         if isinstance(obj, dict) and "header" in obj:
             return []
-        context = _field(obj, "context", str)
-        return [_record(qa.get("qid") or qa.get("id"), context, _field(qa, "question", str),
-                        _field(qa, "answers", list, str)) for qa in _field(obj, "qas", list)]
+        context, records = _field(obj, "context", str), []
+        for qa in _field(obj, "qas", list):
+            question, answers = _field(qa, "question", str), _field(qa, "answers", list, str)
+            records.append(_record(qa.get("qid") or qa.get("id"), context, question, answers))
+        return records
     return _parsed(path, None, parse, skip_bad, stats)
 
 

@@ -461,6 +461,24 @@ def test_read_jsonl_and_text(tmp_path):
     assert list(data.read_text(j, skip_bad=True)) == ["a"]
 
 
+def test_a_file_of_another_shape_or_kind_is_one_line(tmp_path):
+    """Structure the record checks never see (SQuAD's articles and paragraphs, MRQA's qas), and files that are not
+    the zip or gzip their names say: a ValueError naming the file and where."""
+    for name, text, message in (
+            ("a.json", '{"data": [5]}', "a.json: data[0] should be an object whose 'paragraphs' is a list"),
+            ("b.json", '{"data": [{"paragraphs": [{"qas": {}}]}]}', "b.json: data[0].paragraphs[0] should be an "
+                                                                   "object whose 'qas' is a list"),
+            ("m.jsonl", '{"context": "x", "qas": [5]}', "m.jsonl:1: expected a JSON object, got int"),
+            ("s.zip", "not a zip", "s.zip: not a zip file"),
+            ("g.jsonl.gz", "not gzip", "g.jsonl.gz: not a gzip file"),
+            ("t.txt.gz", "not gzip", "t.txt.gz: not a gzip file")):
+        (tmp_path / name).write_text(text)
+        read = data.read_text if name.startswith("t.") else data.read_dataset
+        with pytest.raises(ValueError) as e:
+            list(read(tmp_path / name))
+        assert str(e.value).endswith(message) and "\n" not in str(e.value), e.value
+
+
 def test_real_qa_files():
     squad = need(ASSETS / "qa" / "squad" / "dev-v1.1.json.zip")
     recs = list(data.read_dataset(squad))
