@@ -317,6 +317,11 @@ def train_shapes():
 
 def selected_rows():
     """The ROWS that --methods names (by row or method), all without it."""
+    names = {name for r in ROWS for name in (r[0], r[1].split()[0])}
+    unknown = set(args.methods.split(",")) - names if args.methods else set()
+    if unknown:
+        sys.exit(f"error: --methods {', '.join(sorted(unknown))}: no such row or method; the rows: "
+                 f"{', '.join(r[0] for r in ROWS)}")
     return [r for r in ROWS if not args.methods or {r[0], r[1].split()[0]} & set(args.methods.split(","))]
 
 
@@ -484,6 +489,7 @@ def bench_batching():
 
 
 if __name__ == "__main__":
+    selected_rows()  # an unknown --methods name: one line before any work
     set_threads()
     benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft,
                "batching": bench_batching}

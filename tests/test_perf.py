@@ -107,3 +107,15 @@ def test_bench_counts_flops_in_a_step_like_the_timed_ones(monkeypatch):
         *_, flops[ckpt], _ = bench.train_row("tiny", tok, bench.ROWS[1], 2, 96)
         assert (at_close[0] > 0) is ckpt, at_close  # layers checkpointed before the count closed
     assert flops[True] == flops[False] > 0, flops
+
+
+def test_bench_names_an_unknown_row_before_any_work(monkeypatch):
+    """--methods with a name that is no row or method: one line listing the rows (it used to time nothing)."""
+    import pytest
+    bench = load_script("hf_twins", "benchmarks").bench
+    monkeypatch.setattr(bench.args, "methods", "meanpool kd,pik")
+    with pytest.raises(SystemExit) as e:
+        bench.selected_rows()
+    assert str(e.value).startswith("error: --methods pik: no such row or method; the rows: meanpool kd, ")
+    monkeypatch.setattr(bench.args, "methods", "sac,ata qa")  # a method's rows, a row by name
+    assert [r[0] for r in bench.selected_rows()] == ["sac qa", "ata qa"]
