@@ -39,12 +39,8 @@ if [ "${1:-}" = "--smoke" ]; then
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
-for var in STEPS TEACHER_STEPS JOBS EXAMPLES MICRO SEED DEADLINE; do  # whole numbers; SEED may be 0, DEADLINE unset
-  value=${!var}
-  [ "$var" != DEADLINE ] || [ -n "$value" ] || continue
-  [[ $value =~ ^[0-9]+$ ]] && { [ "$var" = SEED ] || [ "$value" -gt 0 ]; } ||
-    { echo "error: $var=$value: want a whole number$([ "$var" = SEED ] || echo ' > 0')" >&2; exit 1; }
-done
+source scripts/checks.sh
+whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO SEED DEADLINE
 RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
   "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)
   "ctok-causal      --method pic --mem single --mask causal --ratio 4,8,16"   # §5.1's tokens, appended

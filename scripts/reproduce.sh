@@ -19,6 +19,13 @@ EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same question
 SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
 RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
+source scripts/checks.sh
+whole_numbers ITERS PRE_ITERS JOBS EXAMPLES SEED
+if [ -n "${INIT_FROM:-}" ]; then
+  for var in DATA EVAL_DATA; do
+    [ -f "${!var:-}" ] || { echo "error: INIT_FROM needs $var=a QA file (${var}=${!var:-}: no such file)" >&2; exit 1; }
+  done
+fi
 CORES=$(getconf _NPROCESSORS_ONLN)    # nproc would read OMP_NUM_THREADS back
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}
 start=$(date +%s)
@@ -43,7 +50,7 @@ train_one() {  # NAME FLAGS...: one run dir, its output in NAME.log (ITERS's --m
   local name=$1 t=$SECONDS; shift
   echo "== $name: $* ${ITERS:+--max_iters $ITERS}"
   python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" ${ITERS:+--max_iters "$ITERS"} > "$OUT/$name.log" 2>&1 ||
-    { echo "error: $name failed; see $OUT/$name.log" >&2; return 1; }
+    { echo "error: $name failed: $(tail -n 1 "$OUT/$name.log") (all of it: $OUT/$name.log)" >&2; return 1; }
   echo "   $name: $(( SECONDS - t )) s"
 }
 job() {  # a command in the background, at most JOBS at a time; a failed one stops the suite

@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: bash scripts/seeds.sh SEED,SEED,... TRAIN_FLAGS..." >&2; exit 2; }
 SEEDS=$1; shift
 JOBS=${JOBS:-2}                  # runs at a time, one thread each
+source scripts/checks.sh
+whole_numbers JOBS
+[[ $SEEDS =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "error: seeds $SEEDS: want whole numbers, like 1337,1,2" >&2; exit 1; }
 OUT=${OUT:-out/seeds}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$OUT"
@@ -19,7 +22,8 @@ for s in ${SEEDS//,/ }; do
   python train.py "$@" --seed "$s" --out_dir "$OUT/seed$s" --quiet > "$OUT/seed$s.log" 2>&1 & pids+=($!)
 done
 for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { echo "error: ${dirs[$i]} failed; see ${dirs[$i]}.log" >&2; exit 1; }
+  wait "${pids[$i]}" ||
+    { echo "error: ${dirs[$i]} failed: $(tail -n 1 "${dirs[$i]}.log") (all of it: ${dirs[$i]}.log)" >&2; exit 1; }
 done
 for d in "${dirs[@]}"; do  # one table per seed (its own questions and teacher), read from metrics.json
   echo "== $d"; python eval.py "$d"

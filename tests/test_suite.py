@@ -177,3 +177,17 @@ def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
                            text=True, env=env)
         want = f"error: {setting}: want a whole number{'' if name == 'SEED' else ' > 0'}\n"
         assert p.returncode == 1 and p.stderr == want and not (tmp_path / "out").exists(), p.stderr
+
+
+def test_reproduce_and_seeds_settings_are_one_line_before_any_work(tmp_path):
+    for script, setting, args, want in (
+            ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
+            ("reproduce.sh", "JOBS=0", [], "JOBS=0: want a whole number > 0"),
+            ("reproduce.sh", "INIT_FROM=/ckpt", [], "INIT_FROM needs DATA=a QA file (DATA=: no such file)"),
+            ("seeds.sh", "JOBS=x", ["1"], "JOBS=x: want a whole number > 0"),
+            ("seeds.sh", "SEED=1", ["1,b", "--method", "pic"], "seeds 1,b: want whole numbers, like 1337,1,2")):
+        name, value = setting.split("=")
+        env = dict(os.environ, OUT=str(tmp_path / "out"), **{name: value})
+        p = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
+                           text=True, env=env)
+        assert p.returncode == 1 and p.stderr == f"error: {want}\n" and not (tmp_path / "out").exists(), p.stderr
