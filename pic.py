@@ -135,10 +135,11 @@ class PIC(nn.Module):
         if mcfg.lora_r == 0 and not mcfg.encoder:
             raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
                              "the frozen decoder shares the base weights")
-        n = math.ceil(cfg.max_context / min(int(r) for r in cfg.ratio.split(",")))
-        if mcfg.mem == "table" and n > mcfg.max_mem:
-            raise SystemExit(f"error: --max_context {cfg.max_context} at --ratio {cfg.ratio} needs {n} memory "
-                             f"tokens > --max_mem {mcfg.max_mem}; raise --max_mem or use --mem single")
+        for flag, ratios in (("ratio", cfg.ratio), ("eval_ratio", cfg.eval_ratio)):  # trained at, read at
+            n = math.ceil(cfg.max_context / min(int(r) for r in ratios.split(","))) if ratios else 0
+            if mcfg.mem == "table" and n > mcfg.max_mem:
+                raise SystemExit(f"error: --max_context {cfg.max_context} at --{flag} {ratios} needs {n} memory "
+                                 f"tokens > --max_mem {mcfg.max_mem}; raise --max_mem or use --mem single")
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()

@@ -335,6 +335,8 @@ def test_check_config_errors():
         with pytest.raises(SystemExit, match=message):
             pic.PIC.check_config(cfg, pic.PICConfig(**kw))
     pic.PIC.check_config(cfg, pic.PICConfig(mem="single"))  # one token repeated has no table to outgrow
+    with pytest.raises(SystemExit, match="--max_context 600 at --eval_ratio 16,2 needs 300 memory tokens"):
+        pic.PIC.check_config(train.TrainConfig(ratio="4", eval_ratio="16,2", max_context=600), pic.PICConfig())
 
 
 @pytest.mark.parametrize("extra,message", [(["--ratio", "0"], "--ratio"), (["--no_linear"], "does not apply"),
