@@ -30,7 +30,7 @@ import torch
 import data
 import train
 import tiny
-from model import Memory
+from model import Memory, read_json
 
 
 @dataclass
@@ -234,17 +234,88 @@ def run_label(run_dir, mcfg):
     return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
 
 
-def evaluate_run(run_dir, ecfg, device):
-    """<run>/metrics.json, computed unless cached (--recompute, --ratio: computed again)."""
+NUMBER = (int, float)
+
+
+def key_error(obj, where, kinds):
+    """"" when the dict obj has each key of kinds {key: type}, of that type; else which does not."""
+    for key, kind in kinds.items():
+        if key not in obj:
+            return f"missing key {where + key!r}"
+        if not isinstance(obj[key], kind):
+            expected = "a number" if kind == NUMBER else kind.__name__
+            return f"key {where + key!r} is {obj[key]!r:.40}, expected {expected}"
+    return ""
+
+
+def result_error(res):
+    """What makes one run's result (a metrics.json, an item of an --out list) unfit for the table, the plot and
+    scripts/claims.py; "" when nothing."""
+    if not isinstance(res, dict):
+        return f"{res!r:.40} is not a run's result (an object)"
+    if why := key_error(res, "", {"run": str, "teacher": dict, "no_context": dict, "rows": list}):
+        return why
+    if not res["rows"]:
+        return "key 'rows' is empty"
+    rows = [("teacher", res["teacher"]), ("no_context", res["no_context"])]
+    for where, row in rows + [(f"rows[{i}]", r) for i, r in enumerate(res["rows"])]:
+        if not isinstance(row, dict):
+            return f"key {where!r} is {row!r:.40}, expected dict"
+        kinds = {"method": str, "em": NUMBER, "f1": NUMBER, "examples_per_s": NUMBER}
+        if why := key_error(row, f"{where}.", kinds | ({"ratio": NUMBER} if where.startswith("rows") else {})):
+            return why
+        scores = row.get("scores", {"em": {}, "f1": {}})  # {"em": {id: score}, "f1": ...}: claims.py, compare.py
+        if not (isinstance(scores, dict) and all(isinstance(scores.get(k), dict) and
+                                                 all(isinstance(v, NUMBER) for v in scores[k].values())
+                                                 for k in ("em", "f1"))):
+            return f"key '{where}.scores' is not {{\"em\": {{id: number}}, \"f1\": {{id: number}}}}"
+    return ""
+
+
+def asked(run_dir, ecfg):
+    """What a run's rows answer besides its checkpoint: which questions and how many, the ratios read, the answer
+    length (the flags, else the run's own). A cached metrics.json serves only the same."""
+    state = read_json(os.path.join(run_dir, "run.json"))
+    run = state.get("train", {}) if isinstance(state, dict) else {}  # (a broken run.json: load_run says so)
+    return {"n": ecfg.n or run.get("eval_examples", 0), "eval_data": ecfg.eval_data or run.get("eval_data", ""),
+            "split": ecfg.split, "ratio": ecfg.ratio or run.get("eval_ratio") or run.get("ratio", ""),
+            "max_new_tokens": ecfg.max_new_tokens}
+
+
+def cached_result(run_dir, ecfg):
+    """<run>/metrics.json where it answers what is asked now, else None (to be computed); read before any work."""
+    if not os.path.isfile(os.path.join(run_dir, "run.json")):
+        raise SystemExit(f"error: {run_dir!r} is not a run dir (no run.json)")
     cached = os.path.join(run_dir, "metrics.json")
-    if os.path.exists(cached) and not ecfg.recompute and not ecfg.ratio:
-        try:
-            return json.load(open(cached))
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
+    if ecfg.recompute or not os.path.exists(cached):
+        return None
+    try:
+        res = json.load(open(cached))
+    except ValueError as e:
+        raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
+    if why := result_error(res):
+        raise SystemExit(f"error: {cached}: corrupt metrics file ({why}); rerun with --recompute")
+    return res if res.get("asked") == asked(run_dir, ecfg) else None
+
+
+def check_run(run_dir, cfg, decoder, ratio, max_new_tokens):
+    """--ratio and --max_new_tokens against the run loaded from run_dir, before it answers: one line."""
+    if ratio and max(train.ratios_of(ratio)) > cfg.max_context:
+        raise SystemExit(f"error: --ratio {ratio!r}: above {run_dir}'s --max_context {cfg.max_context}, "
+                         "where every context is one memory slot")
+    config = getattr(decoder, "config", None)  # (None: a test's stand-in decoder)
+    if config and max_new_tokens > config.max_position_embeddings:
+        raise SystemExit(f"error: --max_new_tokens {max_new_tokens}: above the {config.max_position_embeddings} "
+                         f"positions of {run_dir}'s decoder")
+
+
+def evaluate_run(run_dir, ecfg, device):
+    """Compute and write <run>/metrics.json."""
+    cached = os.path.join(run_dir, "metrics.json")
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     if not hasattr(method, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
+    check_run(run_dir, cfg, getattr(method, "dec", base), ecfg.ratio, ecfg.max_new_tokens)
     records = eval_records(cfg, ecfg)
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
@@ -262,19 +333,25 @@ def evaluate_run(run_dir, ecfg, device):
     for row in rows:
         row.update(method=label, run=run_dir, **extra,
                    f1_norm=(row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan"))
-    result = {"run": run_dir, "teacher_key": key, "teacher": teacher, "no_context": noctx, "rows": rows}
+    result = {"run": run_dir, "asked": asked(run_dir, ecfg), "teacher_key": key, "teacher": teacher,
+              "no_context": noctx, "rows": rows}
     train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
     return result
 
 
 def earlier_results(path):
-    """The runs of an earlier --out JSON (a suite's first part, scripts/real_suite.sh PRIOR), as they are."""
+    """The runs of an earlier --out JSON (a suite's first part, scripts/real_suite.sh PRIOR; scripts/claims.py's and
+    results_md.py's input), as they are."""
     try:
         results = json.load(open(path))
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {path}: cannot read it as an eval.py --out JSON ({e})")
-    if not isinstance(results, list) or not all(isinstance(r, dict) and {"run", "rows"} <= r.keys() for r in results):
-        raise SystemExit(f"error: {path}: not an eval.py --out JSON (a list of runs, each with run and rows)")
+    if not isinstance(results, list) or not results:
+        what = "one run's metrics.json" if isinstance(results, dict) else f"{results!r:.40}"
+        raise SystemExit(f"error: {path}: not an eval.py --out JSON, a list of runs: {what}")
+    for i, res in enumerate(results):
+        if why := result_error(res):
+            raise SystemExit(f"error: {path}: not an eval.py --out JSON: run {i}: {why}")
     return results
 
 
@@ -366,7 +443,10 @@ def one_shot(ecfg, run_dir, device):
         context = Path(ecfg.context).read_text(encoding="utf-8") if ecfg.context else ""
     except UnicodeDecodeError:
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
+    if ecfg.context and not context.strip():
+        raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
+    check_run(run_dir, cfg, getattr(method, "dec", base), ecfg.ratio, ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,
               "question": ecfg.question or "What is this text about?", "answers": [""]}
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
@@ -380,12 +460,25 @@ def one_shot(ecfg, run_dir, device):
     print(f"answer: {decode(tok, outs)[0]}")
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
+        os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
         memory.save(ecfg.save_memory)
         print(f"saved the compressed context to {ecfg.save_memory}")
 
 
-def check_flags(ecfg):
-    """eval.py's own flags, before any work: one line naming the flag."""
+ONE_SHOT_ONLY, RUNS_ONLY = {"save_memory"}, {"n", "eval_data", "split", "recompute", "out", "batch_size"}
+
+
+def check_flags(ecfg, given):
+    """eval.py's own flags (given: those on the command line), before any work: one line naming the flag."""
+    one_shot = ecfg.context or ecfg.memory or ecfg.question
+    wrong = sorted(given & (RUNS_ONLY if one_shot else ONE_SHOT_ONLY))
+    if wrong:
+        modes = ("evaluating runs", "one-shot mode (--context, --memory, --question)")
+        raise SystemExit(f"error: --{wrong[0]} applies to {modes[not one_shot]}, not to {modes[bool(one_shot)]}")
+    if ecfg.context and ecfg.memory:
+        raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
+    if one_shot and "," in ecfg.ratio:
+        raise SystemExit(f"error: --ratio {ecfg.ratio!r}: one-shot mode answers at one ratio")
     for flag in ("batch_size", "max_new_tokens"):
         if getattr(ecfg, flag) < 1:
             raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)} must be a positive integer")
@@ -400,22 +493,30 @@ def check_flags(ecfg):
     for flag in ("out", "save_memory"):
         if getattr(ecfg, flag):
             train.check_writable(getattr(ecfg, flag), f"--{flag}", folder=False)
+    if ecfg.out and not ecfg.out.endswith(".json"):
+        raise SystemExit(f"error: --out {ecfg.out!r}: name a .json file (its plot goes beside it as .png)")
 
 
 def main(argv):
-    (ecfg,), _ = train.parse_args(argv, EvalConfig, positional="runs",
-                                   usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
-    check_flags(ecfg)
+    (ecfg,), given = train.parse_args(argv, EvalConfig, positional="runs",
+                                       usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
+    check_flags(ecfg, given)
     run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
     device = train.pick_device(ecfg.device)
     if ecfg.context or ecfg.memory or ecfg.question:
+        if len(run_dirs) > 1:
+            raise SystemExit(f"error: one-shot mode answers from one run dir; {len(run_dirs)} given: "
+                             f"{' '.join(run_dirs)}")
         return one_shot(ecfg, run_dirs[0], device)
-    results = [res for r in run_dirs for res in (earlier_results(r) if r.endswith(".json") else
-                                                 [evaluate_run(r, ecfg, device)])]
+    # every results file read, every run dir seen, before any run is evaluated
+    read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
+    results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
+                                                 [read[r] or evaluate_run(r, ecfg, device)])]
     print(table(results))
     if ecfg.out:
+        os.makedirs(os.path.dirname(os.path.abspath(ecfg.out)), exist_ok=True)
         Path(ecfg.out).write_text(json.dumps(results, indent=1))
         png = plot(results, os.path.splitext(ecfg.out)[0] + ".png")
         print(f"wrote {ecfg.out}" + (f" and {png}" if png else ""))

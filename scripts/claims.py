@@ -33,13 +33,13 @@ threshold). The verdict comes from our numbers:
     "~"  A / B within `margin` of the paper's A / B (e.g. the ratio halving per doubling).
   A claim whose rows the results lack gets "no data".
 """
-import json
 import os
 import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import eval as evaluate  # noqa: E402
+from model import read_json  # noqa: E402
 
 
 @dataclass
@@ -108,7 +108,9 @@ def find_row(results, name):
         if os.path.basename(os.path.normpath(res["run"])) != run:
             continue
         rows = [r for r in res["rows"] if not ratio or str(r.get("ratio_requested")) == ratio]
-        assert ratio or len(rows) == 1, f"{name}: the run has {len(rows)} rows; name one as {run}@RATIO"
+        if not ratio and len(rows) != 1:
+            raise SystemExit(f"error: run {res['run']} has {len(rows)} rows and a claim names it alone ({name}): "
+                             "evaluate it at one ratio")
         return rows[0] if rows else None
     return None
 
@@ -222,20 +224,16 @@ def seeds_table(runs, claims=CLAIMS):
     return "\n".join(lines)
 
 
-def read_results(path):
-    try:
-        results = json.load(open(path))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: cannot read {path} as an eval.py --out JSON ({e})")
-    if not isinstance(results, list):
-        raise SystemExit(f"error: {path} is one run's metrics.json; the claims need eval.py --out of the suite")
-    return results
-
-
 def train_configs(results):
     """Each run's training config (its run.json's "train"; {} when the run dir is gone)."""
-    paths = [os.path.join(res["run"], "run.json") for res in results]
-    return [json.load(open(p))["train"] if os.path.exists(p) else {} for p in paths]
+    configs = []
+    for res in results:
+        path = os.path.join(res["run"], "run.json")
+        state = read_json(path) if os.path.exists(path) else {"train": {}}
+        if not isinstance(state, dict) or not isinstance(state.get("train"), dict):
+            raise SystemExit(f"error: {path}: not a run.json written by train.py (needs train)")
+        configs.append(state["train"])
+    return configs
 
 
 def suite_name(path, results):
@@ -247,12 +245,14 @@ def suite_name(path, results):
 
 
 def main(argv):
-    if not argv:
-        raise SystemExit("usage: python scripts/claims.py RESULTS.json [RESULTS.json ...]  "
-                         "(eval.py --out of scripts/reproduce.sh; several: one per seed)")
+    flags = [a for a in argv if a.startswith("-")]
+    if not argv or flags:
+        raise SystemExit(f"error: {f'unknown flag {flags[0]}; ' if flags else ''}usage: python scripts/claims.py "
+                         "RESULTS.json [RESULTS.json ...]  (eval.py --out of scripts/reproduce.sh; several: one per "
+                         "seed)")
     if len(argv) == 1:
-        return print(table(read_results(argv[0])))
-    runs = [read_results(p) for p in argv]
+        return print(table(evaluate.earlier_results(argv[0])))
+    runs = [evaluate.earlier_results(p) for p in argv]
     names = [suite_name(p, res) for p, res in zip(argv, runs)]
     if len(set(names)) < len(names):
         names = argv
@@ -260,4 +260,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, OSError) as e:  # a run.json that cannot be read
+        raise SystemExit(f"error: {e}")

@@ -22,11 +22,14 @@ def rows_of(path):
         rows = {}
         for res in results if isinstance(results, list) else [results]:
             for r in [res["teacher"], res["no_context"]] + res["rows"]:
-                rows.setdefault(r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else ""), r)
+                name = r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else "")
+                if "scores" in r and not all(isinstance(v, (int, float)) for v in r["scores"]["f1"].values()):
+                    raise TypeError(f"row {name!r}: scores.f1 is not {{question id: number}}")
+                rows.setdefault(name, r)
         return rows
     except OSError as e:
         raise SystemExit(f"error: cannot read {path} ({e.strerror})")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"error: {path} is not an eval.py results JSON ({type(e).__name__}: {e})")
 
 

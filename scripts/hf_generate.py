@@ -93,10 +93,14 @@ def main(argv):
     parser.add_argument("--memory", required=True, help="a Memory saved by eval.py --save_memory")
     parser.add_argument("--question", required=True)
     parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.error = lambda message: sys.exit(f"error: {message}")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"error: --max_new_tokens {args.max_new_tokens} must be a positive integer")
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: no such file")
     cfg, mcfg, tok, base, method = train.load_run(args.run)
+    evaluate.check_run(args.run, cfg, getattr(method, "dec", base), "", args.max_new_tokens)
     memory = Memory.load(args.memory)
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")

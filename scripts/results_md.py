@@ -13,7 +13,6 @@ between `<!-- section: TITLE -->` and `<!-- end section -->`:
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import claims  # noqa: E402
 import eval as evaluate  # noqa: E402
+import train  # noqa: E402
 from model import Transformer  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -121,6 +121,7 @@ def read(path):
 
 
 def write(path, text):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
@@ -156,20 +157,17 @@ def main(argv):
     parser.add_argument("--wall_s", type=float, default=0, help="the suite's wall time in seconds")
     parser.add_argument("--section", default="", help="instead: put --body into --out as the section of this title")
     parser.add_argument("--body", default="", help="--section: a markdown file")
+    parser.error = lambda message: sys.exit(f"error: {message}")
     args = parser.parse_args(argv)
+    train.check_writable(args.out, "--out", folder=False)
     if args.section:
-        if not os.path.exists(args.body):
+        if not os.path.isfile(args.body):
             raise SystemExit(f"error: --body {args.body!r}: file not found")
         put_section(args.out, args.section, read(args.body))
         return print(f"wrote section {args.section!r} of {args.out}")
     if not args.results:
         raise SystemExit("error: name the suite's results JSON (eval.py --out), or use --section")
-    try:
-        results = json.load(open(args.results))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: cannot read {args.results} as an eval.py --out JSON ({e})")
-    if not isinstance(results, list) or not results:
-        raise SystemExit(f"error: {args.results}: expected eval.py --out's list of runs")
+    results = evaluate.earlier_results(args.results)
     if args.base and not os.path.exists(os.path.join(args.base, "config.json")):
         raise SystemExit(f"error: --base {args.base}: no config.json (not a checkpoint dir)")
     write(args.out, report(results, args))
@@ -177,4 +175,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, OSError) as e:  # a run.json that cannot be read
+        raise SystemExit(f"error: {e}")

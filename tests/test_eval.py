@@ -53,9 +53,10 @@ def _fake_run(dir, method, ratios):
              "memory_bytes": 1000.0 / r, "examples_per_s": 10.0, "n": 4} for r in ratios]
     teacher = {"method": "teacher", "ratio": 1.0, "em": 90.0, "f1": 95.0, "examples_per_s": 5.0}
     noctx = {"method": "no-context", "ratio": None, "em": 0.0, "f1": 3.0, "examples_per_s": 20.0}
-    (dir / "metrics.json").write_text(json.dumps({"run": str(dir), "teacher": teacher, "no_context": noctx,
-                                                  "rows": rows}))
     (dir / "run.json").write_text(json.dumps({"train": {"method": method}}))
+    asked = evaluate.asked(dir, evaluate.EvalConfig())  # what eval.py with no flags asks
+    (dir / "metrics.json").write_text(json.dumps({"run": str(dir), "asked": asked, "teacher": teacher,
+                                                  "no_context": noctx, "rows": rows}))
     return dir
 
 
@@ -173,12 +174,14 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
 
 def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     """Runs beside each other with the same base and questions compute the teacher rows
-    once; other questions (--n) or --recompute compute them again."""
+    once; other questions (--n) or --recompute compute them again. A run's own metrics.json serves only
+    what it answered (questions, ratios, answer length)."""
     tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
     say = lambda prompts: [tok.encode("Paris") for _ in prompts]
     base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(prompts))
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
-    method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
+    compressed = []
+    method = types.SimpleNamespace(compress=lambda batch, r: compressed.append(1) or memory(len(batch["qa"])),
                                    answer_from_memory=lambda mem, prompts, k: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=4)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
@@ -192,6 +195,11 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
     assert a["teacher_key"] == b["teacher_key"] and a["teacher"] == b["teacher"]
+    for extra, computed in (([], False), (["--n", 3], True), (["--n", 3], False), ([], True), (["--ratio", 4], True),
+                            (["--ratio", 4, "--max_new_tokens", 5], True)):  # a cached metrics.json: what it was asked
+        before = len(compressed)
+        evaluate.main([str(tmp_path / "a")] + [str(x) for x in extra])
+        assert (len(compressed) > before) is computed, extra
 
 
 def _scores_file(path, f1_by_ratio, teacher=None):
@@ -395,3 +403,131 @@ def test_results_md_keeps_other_commands_sections(tmp_path):
     assert "<!-- section: SmolLM2 -->\n## SmolLM2\n\nsecond table\n<!-- end section -->" in text
     with pytest.raises(SystemExit, match="--body .*: file not found"):
         results_md.main(["--section", "x", "--body", str(tmp_path / "missing.md"), "--out", str(out)])
+
+
+# -----------------------------------------------------------------------------
+# bad input: one line naming the flag, file or key, before any work
+
+def _one_line(main, argv):
+    """main(argv)'s one-line "error: ..." (a SystemExit, as each script's __main__ prints it)."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    line = str(e.value.code)
+    assert line.startswith("error: ") and "\n" not in line, line
+    return line
+
+
+def test_eval_flags_of_the_other_mode_and_one_shot_edges_are_one_line(tmp_path):
+    """Flags the mode would ignore, --context with --memory, a ratio list or several runs in one-shot mode, an empty
+    --context, an --out its plot would overwrite: one line before any run is read."""
+    (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
+    (tmp_path / "empty.txt").write_text(" \n")
+    run, doc = tmp_path / "no-run", tmp_path / "doc.txt"
+    for argv, message in (([run, "--context", doc, "--n", 2], "--n applies to evaluating runs, not to one-shot mode"),
+                          ([run, "--question", "Q", "--out", tmp_path / "o.json"], "--out applies to evaluating runs"),
+                          ([run, "--save_memory", tmp_path / "x.mem"], "--save_memory applies to one-shot mode"),
+                          ([run, "--context", doc, "--memory", doc], "--context and --memory: give one"),
+                          ([run, "--context", doc, "--ratio", "4,8"], "--ratio '4,8': one-shot mode answers at one"),
+                          ([run, run, "--context", doc], "one-shot mode answers from one run dir; 2 given"),
+                          ([run, "--context", tmp_path / "empty.txt"], "empty.txt: empty, nothing to compress"),
+                          ([run, "--out", tmp_path / "o.png"], f"--out '{tmp_path / 'o.png'}': name a .json")):
+        assert message in _one_line(evaluate.main, argv), argv
+    assert sorted(os.listdir(tmp_path)) == ["doc.txt", "empty.txt"]
+    p = subprocess.run([sys.executable, "eval.py", run, "--context", doc, "--n", "2"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert p.returncode != 0 and p.stderr.startswith("error: --n applies") and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_eval_reads_every_results_file_before_any_work(tmp_path, monkeypatch):
+    """A cached metrics.json or an earlier --out JSON of the wrong shape (what the table, the plot and claims.py
+    read) is one line naming the file and the key, before any run named before it is evaluated."""
+    loaded = []
+    monkeypatch.setattr(train, "load_run", lambda run_dir, device: loaded.append(run_dir))
+    todo = tmp_path / "todo"  # a run to evaluate: listed first, never loaded
+    todo.mkdir()
+    (todo / "run.json").write_text(json.dumps({"train": {"method": "meanpool"}}))
+    good = json.loads((_fake_run(tmp_path / "good", "meanpool", [4]) / "metrics.json").read_text())
+    bad_row = dict(good, rows=[dict(good["rows"][0], f1="high")])
+    bad_scores = dict(good, teacher=dict(good["teacher"], scores={"em": {}, "f1": {"q0": None}}))
+    for i, (content, message) in enumerate([
+            ([], "([] is not a run's result (an object)); rerun with --recompute"),
+            (dict(good, rows=[]), "corrupt metrics file (key 'rows' is empty)"),
+            ({k: v for k, v in good.items() if k != "no_context"}, "corrupt metrics file (missing key 'no_context')"),
+            (bad_row, "corrupt metrics file (key 'rows[0].f1' is 'high', expected a number)"),
+            (bad_scores, "key 'teacher.scores' is not {\"em\": {id: number}, \"f1\": {id: number}}")]):
+        run = _fake_run(tmp_path / f"bad{i}", "meanpool", [4])
+        (run / "metrics.json").write_text(json.dumps(content))
+        line = _one_line(evaluate.main, [todo, run])
+        assert f"bad{i}/metrics.json: corrupt metrics file" in line and message in line, line
+    for i, (content, message) in enumerate([([], "not an eval.py --out JSON, a list of runs: []"),
+                                            ([good, 3], "not an eval.py --out JSON: run 1: 3 is not a run's result"),
+                                            ([dict(good, run=None)], "run 0: key 'run' is None, expected str")]):
+        (tmp_path / f"out{i}.json").write_text(json.dumps(content))
+        line = _one_line(evaluate.main, [todo, tmp_path / f"out{i}.json"])
+        assert f"out{i}.json: not an eval.py --out JSON" in line and message in line, line
+    assert "'" + str(tmp_path / "gone") + "' is not a run dir (no run.json)" in _one_line(
+        evaluate.main, [todo, tmp_path / "gone"])
+    assert loaded == [] and not (todo / "metrics.json").exists()
+    evaluate.main([str(tmp_path / "good"), "--out", str(tmp_path / "new" / "all.json")])  # its folder is made
+    assert json.loads((tmp_path / "new" / "all.json").read_text())[0]["rows"] == good["rows"]
+
+
+def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
+    """A --ratio above the run's --max_context (int64 overflowed in the pooling) and a --max_new_tokens above the
+    decoder's positions (a 1 TB KV cache) are one line before any answer, in both modes; nothing is written.
+    --save_memory into a folder not made yet makes it."""
+    run = tmp_path / "mp"
+    train.main([str(a) for a in ["--method", "meanpool", "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0,
+                                 "--quiet", "--device", "cpu", "--out_dir", run]])
+    (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
+    before = sorted(os.listdir(run))
+    for mode in (["--n", 2], ["--context", tmp_path / "doc.txt"]):
+        for argv, message in ((["--ratio", 99999999999999999999], f"above {run}'s --max_context 1024"),
+                              (["--max_new_tokens", 10 ** 9], f"above the 2048 positions of {run}'s decoder")):
+            assert message in _one_line(evaluate.main, [run, *mode, *argv]), (mode, argv)
+    assert sorted(os.listdir(run)) == before
+    evaluate.main([str(a) for a in [run, "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
+                                    "--save_memory", tmp_path / "new" / "doc.mem"]])
+    assert (tmp_path / "new" / "doc.mem").is_file()
+
+
+def test_scripts_bad_input_is_one_line(tmp_path):
+    """claims.py, results_md.py, compare.py, hf_generate.py: a results JSON of the wrong shape, a run.json that is
+    not JSON, an unknown flag, an --out that is a folder: one line, no traceback, and RESULTS.md kept."""
+    claims, results_md, compare, hf_generate = (load_script(n) for n in ("claims", "results_md", "compare",
+                                                                         "hf_generate"))
+    ids = [f"q{i}" for i in range(4)]
+    results = _suite_results({"gist-8": {4: ({q: 50.0 for q in ids}, {}), 8: ({q: 50.0 for q in ids}, {})}})
+    (tmp_path / "two_rows.json").write_text(json.dumps(results))
+    (tmp_path / "junk.json").write_text(json.dumps([{"run": "x", "rows": [1]}]))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "run.json").write_text("{oops")
+    (tmp_path / "broken.json").write_text(json.dumps([dict(results[0], run=str(broken), rows=results[0]["rows"][:1])]))
+    out = tmp_path / "RESULTS.md"
+    out.write_text("kept\n")
+    for main, argv, message in (
+            (claims.main, [tmp_path / "junk.json"], "junk.json: not an eval.py --out JSON: run 0: missing key"),
+            (claims.main, [tmp_path / "two_rows.json"], "run out/suite/gist-8 has 2 rows and a claim names it alone"),
+            (claims.main, ["--seeds", tmp_path / "junk.json"], "unknown flag --seeds; usage: python scripts/claims.py"),
+            (results_md.main, [tmp_path / "junk.json", "--out", out], "junk.json: not an eval.py --out JSON: run 0"),
+            (results_md.main, [tmp_path / "junk.json", "--out", tmp_path], "is a folder; name a file"),
+            (results_md.main, ["--section", "S", "--body", tmp_path, "--out", out], "--body"),
+            (results_md.main, [tmp_path / "junk.json", "--wall_s", "x"], "argument --wall_s: invalid float value"),
+            (hf_generate.main, [tmp_path, "--memory", "m", "--question", "q", "--max_new_tokens", 0],
+             "--max_new_tokens 0 must be a positive integer"),
+            (hf_generate.main, [tmp_path, "--memory", "m"], "the following arguments are required: --question")):
+        assert message in _one_line(main, argv), argv
+    assert out.read_text() == "kept\n"
+    a = _scores_file(tmp_path / "a.json", {4: {"q0": 1.0}})
+    bad = json.load(open(a))
+    bad["rows"][0]["scores"]["f1"] = {"q0": "x"}
+    (tmp_path / "b.json").write_text(json.dumps(bad))
+    assert "b.json is not an eval.py results JSON (TypeError: row 'm@4': scores.f1 is not {question id: number})" in \
+        _one_line(compare.main, [a, tmp_path / "b.json"])
+    for script, args in (("scripts/claims.py", [tmp_path / "broken.json", tmp_path / "broken.json"]),
+                         ("scripts/results_md.py", [tmp_path / "broken.json", "--out", out])):
+        p = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode != 0 and p.stderr == f"error: {broken}/run.json:1: invalid JSON: Expecting property name " \
+            "enclosed in double quotes\n", (script, p.stderr[-2000:])
+    assert out.read_text() == "kept\n"
