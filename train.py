@@ -363,6 +363,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             explicit.discard(flag)
     if cfg.grad_accum < 1:
         raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
+    if cfg.method == "base" and "init_from" in explicit:
+        raise SystemExit("error: --init_from does not apply to --method base: it trains a tiny base from scratch "
+                         "(--resume continues one)")
     if cfg.micro_batch < 0 or (cfg.micro_batch and "grad_accum" in explicit):
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch}: it must be >= 0, and it sets --grad_accum (give one)")
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"

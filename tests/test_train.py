@@ -205,10 +205,12 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "base", "--n_heads", "3"], "d_model a multiple of 2 x n_heads"),
     (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each must be >= 1"),
     (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must be >= 512"),
+    (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
 ])
 def test_cli_errors_are_one_line(argv, message):
-    assert message in cli_error(argv + ["--init_from", "/nonexistent"])  # argparse's errors too
+    real = [] if "base" in argv else ["--init_from", "/nonexistent"]  # (--method base takes none)
+    assert message in cli_error(argv + real)  # argparse's errors too
 
 
 def test_cli_errors_in_a_process_are_one_line():
