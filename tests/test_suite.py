@@ -62,8 +62,11 @@ def test_suite_ata_rows_pretrain_with_rel_only_on_a_real_checkpoint(tmp_path, in
     stub.parent.mkdir()
     stub.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path / 'calls'}\n")
     stub.chmod(0o755)
+    for name in ("d.json", "e.json"):  # the suite checks that they exist
+        (tmp_path / name).write_text("{}")
     env = dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "suite"),
-               RESULTS=str(tmp_path / "RESULTS.md"), INIT_FROM=init_from, DATA="d.json", EVAL_DATA="e.json")
+               RESULTS=str(tmp_path / "RESULTS.md"), INIT_FROM=init_from, DATA=str(tmp_path / "d.json"),
+               EVAL_DATA=str(tmp_path / "e.json"))
     p = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ata = [l for l in (tmp_path / "calls").read_text().splitlines() if "--method ata" in l]
