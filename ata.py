@@ -26,7 +26,8 @@ Choices the paper leaves open, made here:
 - Objectives: `qa` (+ lam * Huber: one command trains encoder and probe), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
 - Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
   chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
-- Ablations (Table 2): --no_aac, --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
+- Ablations (Table 2): --no_aac (k = --fixed_k, 6: Table 2's "w/o AAC" row; SPEC §3.5's k_max is --fixed_k 8),
+  --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
 """
 import math
 import random

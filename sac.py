@@ -23,7 +23,9 @@ Choices, each marked paper, official code (the authors' public repository, where
   frozen base's causal K/V of it, so r = 1, a causal encoder and no adapter give the teacher. Ratio L / (P + |S|).
 - `--prompt sac`, the official form (data.format_qa): no prefix slots, a learned [LM] at position L before the Q.
 - Context length: any (official code): a real checkpoint's --max_context is 2^20 (ours), the tiny base's 1024.
-- `lm`: L_LM alone (paper, §3.2, Table 5; the official config averages AE and LM), on a text cut in half (App. A).
+- `lm`: L_LM alone (paper, §3.2, Table 5; the official config averages AE and LM) on texts of at most 2,040 tokens
+  (App. A: 510 to 2,040; longer ones cut), each cut in half: C, then C' (ours: App. A's "two halves" split the data
+  between AE and LM; where C ends is not said). C'_1 is the decoder's first input, its targets the tokens after it.
 - Recipe (§4.1, Table 6; `recipe`): `lm`, then `qa`, at r = 5; `--ratio 15` or `--ratio 51` for the paper's others.
 - Tiny base: tiny.py's aids (curriculum, `qa` attention distillation onto the nearest anchor, several QA pairs per
   context, a LoRA decoder); the r = 5 model is also read at 15 (`--eval_ratio 5,15`): it beats one trained at 15.
@@ -101,8 +103,10 @@ class SAC(nn.Module):
         both = dict(ratio="5", max_iters=20_000, batch_size=16, warmup_iters=300, min_lr_frac=1.0, weight_decay=0.1,
                     grad_clip=2.0, lora_r=128, lora_alpha=256)
         official, ours = dict(lora_targets="q_proj,v_proj"), dict(max_context=1 << 20)  # the whole context
-        return [dict(objective=objective, cite=cite, paper={**both, "lr": lr}, official=official, ours=ours)
-                for objective, cite, lr in (("lm", "§3.2, §4.1, Table 6", 1e-4), ("qa", "§4.1, Table 6", 5e-5))]
+        texts = dict(max_context=1020)  # App. A: texts of up to 2,040 tokens, C their first half
+        return [dict(objective=objective, cite=cite, paper={**both, "lr": lr, **more}, official=official, ours=ours)
+                for objective, cite, lr, more in (("lm", "§3.2, §4.1, Table 6, App. A", 1e-4, texts),
+                                                  ("qa", "§4.1, Table 6", 5e-5, {}))]
 
     @staticmethod
     def check_config(cfg, mcfg):

@@ -21,7 +21,7 @@ PAPERS = {  # method (and flags): [(objective, values)] per stage
     ("meanpool",): [("kd", dict(TABLE6, ratio="4,8,16,32,64,128"))],
     ("pic", "--mem", "single"): [("kd", dict(TABLE6, ratio="4,8,16,32,64,128", mem_pos="after"))],
     ("pic",): [("ae+lm", dict(lr=1e-4, max_iters=90_000, ratio="16")), ("qa", dict(ratio="16"))],
-    ("sac",): [("lm", dict(SAC, lr=1e-4)), ("qa", dict(SAC, lr=5e-5))],
+    ("sac",): [("lm", dict(SAC, lr=1e-4, max_context=1020)), ("qa", dict(SAC, lr=5e-5))],  # App. A: 2,040-token texts
     ("ata",): [("rel", dict(ATA, max_iters=52_500)), ("qa", dict(ATA, max_iters=17_500))],  # 3 and 1 epochs of 280k / 16
     ("sentence_gist",): [("lm", dict(GIST, stage=1, max_iters=1000, batch_size=64, lr=1e-4, min_lr_frac=0.5,
                                      warmup_frac=0.1, grad_clip=1.0)),
