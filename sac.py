@@ -24,8 +24,8 @@ Choices, each marked paper, official code (the authors' public repository, where
 - `--prompt sac`, the official form (data.format_qa): no prefix slots, a learned [LM] at position L before the Q.
 - Context length: any (official code): a real checkpoint's --max_context is 2^20 (ours), the tiny base's 1024.
 - `lm`: L_LM alone (paper, §3.2, Table 5; the official config averages AE and LM) on texts of at most 2,040 tokens
-  (App. A: 510 to 2,040; longer ones cut), each cut in half: C, then C' (ours: App. A's "two halves" split the data
-  between AE and LM; where C ends is not said). C'_1 is the decoder's first input, its targets the tokens after it.
+  (App. A: 510 to 2,040; longer ones cut), each cut in half (App. A): C, then C'. C'_1 is the decoder's first input
+  (ours: a K/V memory has no position to predict it from), its targets the tokens after it.
 - Recipe (§4.1, Table 6; `recipe`): `lm`, then `qa`, at r = 5; `--ratio 15` or `--ratio 51` for the paper's others.
 - Tiny base: tiny.py's aids (curriculum, `qa` attention distillation onto the nearest anchor, several QA pairs per
   context, a LoRA decoder); the r = 5 model is also read at 15 (`--eval_ratio 5,15`): it beats one trained at 15.
