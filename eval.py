@@ -51,6 +51,10 @@ class EvalConfig:
     memory: str = ""           # answer from a saved compressed context
     save_memory: str = ""      # save the compressed context of --context
 
+    @property
+    def one_shot(self):  # answer one question (--context, --memory, --question) instead of evaluating runs
+        return bool(self.context or self.memory or self.question)
+
 
 # -----------------------------------------------------------------------------
 # SQuAD v1.1 metrics and bootstrap intervals
@@ -470,14 +474,13 @@ ONE_SHOT_ONLY, RUNS_ONLY = {"save_memory"}, {"n", "eval_data", "split", "recompu
 
 def check_flags(ecfg, given):
     """eval.py's own flags (given: those on the command line), before any work: one line naming the flag."""
-    one_shot = ecfg.context or ecfg.memory or ecfg.question
-    wrong = sorted(given & (RUNS_ONLY if one_shot else ONE_SHOT_ONLY))
+    wrong = sorted(given & (RUNS_ONLY if ecfg.one_shot else ONE_SHOT_ONLY))
     if wrong:
         modes = ("evaluating runs", "one-shot mode (--context, --memory, --question)")
-        raise SystemExit(f"error: --{wrong[0]} applies to {modes[not one_shot]}, not to {modes[bool(one_shot)]}")
+        raise SystemExit(f"error: --{wrong[0]} applies to {modes[not ecfg.one_shot]}, not to {modes[ecfg.one_shot]}")
     if ecfg.context and ecfg.memory:
         raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
-    if one_shot and "," in ecfg.ratio:
+    if ecfg.one_shot and "," in ecfg.ratio:
         raise SystemExit(f"error: --ratio {ecfg.ratio!r}: one-shot mode answers at one ratio")
     for flag in ("batch_size", "max_new_tokens"):
         if getattr(ecfg, flag) < 1:
@@ -505,7 +508,7 @@ def main(argv):
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
     device = train.pick_device(ecfg.device)
-    if ecfg.context or ecfg.memory or ecfg.question:
+    if ecfg.one_shot:
         if len(run_dirs) > 1:
             raise SystemExit(f"error: one-shot mode answers from one run dir; {len(run_dirs)} given: "
                              f"{' '.join(run_dirs)}")

@@ -333,8 +333,8 @@ class Base(torch.nn.Module):
     def check_config(cfg, bc):
         if min(bc.d_model, bc.n_layers, bc.n_heads, bc.qa_per_context) < 1 or bc.d_model % (2 * bc.n_heads):
             raise SystemExit(f"error: --d_model {bc.d_model}, --n_layers {bc.n_layers}, --n_heads {bc.n_heads}, "
-                             f"--qa_per_context {bc.qa_per_context}: each must be >= 1, and d_model a multiple of 2 x n_heads "
-                             "(RoPE rotates head-size pairs)")
+                             f"--qa_per_context {bc.qa_per_context}: each must be >= 1, and d_model a multiple of "
+                             "2 x n_heads (RoPE rotates head-size pairs)")
         if bc.vocab_size < 512:  # sentencepiece needs 326 pieces here: 256 bytes, specials, the corpus's characters
             raise SystemExit(f"error: --vocab_size {bc.vocab_size} must be >= 512")
         if not (0 <= bc.context_weight <= 1 and 0 <= bc.attn_weight < math.inf):

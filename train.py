@@ -442,8 +442,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
             inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
         if c.resume:
-            state = read_json(os.path.join(c.out_dir, "run.json"))
-            if state.get("train", {}).get("method") != c.method:
+            state = first_stage(c.out_dir, c.method)  # its run.json, when a run of this method
+            if not state:
                 raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
             inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
         resolved.append((c, m, sources))
