@@ -21,7 +21,7 @@ import re
 import string
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +114,10 @@ def eval_records(cfg, ecfg):
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data
     if path:
-        return train.read_records(path, cfg)[:n]
+        records = train.read_records(path, cfg)
+        if ecfg.n > len(records):  # every question is read, and the rows' n says how many
+            print(f"note: --n {ecfg.n}: {path} holds {len(records)} questions; evaluating them all", file=sys.stderr)
+        return records[:n]
     return tiny.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 
@@ -302,11 +305,24 @@ def cached_result(run_dir, ecfg):
     return res if res.get("asked") == asked(run_dir, ecfg) else None
 
 
-def check_run(run_dir, cfg, decoder, ratio, max_new_tokens):
-    """--ratio and --max_new_tokens against the run loaded from run_dir, before it answers: one line."""
-    if ratio and max(train.ratios_of(ratio)) > cfg.max_context:
+def check_ratio(run_dir, ratio):
+    """--ratio against each run's run.json before any run loads: its --max_context, and its method's own rules
+    (check_config reads it as the run's --eval_ratio: pic's memory table, sentence_gist's achieved ratio)."""
+    cfg, mcfg, cls = train.run_config(run_dir)
+    if not ratio:
+        return
+    if max(train.ratios_of(ratio)) > cfg.max_context:
         raise SystemExit(f"error: --ratio {ratio!r}: above {run_dir}'s --max_context {cfg.max_context}, "
                          "where every context is one memory slot")
+    try:
+        getattr(cls, "check_config", lambda *_: None)(replace(cfg, eval_ratio=ratio), mcfg)
+    except SystemExit as e:
+        raise SystemExit(f"error: --ratio {ratio} on {run_dir} (as its --eval_ratio): "
+                         f"{str(e).removeprefix('error: ')}") from None
+
+
+def check_run(run_dir, decoder, max_new_tokens):
+    """--max_new_tokens against the decoder loaded from run_dir, before it answers: one line."""
     config = getattr(decoder, "config", None)  # (None: a test's stand-in decoder)
     if config and max_new_tokens > config.max_position_embeddings:
         raise SystemExit(f"error: --max_new_tokens {max_new_tokens}: above the {config.max_position_embeddings} "
@@ -319,7 +335,7 @@ def evaluate_run(run_dir, ecfg, device):
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     if not hasattr(method, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
-    check_run(run_dir, cfg, getattr(method, "dec", base), ecfg.ratio, ecfg.max_new_tokens)
+    check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     records = eval_records(cfg, ecfg)
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
@@ -449,8 +465,9 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
+    check_ratio(run_dir, ecfg.ratio)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
-    check_run(run_dir, cfg, getattr(method, "dec", base), ecfg.ratio, ecfg.max_new_tokens)
+    check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,
               "question": ecfg.question or "What is this text about?", "answers": [""]}
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
@@ -515,6 +532,9 @@ def main(argv):
         return one_shot(ecfg, run_dirs[0], device)
     # every results file read, every run dir seen, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
+    for r in run_dirs:
+        if read[r] is None:  # to be evaluated
+            check_ratio(r, ecfg.ratio)
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device)])]
     print(table(results))

@@ -160,9 +160,10 @@ class SentenceGist(nn.Module):
             raise SystemExit(f"error: --stage {mcfg.stage}: choose 1 (gist rows), 2 (+ LoRA) or 3 (cool-down)")
         if mcfg.max_sentence_len < 1:
             raise SystemExit(f"error: --max_sentence_len {mcfg.max_sentence_len} must be >= 1")
-        if cfg.ratio != "1":
-            raise SystemExit(f"error: --ratio {cfg.ratio} does not apply to --method sentence_gist: its ratio "
-                             "is achieved (context tokens / kept slots); choose --gists 1, 2, 4 or 8")
+        for flag, ratio in (("ratio", cfg.ratio), ("eval_ratio", cfg.eval_ratio or "1")):
+            if ratio != "1":
+                raise SystemExit(f"error: --{flag} {ratio} does not apply to --method sentence_gist: its ratio "
+                                 "is achieved (context tokens / kept slots); choose --gists 1, 2, 4 or 8")
 
     def layout(self, rows, labels=None, multiple=None, runs=None):
         return layout(rows, self.is_end, self.cfg.gists, self.cfg.max_sentence_len, labels, self.gist.device,

@@ -507,13 +507,14 @@ def build(cfg, mcfg, device, dtype):
     return tok, base, method
 
 
-def load_run(run_dir, device="cpu", dtype=torch.float32):
-    """(cfg, mcfg, tok, base, method) of a finished run, ready for eval."""
+def run_config(run_dir):
+    """(cfg, mcfg, method class) of a run, read from its run.json alone: no weights load."""
     path = os.path.join(run_dir, "run.json")
     if not os.path.exists(path):
         raise SystemExit(f"error: {run_dir!r} is not a run dir (no run.json)")
     state = read_json(path)
-    if not isinstance(state, dict) or not {"train", "method"} <= state.keys() or "method" not in state["train"]:
+    if not (isinstance(state, dict) and all(isinstance(state.get(k), dict) for k in ("train", "method"))
+            and "method" in state["train"]):
         raise ValueError(f"{path}: not a run.json written by train.py (needs train.method and method)")
     methods, name = method_registry(), state["train"]["method"]
     if name not in methods:
@@ -523,11 +524,16 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
         if unknown:  # a run of an older version (ata's prefix is --no_prefix now)
             raise SystemExit(f"error: {path}: {key} keys {unknown} are not {config.__name__} fields; retrain the run")
     cfg = TrainConfig(**state["train"])
-    mcfg = method_config(methods[name])(**state["method"])
     if name == "base":
         cfg.init_from = run_dir
+    return cfg, method_config(methods[name])(**state["method"]), methods[name]
+
+
+def load_run(run_dir, device="cpu", dtype=torch.float32):
+    """(cfg, mcfg, tok, base, method) of a finished run, ready for eval."""
+    cfg, mcfg, cls = run_config(run_dir)
     tok, base, method = build(cfg, mcfg, device, dtype)
-    if name != "base":
+    if cfg.method != "base":
         load_checkpoint(run_dir, method)
     method.eval()
     return cfg, mcfg, tok, base, method

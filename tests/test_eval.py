@@ -137,7 +137,7 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}}))
+    (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}, "method": {}}))
     evaluate.main([str(run), "--batch_size", "4"])
     res = json.load(open(run / "metrics.json"))
     ids = [r["id"] for r in evaluate.eval_records(cfg, evaluate.EvalConfig())]
@@ -165,7 +165,7 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
         cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
         monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
         (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""}}))
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""}, "method": {}}))
         read_at.clear()
         evaluate.main([str(tmp_path / name)] + extra)
         rows = json.load(open(tmp_path / name / "metrics.json"))["rows"]
@@ -190,7 +190,7 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "teacher_rows", lambda *a: calls.append(1) or real(*a))
     for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}}))
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}, "method": {}}))
         evaluate.main([str(tmp_path / name)] + extra)
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
@@ -445,7 +445,7 @@ def test_eval_reads_every_results_file_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: loaded.append(run_dir))
     todo = tmp_path / "todo"  # a run to evaluate: listed first, never loaded
     todo.mkdir()
-    (todo / "run.json").write_text(json.dumps({"train": {"method": "meanpool"}}))
+    (todo / "run.json").write_text(json.dumps({"train": {"method": "meanpool"}, "method": {}}))
     good = json.loads((_fake_run(tmp_path / "good", "meanpool", [4]) / "metrics.json").read_text())
     bad_row = dict(good, rows=[dict(good["rows"][0], f1="high")])
     bad_scores = dict(good, teacher=dict(good["teacher"], scores={"em": {}, "f1": {"q0": None}}))
@@ -489,6 +489,28 @@ def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
     evaluate.main([str(a) for a in [run, "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
                                     "--save_memory", tmp_path / "new" / "doc.mem"]])
     assert (tmp_path / "new" / "doc.mem").is_file()
+
+
+def test_a_ratio_the_run_cannot_read_is_one_line_before_any_run_is_evaluated(tmp_path, capsys):
+    """eval.py's --ratio meets each run's own rules, as its --eval_ratio would, before the first run is evaluated:
+    pic's memory table (an IndexError at --ratio 1), sentence_gist's achieved ratio (was silently ignored). An --n
+    above the file's questions reads them all and says so."""
+    runs = {}
+    for method, flags in (("meanpool", []), ("pic", ["--pretrain", 0]), ("sentence_gist", [])):
+        runs[method] = tmp_path / method
+        train.main([str(a) for a in ["--method", method, "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0,
+                                     "--quiet", "--device", "cpu", "--out_dir", runs[method], *flags]])
+    for argv, message in (([runs["pic"], "--ratio", 1], "1024 memory tokens > --max_mem 256"),
+                          ([runs["meanpool"], runs["sentence_gist"], "--ratio", 4], "--eval_ratio 4 does not apply"),
+                          ([runs["meanpool"], runs["pic"], "--ratio", "4,2"], "--max_mem 256")):
+        assert message in _one_line(evaluate.main, [*argv, "--n", 2]), argv
+    assert not any((run / "metrics.json").exists() for run in runs.values())
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"id": f"q{i}", "context": "Ada was born in Paris.", "question": "Where?",
+                                      "answers": ["Paris"]}) + "\n" for i in range(3)))
+    capsys.readouterr()
+    (res,) = evaluate.main([str(runs["sentence_gist"]), "--eval_data", str(qa), "--n", "50", "--max_new_tokens", "2"])
+    assert res["rows"][0]["n"] == 3 and f"--n 50: {qa} holds 3 questions" in capsys.readouterr().err
 
 
 def test_scripts_bad_input_is_one_line(tmp_path):

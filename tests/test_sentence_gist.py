@@ -242,6 +242,7 @@ def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_
 @pytest.mark.parametrize("flags, message", [
     (["--gists", "3"], "--gists 3"), (["--gists", "0"], "--gists 0"), (["--stage", "4"], "--stage 4"),
     (["--max_sentence_len", "0"], "--max_sentence_len 0"), (["--ratio", "8"], "--ratio 8 does not apply"),
+    (["--eval_ratio", "4"], "--eval_ratio 4 does not apply"),
     (["--ratio", "0"], "every ratio must be a positive"), (["--no_linear"], "--no_linear does not apply"),
 ])
 def test_bad_input_in_process(base_dir, flags, message):
