@@ -62,6 +62,9 @@ def read_tensors(path, device="cpu"):
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 @dataclass
 class ModelConfig:
     """Mirrors the HF ``config.json`` keys; head_dim and n_kv_heads are derived."""
@@ -112,7 +115,7 @@ class ModelConfig:
                 raise ValueError(f"{path}: key {f.name!r} is {value!r}, expected {f.type.__name__}")
         model_type = raw.get("model_type")
         known("model_type", model_type, SUPPORTED_MODEL_TYPES, f"{path}: ")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        for key in SIZES:
             if key not in raw:
                 raise ValueError(f"{path}: missing key {key!r}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers v5 | v4
@@ -124,6 +127,9 @@ class ModelConfig:
         cfg = {f.name: raw[f.name] for f in fields(cls) if raw.get(f.name) is not None}
         cfg["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         cfg["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
+        for key in (*SIZES, "max_position_embeddings", "rms_norm_eps", "rope_theta"):  # (NaN from the first step)
+            if key in cfg and not (type(cfg[key]) in (int, float) and cfg[key] > 0):
+                raise ValueError(f"{path}: key {key!r} is {cfg[key]!r}, expected > 0")
         cfg.setdefault("tie_word_embeddings", False)  # HF's default when the key is absent
         if model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, from max_window_layers on
             if not raw.get("use_sliding_window"):

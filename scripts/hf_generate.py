@@ -100,7 +100,7 @@ def main(argv):
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: no such file")
     cfg, mcfg, tok, base, method = train.load_run(args.run)
-    evaluate.check_run(args.run, cfg, getattr(method, "dec", base), "", args.max_new_tokens)
+    evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens)
     memory = Memory.load(args.memory)
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")

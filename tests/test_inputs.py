@@ -32,6 +32,7 @@ def files(tmp_path_factory):
     broken("config-json", lambda d: (d / "config.json").write_text('{"model_type": "llama",'))
     broken("config-key", lambda d: config(d, lambda c: c.pop("hidden_size")))
     broken("config-type", lambda d: config(d, lambda c: c.update(num_hidden_layers="two")))
+    broken("config-eps", lambda d: config(d, lambda c: c.update(rms_norm_eps=-1e-6)))
     broken("weights-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:999]))
     broken("tokenizer", lambda d: (d / "tokenizer.json").write_text("{oops"))
     (root / "bad.json").write_text('{"data": [')
@@ -46,6 +47,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("config.json", ["--init_from", "config-json"], "config-json/config.json:1: invalid JSON"),
     ("config key", ["--init_from", "config-key"], "config-key/config.json: missing key 'hidden_size'"),
     ("config type", ["--init_from", "config-type"], "key 'num_hidden_layers' is 'two', expected int"),
+    ("config range", ["--init_from", "config-eps"], "key 'rms_norm_eps' is -1e-06, expected > 0"),  # was a NaN loss
     ("weights", ["--init_from", "weights-cut"], "weights-cut/model.safetensors: not a readable safetensors file"),
     ("tokenizer", ["--init_from", "tokenizer"], "tokenizer/tokenizer.json:1: invalid JSON"),
     ("data", ["--data", "bad.json"], "bad.json:1: invalid JSON"),
@@ -55,6 +57,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),
     ("teacher", ["--teacher", "teacher"], "teacher/adapter_config.json: missing key 'r'"),
     ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
+    ("ratio", ["--ratio", "4,2048"], "--ratio 4,2048: above --max_context 1024"),
     ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
     ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be an integer"),
     ("method value", ["--method"], "argument --method: expected one argument"),
