@@ -62,7 +62,7 @@ def configure(argv):
     """The module's settings from the command line argv: args, device, cuda."""
     global args, device, cuda
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = train.pick_device(args.device)
     cuda = device.type == "cuda"
     if args.cuda_graphs and not (args.compile and cuda and not args.grad_ckpt):
         parser.error("--cuda_graphs needs --compile and --device cuda, and not --grad_ckpt")
@@ -315,6 +315,19 @@ def train_shapes():
     return ["tiny"] if args.tiny else args.shapes.split(","), B, context
 
 
+def check_args():
+    """The flags' values before any work: one line naming the flag."""
+    for flag, least in (("iters", 1), ("burn_in", 0), ("threads", 0), ("loss_vocab", 1), ("tokens", 1), ("dim", 1),
+                        ("context", 1), ("train_batch", 1), ("attn_batch", 1)):
+        if getattr(args, flag) < least:
+            sys.exit(f"error: --{flag} {getattr(args, flag)} must be >= {least}")
+    if unknown := sorted(set(args.shapes.split(",")) - SHAPES.keys()):
+        sys.exit(f"error: --shapes {','.join(unknown)}: no such shape; choose from {', '.join(SHAPES)}")
+    if not all(n.isdigit() and int(n) > 0 for n in args.lengths.split(",")):
+        sys.exit(f"error: --lengths {args.lengths!r}: a comma list of positive token counts")
+    selected_rows()
+
+
 def selected_rows():
     """The ROWS that --methods names (by row or method), all without it."""
     names = {name for r in ROWS for name in (r[0], r[1].split()[0])}
@@ -489,7 +502,7 @@ def bench_batching():
 
 
 if __name__ == "__main__":
-    selected_rows()  # an unknown --methods name: one line before any work
+    check_args()
     set_threads()
     benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft,
                "batching": bench_batching}

@@ -143,6 +143,7 @@ TWINS = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}
 
 def main():
     bench.configure(["train"] + sys.argv[1:])
+    bench.check_args()
     bench.set_threads()
     tok = data.load_tokenizer(bench.TINY_BASE)
     shapes, B, context = bench.train_shapes()

@@ -473,7 +473,7 @@ def test_eval_reads_every_results_file_before_any_work(tmp_path, monkeypatch):
 
 
 def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
-    """A --ratio above the run's --max_context (int64 overflowed in the pooling) and a --max_new_tokens above the
+    """A --ratio above the run's --max_context (every context one slot) and a --max_new_tokens above the
     decoder's positions (a 1 TB KV cache) are one line before any answer, in both modes; nothing is written.
     --save_memory into a folder not made yet makes it."""
     run = tmp_path / "mp"
@@ -482,7 +482,7 @@ def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
     (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
     before = sorted(os.listdir(run))
     for mode in (["--n", 2], ["--context", tmp_path / "doc.txt"]):
-        for argv, message in ((["--ratio", 99999999999999999999], f"above {run}'s --max_context 1024"),
+        for argv, message in ((["--ratio", 2048], f"above {run}'s --max_context 1024"),
                               (["--max_new_tokens", 10 ** 9], f"above the 2048 positions of {run}'s decoder")):
             assert message in _one_line(evaluate.main, [run, *mode, *argv]), (mode, argv)
     assert sorted(os.listdir(run)) == before

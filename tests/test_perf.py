@@ -119,3 +119,21 @@ def test_bench_names_an_unknown_row_before_any_work(monkeypatch):
     assert str(e.value).startswith("error: --methods pik: no such row or method; the rows: meanpool kd, ")
     monkeypatch.setattr(bench.args, "methods", "sac,ata qa")  # a method's rows, a row by name
     assert [r[0] for r in bench.selected_rows()] == ["sac qa", "ata qa"]
+
+
+def test_bench_flags_are_one_line_before_any_work():
+    """A count below its least, an unknown shape, a length that is not a number, a device this machine lacks: one
+    line naming the flag (they were tracebacks, or timed zero iterations)."""
+    import pytest
+    bench = load_script("hf_twins", "benchmarks").bench
+    try:
+        for argv, message in ((["train", "--iters", "0"], "--iters 0 must be >= 1"),
+                              (["train", "--shapes", "llama-3.1-8b,bogus"], "--shapes bogus: no such shape"),
+                              (["attention", "--lengths", "4k"], "--lengths '4k': a comma list"),
+                              (["loss", "--device", "tpu"], "--device 'tpu' is not a device")):
+            with pytest.raises(SystemExit) as e:
+                bench.configure(argv)
+                bench.check_args()
+            assert str(e.value).startswith("error: ") and message in str(e.value), argv
+    finally:
+        bench.configure(["train", "--tiny"])  # the import's settings back
