@@ -497,6 +497,10 @@ def check_flags(ecfg, given):
         raise SystemExit(f"error: --{wrong[0]} applies to {modes[not ecfg.one_shot]}, not to {modes[ecfg.one_shot]}")
     if ecfg.context and ecfg.memory:
         raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
+    for flag in ("ratio", "save_memory"):
+        if ecfg.memory and getattr(ecfg, flag):
+            raise SystemExit(f"error: --{flag} applies to compressing a --context; --memory {ecfg.memory} is compressed "
+                             "and saved already")
     if ecfg.one_shot and "," in ecfg.ratio:
         raise SystemExit(f"error: --ratio {ecfg.ratio!r}: one-shot mode answers at one ratio")
     for flag in ("batch_size", "max_new_tokens"):

@@ -418,7 +418,8 @@ def _one_line(main, argv):
 
 
 def test_eval_flags_of_the_other_mode_and_one_shot_edges_are_one_line(tmp_path):
-    """Flags the mode would ignore, --context with --memory, a ratio list or several runs in one-shot mode, an empty
+    """Flags the mode would ignore, --context with --memory, --ratio or --save_memory with --memory (ignored before),
+    a ratio list or several runs in one-shot mode, an empty
     --context, an --out its plot would overwrite: one line before any run is read."""
     (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
     (tmp_path / "empty.txt").write_text(" \n")
@@ -428,6 +429,8 @@ def test_eval_flags_of_the_other_mode_and_one_shot_edges_are_one_line(tmp_path):
                           ([run, "--save_memory", tmp_path / "x.mem"], "--save_memory applies to one-shot mode"),
                           ([run, "--context", doc, "--memory", doc], "--context and --memory: give one"),
                           ([run, "--context", doc, "--ratio", "4,8"], "--ratio '4,8': one-shot mode answers at one"),
+                          ([run, "--memory", doc, "--ratio", 8], "--ratio applies to compressing a --context"),
+                          ([run, "--memory", doc, "--save_memory", tmp_path / "x.mem"], "--save_memory applies to com"),
                           ([run, run, "--context", doc], "one-shot mode answers from one run dir; 2 given"),
                           ([run, "--context", tmp_path / "empty.txt"], "empty.txt: empty, nothing to compress"),
                           ([run, "--out", tmp_path / "o.png"], f"--out '{tmp_path / 'o.png'}': name a .json")):
