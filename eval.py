@@ -305,10 +305,13 @@ def cached_result(run_dir, ecfg):
     return res if res.get("asked") == asked(run_dir, ecfg) else None
 
 
-def check_ratio(run_dir, ratio):
-    """--ratio against each run's run.json before any run loads: its --max_context, and its method's own rules
-    (check_config reads it as the run's --eval_ratio: pic's memory table, sentence_gist's achieved ratio)."""
+def check_evaluable(run_dir, ratio):
+    """From its run.json alone, before any run loads: a compressor's run, and --ratio within its --max_context and
+    its method's own rules (check_config reads it as the run's --eval_ratio: pic's memory table, sentence_gist's
+    achieved ratio)."""
     cfg, mcfg, cls = train.run_config(run_dir)
+    if not hasattr(cls, "compress"):
+        raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     if not ratio:
         return
     if max(train.ratios_of(ratio)) > cfg.max_context:
@@ -333,8 +336,6 @@ def evaluate_run(run_dir, ecfg, device):
     """Compute and write <run>/metrics.json."""
     cached = os.path.join(run_dir, "metrics.json")
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
-    if not hasattr(method, "compress"):
-        raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     records = eval_records(cfg, ecfg)
     if not records:
@@ -465,7 +466,7 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
-    check_ratio(run_dir, ecfg.ratio)
+    check_evaluable(run_dir, ecfg.ratio)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,
@@ -538,7 +539,7 @@ def main(argv):
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
     for r in run_dirs:
         if read[r] is None:  # to be evaluated
-            check_ratio(r, ecfg.ratio)
+            check_evaluable(r, ecfg.ratio)
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device)])]
     print(table(results))

@@ -494,19 +494,23 @@ def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
     assert (tmp_path / "new" / "doc.mem").is_file()
 
 
-def test_a_ratio_the_run_cannot_read_is_one_line_before_any_run_is_evaluated(tmp_path, capsys):
+def test_a_run_or_ratio_eval_cannot_read_is_one_line_before_any_run_is_evaluated(tmp_path, capsys):
     """eval.py's --ratio meets each run's own rules, as its --eval_ratio would, before the first run is evaluated:
-    pic's memory table (an IndexError at --ratio 1), sentence_gist's achieved ratio (was silently ignored). An --n
-    above the file's questions reads them all and says so."""
+    pic's memory table (an IndexError at --ratio 1), sentence_gist's achieved ratio (was silently ignored). So does
+    a teacher run (its line came after the runs before it; one-shot: an AttributeError). An --n above the file's
+    questions reads them all and says so."""
     runs = {}
-    for method, flags in (("meanpool", []), ("pic", ["--pretrain", 0]), ("sentence_gist", [])):
+    for method, flags in (("meanpool", []), ("pic", ["--pretrain", 0]), ("sentence_gist", []), ("teacher", [])):
         runs[method] = tmp_path / method
         train.main([str(a) for a in ["--method", method, "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0,
                                      "--quiet", "--device", "cpu", "--out_dir", runs[method], *flags]])
     for argv, message in (([runs["pic"], "--ratio", 1], "1024 memory tokens > --max_mem 256"),
                           ([runs["meanpool"], runs["sentence_gist"], "--ratio", 4], "--eval_ratio 4 does not apply"),
-                          ([runs["meanpool"], runs["pic"], "--ratio", "4,2"], "--max_mem 256")):
+                          ([runs["meanpool"], runs["pic"], "--ratio", "4,2"], "--max_mem 256"),
+                          ([runs["meanpool"], runs["teacher"]], "is a --method teacher run; eval.py evaluates comp")):
         assert message in _one_line(evaluate.main, [*argv, "--n", 2]), argv
+    (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
+    assert "is a --method teacher run" in _one_line(evaluate.main, [runs["teacher"], "--context", tmp_path / "doc.txt"])
     assert not any((run / "metrics.json").exists() for run in runs.values())
     qa = tmp_path / "qa.jsonl"
     qa.write_text("".join(json.dumps({"id": f"q{i}", "context": "Ada was born in Paris.", "question": "Where?",
