@@ -575,6 +575,18 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None
             os.remove(os.path.join(out_dir, f))
 
 
+def log_upto(log, step):
+    """The lines of log.jsonl up to `step`'s record, where --resume goes on; a line that is no step's record (a
+    write cut short) is one line naming it."""
+    kept = []
+    for i, line in enumerate(open(log), 1):
+        try:
+            kept += [line] if json.loads(line)["step"] <= step else []
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"error: {log}:{i}: not a step's record; delete that line and resume again") from None
+    return kept
+
+
 def load_checkpoint(out_dir, method, opt=None):
     """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
     state = read_json(os.path.join(out_dir, "run.json"))
@@ -933,10 +945,12 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
     step = load_checkpoint(cfg.out_dir, method, opt) if cfg.resume else 0
     log = os.path.join(cfg.out_dir, "log.jsonl")
     if master and cfg.resume:
-        print(f"resuming {cfg.out_dir} from step {step}")
+        print(f"resuming {cfg.out_dir} from step {step}" + (f": --max_iters {cfg.max_iters}, nothing to train"
+                                                           if step >= cfg.max_iters else ""))
         if os.path.exists(log):  # the log continues where the checkpoint was taken: no step twice
-            kept = [line for line in open(log) if json.loads(line)["step"] <= step]
+            kept = log_upto(log, step)
             atomic_write(log, lambda p: open(p, "w").writelines(kept))
+    log_mode = "a" if cfg.resume else "w"  # a new run in a used dir starts its own log
     # 2) compile, DDP wrap, data (tokenized once: the tokenizer keeps each text's ids)
     if cfg.compile:
         compile_layers(base, cuda_graphs=cfg.cuda_graphs)
@@ -974,8 +988,9 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
         if checkpoint:
             record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
             bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
-        with open(log, "a") as f:
+        with open(log, log_mode) as f:
             f.write(json.dumps(record) + "\n")
+        log_mode = "a"
         if checkpoint:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
     # 4) an interrupted run saves where it stopped

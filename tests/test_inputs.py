@@ -148,10 +148,18 @@ def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
     assert in_process(common + ["--max_iters", 5, "--resume"]) == ""  # a log line past the checkpoint goes
     assert [json.loads(line)["step"] for line in open(out / "log.jsonl")] == [1, 2, 3, 4, 5]
     assert json.loads(open(out / "log.jsonl").readlines()[3])["loss"] != 0.0
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a write cut short (was a JSON traceback without the file)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert f"{out / 'log.jsonl'}:6: not a step's record" in in_process(common + ["--max_iters", 6, "--resume"])
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    (out / "log.jsonl").write_bytes(before["log.jsonl"][:before["log.jsonl"].rindex(b"\n") + 1])
     (out / json.loads((out / "run.json").read_text())["files"]["ckpt"]).write_bytes(b"cut")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     assert "not a readable safetensors file" in in_process(common + ["--max_iters", 6, "--resume"])
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before and state["step"] == 3
+    assert in_process(common + ["--max_iters", 1]) == ""  # a new run in the used dir: its own log (was appended)
+    assert [json.loads(line)["step"] for line in open(out / "log.jsonl")] == [1]
 
 
 def test_eval_inputs_are_one_line(files, tmp_path):
