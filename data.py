@@ -619,6 +619,9 @@ def read_dataset(path, distractors=False, **kw):
     """The file's reader: .zip / JSON with "data": SQuAD; JSON list with "supporting_facts": HotpotQA; JSON(L) with
     "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats."""
     path = Path(path)
+    if path.suffix in (".txt", ".text"):
+        raise ValueError(f"{path}: plain text, read by the text stages only (pic ae+lm, sac lm, sentence_gist lm: "
+                         "--pretrain_data); a QA stage reads SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
     if path.suffix == ".zip":
         return read_squad(path, **kw)
     if ".jsonl" in path.name:

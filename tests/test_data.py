@@ -471,7 +471,9 @@ def test_a_file_of_another_shape_or_kind_is_one_line(tmp_path):
             ("m.jsonl", '{"context": "x", "qas": [5]}', "m.jsonl:1: expected a JSON object, got int"),
             ("s.zip", "not a zip", "s.zip: not a zip file"),
             ("g.jsonl.gz", "not gzip", "g.jsonl.gz: not a gzip file"),
-            ("t.txt.gz", "not gzip", "t.txt.gz: not a gzip file")):
+            ("t.txt.gz", "not gzip", "t.txt.gz: not a gzip file"),
+            ("p.txt", "plain words", "(pic ae+lm, sac lm, sentence_gist lm: --pretrain_data); a QA stage reads "
+                                     "SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")):  # was "invalid JSON"
         (tmp_path / name).write_text(text)
         read = data.read_text if name.startswith("t.") else data.read_dataset
         with pytest.raises(ValueError) as e:
