@@ -313,3 +313,31 @@ def test_a_run_of_an_older_version_is_one_line(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"train": {"method": "ata"}, "method": {"prefix": False}}))
     with pytest.raises(SystemExit, match=r"run.json: method keys \['prefix'\] are not ATAConfig fields"):
         train.load_run(str(tmp_path))
+
+
+def readme_commands(script):
+    """README's command lines that run `script` (backslash continuations joined, comments cut), as argv lists."""
+    import shlex
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    lines = [shlex.split(line.split("  #")[0]) for line in text.splitlines()
+             if line.startswith(("python ", "torchrun ")) and f" {script} " in f" {line} "]
+    return [words[words.index(script) + 1:] for words in lines]
+
+
+def test_readme_commands_parse_and_resolve(base_dir, tmp_path):
+    """Each `python train.py` / `torchrun ... train.py` and `python eval.py` line of README.md parses and resolves
+    into stages that pass check_stage, its paths swapped for test files: a renamed flag fails here, not for a
+    reader. (/ckpt/... -> a tiny checkpoint, *.json -> a QA file, out/... -> tmp_path.)"""
+    squad = squad_file(tmp_path / "squad.json")
+    swap = lambda w: (str(base_dir) if w.startswith("/ckpt/") else squad if w.endswith(".json")  # noqa: E731
+                      else str(tmp_path / w) if w.startswith("out/") or w.endswith((".txt", ".mem")) else w)
+    train_lines, eval_lines = readme_commands("train.py"), readme_commands("eval.py")
+    assert len(train_lines) >= 8 and len(eval_lines) >= 4, (train_lines, eval_lines)
+    for argv in train_lines:
+        cfg, mcfg, explicit, cls = train.configure([swap(w) for w in argv])
+        for c, m, _ in train.resolve(cfg, mcfg, explicit, cls):
+            train.check_stage(c, m, cls)
+    import eval as evaluate
+    for argv in eval_lines:
+        (ecfg,), given = train.parse_args([swap(w) for w in argv], evaluate.EvalConfig, positional="runs")
+        evaluate.check_flags(ecfg, given)
