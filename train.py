@@ -531,7 +531,7 @@ def run_config(run_dir):
 
 def load_run(run_dir, device="cpu", dtype=torch.float32):
     """(cfg, mcfg, tok, base, method) of a finished run, ready for eval."""
-    cfg, mcfg, cls = run_config(run_dir)
+    cfg, mcfg, _ = run_config(run_dir)
     tok, base, method = build(cfg, mcfg, device, dtype)
     if cfg.method != "base":
         load_checkpoint(run_dir, method)
