@@ -318,7 +318,8 @@ def check_evaluable(run_dir, ratio):
         raise SystemExit(f"error: --ratio {ratio!r}: above {run_dir}'s --max_context {cfg.max_context}, "
                          "where every context is one memory slot")
     try:
-        getattr(cls, "check_config", lambda *_: None)(replace(cfg, eval_ratio=ratio), mcfg)
+        if hasattr(cls, "check_config"):
+            cls.check_config(replace(cfg, eval_ratio=ratio), mcfg)
     except SystemExit as e:
         raise SystemExit(f"error: --ratio {ratio} on {run_dir} (as its --eval_ratio): "
                          f"{str(e).removeprefix('error: ')}") from None
