@@ -34,6 +34,7 @@ case "${1:-}" in
     mkdir -p "$STATE" && cp "$DIR/gguf.part1" "$STATE/" && ls -l "$STATE/gguf.part1"
     ;;
   part2)
+    source scripts/checks.sh && whole_numbers LIMIT DEADLINE  # a typo costs no device time
     [ -f "$STATE/gguf.part1" ] || { echo "error: $STATE/gguf.part1 is gone (the machine went back): run part1, then part2 at once" >&2; exit 1; }
     cat "$STATE/gguf.part1" "$DIR/gguf.part2" > "$STATE/smollm2.gguf"
     [ ! -f "$DIR/gguf.sha256" ] || [ "$(sha256sum "$STATE/smollm2.gguf" | cut -d' ' -f1)" = "$(cat "$DIR/gguf.sha256")" ] ||

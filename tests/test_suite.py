@@ -144,6 +144,9 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     assert sum(parts) == 3_000_001 and max(parts) <= 1_500_001
     p = sh("part2")
     assert p.returncode != 0 and "gguf.part1 is gone" in p.stderr
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "part2"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, LIMIT="6OO"))
+    assert p.returncode == 1 and p.stderr == "error: LIMIT=6OO: want a whole number > 0\n", p.stderr
     assert sh("part1").returncode == 0
     p = sh("part2")
     assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr  # 600 - 60 - s spent
