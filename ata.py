@@ -143,13 +143,13 @@ class ATA(nn.Module):
 
     @staticmethod
     def check_config(run, cfg):
-        if cfg.k_max < 1:
-            raise SystemExit(f"error: --k_max {cfg.k_max}: need at least one compression token")
+        if not 1 <= cfg.k_max <= run.max_context:
+            raise SystemExit(f"error: --k_max {cfg.k_max}: 1 to --max_context {run.max_context} compression tokens")
         if not all(r.strip().isdigit() and int(r) > 0 for r in cfg.rel_ratios.split(",")):
             raise SystemExit(f"error: --rel_ratios {cfg.rel_ratios!r}: a comma list of positive integers, like 1,5,10")
         if not 0 <= cfg.lora_dropout < 1:
             raise SystemExit(f"error: --lora_dropout {cfg.lora_dropout} must lie in [0, 1)")
-        if not (cfg.huber_delta > 0 and cfg.huber_lambda >= 0):
+        if not (0 < cfg.huber_delta < math.inf and 0 <= cfg.huber_lambda < math.inf):
             raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be > 0 and --huber_lambda "
                              f"{cfg.huber_lambda} >= 0 (eq. 8-10)")
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:

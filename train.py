@@ -438,7 +438,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if c.batch_size % (world * c.grad_accum):
             raise SystemExit(f"error: --batch_size {c.batch_size} (the global batch) must be a multiple of "
                              f"{world} ranks x --grad_accum {c.grad_accum}")
-        first = first_stage(c.init_from, c.method)
+        first = first_stage(c.init_from, c.method) if i == 0 else None  # (a later stage's is trained here, anew)
         if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
             inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
         if c.resume:
@@ -939,6 +939,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
     if cfg.method == "base":
         cfg.init_from = ""  # the run dir itself is the checkpoint; keep run.json portable
     params = [p for p in method.parameters() if p.requires_grad]
+    if not params:
+        raise SystemExit(f"error: --method {cfg.method} ({cfg.objective}) with these flags trains no parameter")
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # decay on matrices only
     opt = AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))

@@ -202,6 +202,8 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "sac", "--lora_r", "0"], "--lora_r 0 must be >= 1"),
     (["--method", "ata", "--lora_dropout", "1"], "--lora_dropout 1.0 must lie in [0, 1)"),
     (["--method", "ata", "--huber_delta", "0"], "--huber_delta 0.0 must be > 0"),
+    (["--method", "ata", "--huber_lambda", "inf"], "--huber_lambda inf >= 0"),  # was a NaN loss
+    (["--method", "ata", "--k_max", "100000"], "--k_max 100000: 1 to --max_context 600"),  # was killed for memory
     (["--method", "base", "--n_heads", "3"], "d_model a multiple of 2 x n_heads"),
     (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each must be >= 1"),
     (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must be >= 512"),
@@ -224,13 +226,19 @@ def test_cli_errors_in_a_process_are_one_line():
 
 @pytest.mark.parametrize("method,extra", [("sac", ["--ratio", 5, "--lora_r", 4]), ("ata", ["--lora_r", 4])])
 def test_pretrain_runs_the_papers_first_stage(base_dir, tmp_path, method, extra):
-    """--pretrain 1 on sac and ata: their pretraining objective into OUT_DIR/pretrain, then qa from it."""
-    in_process(["--method", method, "--init_from", base_dir, "--max_iters", 1, "--pretrain", 1, "--batch_size", 2,
-                "--max_context", 128, "--out_dir", tmp_path, "--eval_examples", 0, "--quiet", *extra])
+    """--pretrain 1 on sac and ata: their pretraining objective into OUT_DIR/pretrain, then qa from it. Run again
+    into the same dir with another method flag, both stages train anew (the qa stage was held to the old first
+    stage's config, a one-line conflict, before its own first stage was trained)."""
+    argv = ["--method", method, "--init_from", base_dir, "--max_iters", 1, "--pretrain", 1, "--batch_size", 2,
+            "--max_context", 128, "--out_dir", tmp_path, "--eval_examples", 0, "--quiet", *extra]
+    in_process(argv)
     first, second = (json.load(open(d / "run.json"))["train"] for d in (tmp_path / "pretrain", tmp_path))
     pretraining = train.method_registry()[method].recipe(None)[0]["objective"]  # the paper's first stage
     assert (first["objective"], first["max_iters"]) == (pretraining, 1)
     assert (second["objective"], second["init_from"]) == ("qa", str(tmp_path / "pretrain"))
+    flag, value = {"sac": ("anchor_emb", "table"), "ata": ("k_max", 4)}[method]
+    in_process(argv + [f"--{flag}", value])
+    assert all(json.load(open(d / "run.json"))["method"][flag] == value for d in (tmp_path / "pretrain", tmp_path))
 
 
 def test_help_lists_every_flag():
