@@ -297,7 +297,11 @@ def _apply_checkpoint_config(tok, folder):
     if tcfg:
         template = tcfg.get("chat_template") or ""
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), "")
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            "")
+        if not isinstance(template, str):
+            raise ValueError(f"{folder / 'tokenizer_config.json'}: key 'chat_template' is {template!r:.40}, "
+                             "expected a Jinja text")
         jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
         tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
         bos = token_id("bos_token") if tcfg.get("bos_token") else None
@@ -305,8 +309,11 @@ def _apply_checkpoint_config(tok, folder):
     elif "bos_token_id" in cfg:
         tok.bos_id = cfg["bos_token_id"]
     eos = [token_id("eos_token")] if tcfg.get("eos_token") else []
-    for v in (gcfg.get("eos_token_id"), cfg.get("eos_token_id")):
-        eos += [] if v is None else [v] if isinstance(v, int) else list(v)
+    for name, v in (("generation_config.json", gcfg.get("eos_token_id")), ("config.json", cfg.get("eos_token_id"))):
+        ids = [] if v is None else [v] if isinstance(v, int) else v
+        if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
+            raise ValueError(f"{folder / name}: key 'eos_token_id' is {v!r:.40}, expected a token id or a list of them")
+        eos += ids
     tok.eos_ids = list(dict.fromkeys(eos)) or tok.eos_ids
     if tcfg.get("pad_token"):
         tok.pad_id = token_id("pad_token")

@@ -35,8 +35,12 @@ GEMMA2_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def id_list(ids):  # an eos id or list of ids (None: none) as a list
-    return [ids] if isinstance(ids, int) else list(ids or [])
+def id_list(ids, where=""):
+    """An eos id or list of ids (None: none) as a list; anything else is a ValueError naming `where`."""
+    out = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    if not (isinstance(out, list) and all(type(i) is int and i >= 0 for i in out)):
+        raise ValueError(f"{where}key 'eos_token_id' is {ids!r:.40}, expected a token id or a list of them")
+    return list(out)
 
 
 def known(what, value, supported, where=""):
@@ -130,6 +134,7 @@ class ModelConfig:
         for key in (*SIZES, "max_position_embeddings", "rms_norm_eps", "rope_theta"):  # (NaN from the first step)
             if key in cfg and not (type(cfg[key]) in (int, float) and cfg[key] > 0):
                 raise ValueError(f"{path}: key {key!r} is {cfg[key]!r}, expected > 0")
+        id_list(cfg.get("eos_token_id"), f"{path}: ")
         cfg.setdefault("tie_word_embeddings", False)  # HF's default when the key is absent
         if model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, from max_window_layers on
             if not raw.get("use_sliding_window"):
@@ -526,7 +531,7 @@ class Transformer(nn.Module):
         cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
         gen = os.path.join(path, "generation_config.json")
         eos = read_json(gen).get("eos_token_id") if os.path.exists(gen) else None
-        cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos)
+        cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos, f"{gen}: ")
         with torch.device("meta"):
             model = cls(cfg)
         model.load_base_weights(read_safetensors(path, device), dtype=dtype)
@@ -799,7 +804,11 @@ def read_safetensors(path, device="cpu"):
     if os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     elif os.path.exists(index):
-        files = sorted(set(read_json(index).get("weight_map", {}).values()))
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise ValueError(f"{index}: key 'weight_map' should map each tensor's name to its shard file")
+        files = sorted(set(weight_map.values()))
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json "
                          "(only safetensors checkpoints are read)")

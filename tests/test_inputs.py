@@ -25,14 +25,21 @@ def files(tmp_path_factory):
         shutil.copytree(ckpt, d)
         edit(d)
 
-    def config(d, change):
-        c = json.loads((d / "config.json").read_text())
+    def config_file(d, name, change):
+        c = json.loads((d / name).read_text())
         change(c)
-        (d / "config.json").write_text(json.dumps(c))
+        (d / name).write_text(json.dumps(c))
+
+    def config(d, change):
+        config_file(d, "config.json", change)
     broken("config-json", lambda d: (d / "config.json").write_text('{"model_type": "llama",'))
     broken("config-key", lambda d: config(d, lambda c: c.pop("hidden_size")))
     broken("config-type", lambda d: config(d, lambda c: c.update(num_hidden_layers="two")))
     broken("config-eps", lambda d: config(d, lambda c: c.update(rms_norm_eps=-1e-6)))
+    broken("config-eos", lambda d: config(d, lambda c: c.update(eos_token_id=[1, "x"])))
+    broken("chat-template", lambda d: config_file(d, "tokenizer_config.json", lambda c: c.update(chat_template=5)))
+    broken("index", lambda d: ((d / "model.safetensors").unlink(),
+                               (d / "model.safetensors.index.json").write_text('{"weight_map": 5}')))
     broken("weights-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:999]))
     broken("tokenizer", lambda d: (d / "tokenizer.json").write_text("{oops"))
     (root / "bad.json").write_text('{"data": [')
@@ -48,6 +55,9 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("config key", ["--init_from", "config-key"], "config-key/config.json: missing key 'hidden_size'"),
     ("config type", ["--init_from", "config-type"], "key 'num_hidden_layers' is 'two', expected int"),
     ("config range", ["--init_from", "config-eps"], "key 'rms_norm_eps' is -1e-06, expected > 0"),  # was a NaN loss
+    ("config eos", ["--init_from", "config-eos"], "config.json: key 'eos_token_id' is [1, 'x'], expected a token id"),
+    ("chat template", ["--init_from", "chat-template"], "tokenizer_config.json: key 'chat_template' is 5"),  # was a
+    ("shard index", ["--init_from", "index"], "model.safetensors.index.json: key 'weight_map' should map"),  # traceback
     ("weights", ["--init_from", "weights-cut"], "weights-cut/model.safetensors: not a readable safetensors file"),
     ("tokenizer", ["--init_from", "tokenizer"], "tokenizer/tokenizer.json:1: invalid JSON"),
     ("data", ["--data", "bad.json"], "bad.json:1: invalid JSON"),
