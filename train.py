@@ -219,6 +219,19 @@ def check_inputs(cfg, mcfg):
     check_writable(cfg.out_dir, "--out_dir")
 
 
+def check_out_dirs(stages):
+    """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
+    --teacher, --encoder, --decoder. A --method base run writes a base: its own dir is the one it makes."""
+    (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
+    reads = {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
+             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
+    for flag, path in reads.items():
+        read = os.path.realpath(path) if path and cfg.method != "base" else None
+        if any(out == read or out.startswith(read + os.sep) for out in out_dirs if read):
+            raise SystemExit(f"error: --out_dir {stages[-1][0].out_dir!r}: the run would write into the --{flag} "
+                             f"it reads ({path}); give the run its own dir")
+
+
 def check_writable(path, flag, folder=True):
     """One line, before any work, when `path` (a folder to use or make; folder=False: a file to write) cannot be."""
     if not folder and os.path.isdir(path):
@@ -907,6 +920,7 @@ def main(argv):
     for c, m, _ in stages:
         check_stage(c, m, cls)
     check_inputs(*stages[0][:2])
+    check_out_dirs(stages)
     if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
         raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
                          f"--method {cfg.method} run has none")

@@ -215,6 +215,16 @@ def test_cli_errors_are_one_line(argv, message):
     assert message in cli_error(argv + real)  # argparse's errors too
 
 
+def test_no_run_writes_into_the_checkpoint_it_reads():
+    """The shipped tiny base (--init_from's default) or a dir in it as --out_dir: one line (the run replaced the
+    base's run.json with its own and left its checkpoints and log among the base's files). Resolved here, not run:
+    a test never writes into the repo, even where this check fails."""
+    for out_dir in (ROOT / "tiny_base", f"{ROOT}/tiny_base/", ROOT / "tiny_base" / "run"):
+        cfg, mcfg, explicit, cls = train.configure(["--method", "pic", "--out_dir", str(out_dir)])
+        with pytest.raises(SystemExit, match="the run would write into the --init_from it reads"):
+            train.check_out_dirs(train.resolve(cfg, mcfg, explicit, cls))
+
+
 def test_cli_errors_in_a_process_are_one_line():
     """As a user sees them: exit != 0, stderr one line, no traceback."""
     for argv, message in ((["--max_iters", "ten"], "argument --max_iters: invalid int value"),
