@@ -150,8 +150,8 @@ class ATA(nn.Module):
         if not 0 <= cfg.lora_dropout < 1:
             raise SystemExit(f"error: --lora_dropout {cfg.lora_dropout} must lie in [0, 1)")
         if not (0 < cfg.huber_delta < math.inf and 0 <= cfg.huber_lambda < math.inf):
-            raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be > 0 and --huber_lambda "
-                             f"{cfg.huber_lambda} >= 0 (eq. 8-10)")
+            raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be a finite number > 0 and --huber_lambda "
+                             f"{cfg.huber_lambda} one >= 0 (eq. 8-10)")
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 

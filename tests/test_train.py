@@ -201,8 +201,8 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "sentence_gist", "--lora_r", "-1"], "--lora_r -1 must be >= 0 (0: full finetuning, no LoRA)"),
     (["--method", "sac", "--lora_r", "0"], "--lora_r 0 must be >= 1"),
     (["--method", "ata", "--lora_dropout", "1"], "--lora_dropout 1.0 must lie in [0, 1)"),
-    (["--method", "ata", "--huber_delta", "0"], "--huber_delta 0.0 must be > 0"),
-    (["--method", "ata", "--huber_lambda", "inf"], "--huber_lambda inf >= 0"),  # was a NaN loss
+    (["--method", "ata", "--huber_delta", "0"], "--huber_delta 0.0 must be a finite number > 0"),
+    (["--method", "ata", "--huber_lambda", "inf"], "--huber_lambda inf one >= 0"),  # was a NaN loss
     (["--method", "ata", "--k_max", "100000"], "--k_max 100000: 1 to --max_context 600"),  # was killed for memory
     (["--method", "base", "--n_heads", "3"], "d_model a multiple of 2 x n_heads"),
     (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each must be >= 1"),
