@@ -501,8 +501,8 @@ def check_flags(ecfg, given):
         raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
     for flag in ("ratio", "save_memory"):
         if ecfg.memory and getattr(ecfg, flag):
-            raise SystemExit(f"error: --{flag} applies to compressing a --context; --memory {ecfg.memory} is compressed "
-                             "and saved already")
+            raise SystemExit(f"error: --{flag} applies to compressing a --context; --memory {ecfg.memory} is "
+                             "compressed and saved already")
     if ecfg.one_shot and "," in ecfg.ratio:
         raise SystemExit(f"error: --ratio {ecfg.ratio!r}: one-shot mode answers at one ratio")
     for flag in ("batch_size", "max_new_tokens"):

@@ -165,7 +165,8 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
         cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
         monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
         (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""}, "method": {}}))
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""},
+                                                                 "method": {}}))
         read_at.clear()
         evaluate.main([str(tmp_path / name)] + extra)
         rows = json.load(open(tmp_path / name / "metrics.json"))["rows"]
@@ -190,7 +191,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "teacher_rows", lambda *a: calls.append(1) or real(*a))
     for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}, "method": {}}))
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""},
+                                                                 "method": {}}))
         evaluate.main([str(tmp_path / name)] + extra)
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")

@@ -76,7 +76,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("device", ["--device", "tpu"], "--device 'tpu' is not a device"),
     ("out_dir", ["--out_dir", "bad.json"], "bad.json is a file, not a folder"),
     ("out_dir below", ["--out_dir", "bad.json/run"], "bad.json is a file, not a folder"),
-    ("out_dir read", ["--out_dir", "hf"], "the run would write into the --init_from it reads"),  # its run.json went into it
+    ("out_dir read", ["--out_dir", "hf"], "the run would write into the --init_from it reads"),  # (it wrote there)
     ("warmup_frac", ["--warmup_frac", 2], "--warmup_frac 2.0 is a fraction"),
     ("pretrain_data", ["--pretrain_data", "bad.jsonl"], "--pretrain_data is read by a text stage"),
     ("device absent", ["--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda[:N]; this machine has"),
