@@ -15,6 +15,10 @@
 # no --compile (tests/test_suite.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in  # before anything is written
+  part[1-4]) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh part1|part2|part3|part4 [--smoke]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-out/gpu_bench}
 mkdir -p "$OUT"
 SMOKE=$([ "${2:-}" = --smoke ] && echo 1 || echo "")
@@ -65,9 +69,5 @@ case "${1:-}" in
     else
       step train_graphs 60 python benchmarks/bench.py train $SHAPE --cuda_graphs
     fi
-    ;;
-  *)
-    echo "usage: bash scripts/gpu_bench.sh part1|part2|part3|part4 [--smoke]" >&2
-    exit 2
     ;;
 esac
