@@ -210,8 +210,9 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
 ])
-def test_cli_errors_are_one_line(argv, message):
-    real = [] if "base" in argv else ["--init_from", "/nonexistent"]  # (--method base takes none)
+def test_cli_errors_are_one_line(argv, message, tmp_path):
+    # --method base takes no --init_from: there a check that fails trains one step in tmp_path, not the repo's out/
+    real = ["--init_from", "/nonexistent"] if "base" not in argv else ["--out_dir", tmp_path, "--max_iters", 1]
     assert message in cli_error(argv + real)  # argparse's errors too
 
 
