@@ -20,6 +20,8 @@ import sentencepiece as spm
 import tiktoken
 import torch
 
+from model import id_list
+
 # 1. Tokenizers
 # Pre-tokenizer split regexes: Llama 3 (digits in groups of up to 3), Qwen2 (one digit a piece), GPT-2 (ByteLevel's)
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -310,10 +312,7 @@ def _apply_checkpoint_config(tok, folder):
         tok.bos_id = cfg["bos_token_id"]
     eos = [token_id("eos_token")] if tcfg.get("eos_token") else []
     for name, v in (("generation_config.json", gcfg.get("eos_token_id")), ("config.json", cfg.get("eos_token_id"))):
-        ids = [] if v is None else [v] if isinstance(v, int) else v
-        if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
-            raise ValueError(f"{folder / name}: key 'eos_token_id' is {v!r:.40}, expected a token id or a list of them")
-        eos += ids
+        eos += id_list(v, f"{folder / name}: ")
     tok.eos_ids = list(dict.fromkeys(eos)) or tok.eos_ids
     if tcfg.get("pad_token"):
         tok.pad_id = token_id("pad_token")
