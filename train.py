@@ -223,11 +223,13 @@ def check_out_dirs(stages):
     """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
     --teacher, --encoder, --decoder. A --method base run writes a base: its own dir is the one it makes."""
     (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
+    if cfg.method == "base":
+        return
     reads = {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
              **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
     for flag, path in reads.items():
-        read = os.path.realpath(path) if path and cfg.method != "base" else None
-        if any(out == read or out.startswith(read + os.sep) for out in out_dirs if read):
+        read = os.path.realpath(path) if path else None
+        if read and any(out == read or out.startswith(read + os.sep) for out in out_dirs):
             raise SystemExit(f"error: --out_dir {stages[-1][0].out_dir!r}: the run would write into the --{flag} "
                              f"it reads ({path}); give the run its own dir")
 
@@ -966,7 +968,6 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
         if os.path.exists(log):  # the log continues where the checkpoint was taken: no step twice
             kept = log_upto(log, step)
             atomic_write(log, lambda p: open(p, "w").writelines(kept))
-    log_mode = "a" if cfg.resume else "w"  # a new run in a used dir starts its own log
     # 2) compile, DDP wrap, data (tokenized once: the tokenizer keeps each text's ids)
     if cfg.compile:
         compile_layers(base, cuda_graphs=cfg.cuda_graphs)
@@ -1004,9 +1005,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
         if checkpoint:
             record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
             bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
-        with open(log, log_mode) as f:
+        with open(log, "w" if step == 1 else "a") as f:  # a new run in a used dir starts its own log (resumed: > 1)
             f.write(json.dumps(record) + "\n")
-        log_mode = "a"
         if checkpoint:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
     # 4) an interrupted run saves where it stopped
