@@ -211,10 +211,12 @@ class Mask:
         self._dense = self._block = None
 
     def dense(self):
-        """(bool (B, 1, Q, S), bool (B, 1, Q, 1): the query rows that see no key), built once."""
+        """(bool (B, 1, Q, S), bool (B, 1, Q, 1): the query rows that see no key), built once. Those rows see
+        every key here and their output is zeroed (attention): no kernel meets a row without keys (NaN)."""
         if self._dense is None:
             dense = dense_mask(self.mask_mod, self.B, self.Q, self.S, self.device)
-            self._dense = dense, ~dense.any(-1, keepdim=True)
+            blind = ~dense.any(-1, keepdim=True)
+            self._dense = dense | blind, blind
         return self._dense
 
     def block(self):
@@ -233,23 +235,28 @@ class Mask:
         return self._block
 
 
-def attention(q, k, v, mask=None, scale=None, score_mod=None):
+def attention(q, k, v, mask=None, scale=None, score_mod=None, flex=False):
     """q (B, H, Q, hd), k/v (B, Hkv, S, hd) -> (B, H, Q, hd). mask None = causal with Q == S. scale: of q.k
-    (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap). GQA without repeating K/V."""
+    (None = 1/sqrt(hd)); score_mod: applied to the scaled scores (softcap).
+    flex: a CUDA call of >= 128 queries takes FlexAttention (compiled layers, train.py --compile). Flex compiles
+    a kernel and a block mask per length bucket, mask and batch size, seconds each: a long compiled run pays that
+    back; an eager run or generation takes SDPA with the dense mask and compiles nothing."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None and score_mod is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if mask is None:
         mask = Mask(causal, q.shape[0], q.shape[2], k.shape[2], q.device)
-    if BACKEND == "flex" or (not BACKEND and mask.device.type == "cuda" and mask.Q >= 128):
+    if BACKEND == "flex" or (not BACKEND and flex and mask.device.type == "cuda" and mask.Q >= 128):
         return _flex(q, k, v, mask.block(), scale, score_mod)
     dense, blind = mask.dense()
-    if score_mod is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
-    else:
+    if score_mod is not None:
         out = scored_attention(q, k, v, dense, scale, score_mod)
-    # A query row that sees no key (padding) gives NaN in SDPA; flex gives 0. Match flex.
-    return out.masked_fill(blind, 0.0)
+    else:
+        if gqa and q.is_cuda:  # CUDA SDPA runs GQA only in flash (no mask) or math (fp32 scores): K/V repeated
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # go memory-efficient
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+    return out.masked_fill(blind, 0.0)  # a query row that sees no key (padding) gives 0, as flex does
 
 
 def scored_attention(q, k, v, dense, scale, score_mod):

@@ -8,6 +8,7 @@ One ``forward`` serves encoders (custom masks), decoders (a ``Memory`` as prefix
 Sliding windows count key slots of [memory, tokens] as HF does (padding included), not position ids.
 Legend: B batch, T tokens, C memory slots, d width, H/Hkv heads, hd head dim, V vocab.
 """
+import functools
 import itertools
 import json
 import math
@@ -789,12 +790,12 @@ class Transformer(nn.Module):
 
 def compile_layers(model, backend="inductor", cuda_graphs=False):
     """Regional torch.compile (train.py --compile): each decoder layer runs compiled but for its attention
-    (kernels.attention: the dispatch stays eager, flex compiles on its own). The layers share graphs: a few, not a
-    model per length bucket.
+    (kernels.attention with flex: the dispatch stays eager, flex compiles on its own). The layers share graphs: a
+    few, not a model per length bucket.
     cuda_graphs: mode="reduce-overhead", each graph replayed as a CUDA graph per shape (torch's cudagraph trees)."""
     mode = "reduce-overhead" if cuda_graphs else None
     for layer in model.model.layers:  # dynamic=None: static shapes first, dynamic after a recompile
-        layer.self_attn.attend = torch.compiler.disable(kernels.attention)
+        layer.self_attn.attend = torch.compiler.disable(functools.partial(kernels.attention, flex=True))
         layer.forward = kernels.compiled(layer.forward, backend, dynamic=None, mode=mode)
 
 

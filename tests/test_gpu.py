@@ -6,11 +6,11 @@
   fp32 tight, bf16 loose;
 - --compile (train.py's torch.compile of the model forward) gives the eager loss, and with --cuda_graphs the
   eager loss and gradients;
-- generation from a Memory equals generation with the memory spelled out, on the flex path;
+- generation from a Memory equals generation with the memory spelled out, on the dense and flex paths;
 - generation with CUDA graphs (captured prefill and decode steps) equals eager generation;
 - a 1-process torchrun training run over NCCL.
 Shapes are tiny (bench.py's "tiny" shape, bench.build_row's batches, >= 128 queries so
-the flex path is the one a real run takes).
+the flex path is the one a compiled run takes).
 """
 import pytest
 import torch
@@ -110,8 +110,11 @@ def test_cuda_graph_step_equals_eager(tok, row):
         torch.testing.assert_close(grads_g[k] / scale, grads_e[k] / scale, **TOL[torch.bfloat16], msg=k)
 
 
-def test_generate_from_memory_equals_spelled_out(tok):
-    """K/V and embedding memories of a 200-token context, 140-token prompts (flex prefill)."""
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_generate_from_memory_equals_spelled_out(tok, backend, monkeypatch):
+    """K/V and embedding memories of a 200-token context, 140-token prompts: the dense prefill (eager runs and
+    eval) and the flex one (compiled layers)."""
+    monkeypatch.setattr(kernels, "BACKEND", backend)
     model = bench.random_model("tiny", tok, CUDA, torch.float32)
     ids = torch.randint(10, tok.vocab_size, (2, 340), generator=torch.Generator().manual_seed(0)).to(CUDA)
     a, b = ids[:, :200], ids[:, 200:]
@@ -125,7 +128,7 @@ def test_generate_from_memory_equals_spelled_out(tok):
 
 def test_generate_cuda_graphs_equals_eager(tok):
     """Captured prefill and decode give the eager tokens: plain, left-padded, from K/V and embedding memories
-    (140-token prompts: the flex prefill), twice (the second call replays the captured prefill)."""
+    (140-token prompts), twice (the second call replays the captured prefill)."""
     model = bench.random_model("tiny", tok, CUDA, torch.float32)
     ids = torch.randint(10, tok.vocab_size, (2, 340), generator=torch.Generator().manual_seed(1)).to(CUDA)
     with torch.no_grad():
