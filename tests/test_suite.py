@@ -126,6 +126,30 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     assert "**no data**" not in single[0] and "**no data**" in single[1], single
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
+def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
+    """A run the deadline stops while training saves its step (train.py's Ctrl-C: `timeout -s INT`); the same
+    command again resumes it from there, the teacher too (nothing left to train), and evaluates it."""
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", STEPS="100000",
+               DEADLINE="40")
+    suite = lambda env: subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT,  # noqa: E731
+                                       env=env, capture_output=True, text=True)
+    p = suite(env)
+    assert p.returncode == 1 and "   meanpool: stopped at the deadline" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    log = tmp_path / "real-smoke" / "meanpool.log"
+    saved = re.search(r"^interrupted: saved step (\d+) ", log.read_text(), re.M)
+    assert saved and int(saved[1]) > 0, log.read_text()[-2000:]
+    step = int(saved[1])
+    p = suite({**env, "STEPS": str(step + 2), "DEADLINE": ""})
+    assert p.returncode == 0 and "   meanpool: train" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"resuming {tmp_path / 'real-smoke' / 'meanpool'} from step {step}\n" in log.read_text()
+    assert "nothing to train" in (tmp_path / "real-smoke" / "teacher.log").read_text()
+    lines = (tmp_path / "real-smoke" / "meanpool" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, step + 3))
+    assert [os.path.basename(r["run"]) for r in json.load(open(tmp_path / "real-smoke" / "results.json"))] == ["meanpool"]
+
+
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     """prepare splits it (each part well under a call's 64 MiB), part1 parks part 1 there, part2 joins (sha256
     checked), runs the suite and keeps a few small files for $OUT; part2 with part 1 gone stops at once."""
@@ -151,6 +175,12 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     p = sh("part2")
     assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr  # 600 - 60 - s spent
     assert sorted(f.name for f in (tmp_path / "back").iterdir()) == ["results.json", "runs.log", "suite.log"]
+    p = sh("part3")  # on the machine part2 left: the suite again, on part2's files
+    assert p.returncode == 1 and "real/model is gone" in p.stderr, p.stderr
+    (tmp_path / "state" / "real" / "model").mkdir(parents=True)
+    (tmp_path / "state" / "real" / "model" / "model.safetensors").write_bytes(b"")
+    p = sh("part3")
+    assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr
     (tmp_path / "dev" / "gguf.sha256").write_text("0" * 64)
     p = sh("part2")
     assert p.returncode != 0 and "sha256 differs" in p.stderr
