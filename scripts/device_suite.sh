@@ -3,7 +3,8 @@
 # reach no registry: the 94 MB GGUF goes in two parts, and a machine keeps what a call wrote for ~30 s.
 #   bash scripts/device_suite.sh prepare   # here: .device_suite/ gets the GGUF's two parts, the gguf wheel, SQuAD
 #   then three device calls, each right after the one before (a machine stays warm ~30 s):
-#   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])
+#   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])  # and a GPU test (10 s):
+#       # if it fails, the suite's attention would fall back to SDPA's math kernel: halve JOBS and MICRO
 #   run(command="LIMIT=600 bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2",
 #       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip", ".device_suite/gguf.sha256"], timeout_s=600)
 #       # joins, converts, runs the suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left,
@@ -49,6 +50,8 @@ case "${1:-}" in
     ;;
   part1)
     mkdir -p "$STATE" && cp "$DIR/gguf.part1" "$STATE/" && ls -l "$STATE/gguf.part1"
+    # the runs' masked attention on this GPU's memory-efficient SDPA kernel (else: math, fp32 scores per layer)
+    python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k memory_efficient  # skipped without a GPU
     ;;
   part2)
     source scripts/checks.sh && whole_numbers LIMIT DEADLINE  # a typo costs no device time

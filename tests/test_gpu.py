@@ -70,6 +70,26 @@ def test_flex_equals_dense_loss_and_grads(tok, row, dtype):
         torch.testing.assert_close(grads_f[k] / scale, grads_d[k] / scale, **TOL[dtype], msg=k)
 
 
+def test_dense_attention_takes_the_memory_efficient_kernel():
+    """An eager run's masked attention (SmolLM2-135M's heads: 9 over 3 K/V heads, hd 64), bf16, forward and
+    backward, with SDPA held to its memory-efficient kernel: it raises where that kernel cannot take the call,
+    and the math kernel would hold B x H x Q x S fp32 scores per layer. Odd lengths, a prefix mask with padding
+    (keys and a query row that sees none)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, H, Hkv, Q, S, hd = 4, 9, 3, 301, 333, 64
+    q = torch.randn(B, H, Q, hd, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, hd, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    lengths = torch.tensor([S, S - 40, S - 100, 0], device=CUDA)  # keys each example has; the last: none
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (kv_idx <= q_idx + S - Q)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = kernels.attention(q, k, v, kernels.Mask(mask_mod, B, Q, S, CUDA))
+        out.float().square().sum().backward()
+    assert torch.isfinite(out).all() and out[3].abs().max() == 0
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("row", [bench.ROWS[0], bench.ROWS[2]], ids=["meanpool-kd", "pic-qa"])
 def test_compile_loss_equals_eager(tok, row):
     _, method, objective, ratio = row
