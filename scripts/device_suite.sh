@@ -13,6 +13,8 @@
 #   run(command="LIMIT=<device time left - 20> bash scripts/device_suite.sh part3", timeout_s=<the same>,
 #       carry=[".device_suite/dev-v1.1.json.zip"])  # the suite again on part2's files: stopped runs continue
 #       # from their saved step, finished ones are read back; its table and claims cover both calls
+#   then here, with part3's files: python scripts/results_md.py --section "SmolLM2-135M-Instruct on SQuAD: every
+#       method on one GPU" --body <files_at>/section.md --out RESULTS.md   # the real-model section, whole
 #   on another machine, a later part (the runs a first one did not finish): copy its results.json to
 #   .device_suite/prior.json, add that to part2's carry, and prefix its command with
 #   ONLY=gist-4,gist-2 PRIOR=.device_suite/prior.json
@@ -66,6 +68,8 @@ case "${1:-}" in
     ;;
   part3)
     source scripts/checks.sh && whole_numbers LIMIT DEADLINE
+    [ -n "${LIMIT:-}${DEADLINE:-}" ] ||
+      { echo "error: part3 needs LIMIT=<its call's timeout_s>: what is left of the device time, not part2's 600" >&2; exit 1; }
     [ -f "$STATE/real/model/model.safetensors" ] ||
       { echo "error: $STATE/real/model is gone (the machine went back): part3 continues part2 on a warm machine" >&2; exit 1; }
     run_suite

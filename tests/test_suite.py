@@ -175,12 +175,17 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     p = sh("part2")
     assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr  # 600 - 60 - s spent
     assert sorted(f.name for f in (tmp_path / "back").iterdir()) == ["results.json", "runs.log", "suite.log"]
-    p = sh("part3")  # on the machine part2 left: the suite again, on part2's files
+    env["LIMIT"] = "200"  # part3: on the machine part2 left, the suite again on part2's files, in the time left
+    p = sh("part3")
     assert p.returncode == 1 and "real/model is gone" in p.stderr, p.stderr
     (tmp_path / "state" / "real" / "model").mkdir(parents=True)
     (tmp_path / "state" / "real" / "model" / "model.safetensors").write_bytes(b"")
     p = sh("part3")
-    assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr
+    assert p.returncode == 0 and re.search(r"ran by 1[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "part3"], cwd=ROOT, capture_output=True,
+                       text=True, env={k: v for k, v in env.items() if k != "LIMIT"})
+    assert p.returncode == 1 and p.stderr.startswith("error: part3 needs LIMIT="), p.stderr
+    del env["LIMIT"]
     (tmp_path / "dev" / "gguf.sha256").write_text("0" * 64)
     p = sh("part2")
     assert p.returncode != 0 and "sha256 differs" in p.stderr
