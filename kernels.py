@@ -2,7 +2,8 @@
 
 A method writes its attention pattern once, as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` with
 tensor indexing only (no Python ``if`` on values: the dense builder calls it once on broadcast index grids).
-``Mask`` makes it a flex ``BlockMask`` (CUDA) or a dense boolean mask for SDPA (CPU: no flex backward).
+``Mask`` makes it a flex ``BlockMask`` (compiled layers on CUDA) or a dense boolean mask for SDPA (eager runs,
+generation, and the CPU, which has no flex backward).
 The losses take final hidden states and the LM head, never logits: fp32 logits exist one chunk of tokens at a
 time, the gradient is computed in the forward and only scaled in the backward. ``naive_ce`` / ``naive_kd``
 are the slow twins the tests compare against.
