@@ -214,7 +214,7 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
 
 
 def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
-    for setting in ("STEPS=abc", "JOBS=0", "SEED=-1", "DEADLINE=-5", "TEACHER_STEPS=1.5"):
+    for setting in ("STEPS=abc", "JOBS=0", "SEED=-1", "DEADLINE=-5", "TEACHER_STEPS=1.5", "EVAL_BATCH=0"):
         name, value = setting.split("=")
         env = dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), **{name: value})
         p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True,
