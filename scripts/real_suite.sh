@@ -152,12 +152,13 @@ done
 python eval.py ${PRIOR:+"$PRIOR"} "${finished[@]}" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" --out "$OUT/results.json" | grep -v "^wrote" > "$OUT/table.md"
 python scripts/claims.py "$OUT/results.json" > "$OUT/claims.md"
 wall=$(( $(date +%s) - start ))
+resumed=$(grep -l "^resuming " "$OUT"/*.log 2> /dev/null | xargs -r -n 1 basename | sed 's/\.log$//' | paste -sd ' ' || true)
 gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
 {
   echo "- command: \`$CMD\`; commit \`$(git rev-parse --short HEAD 2>/dev/null || echo none)\`"
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row"
-  echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for the suite"
+  echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for this command${resumed:+ (which resumed runs an earlier one began: $resumed)}"
   [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"
   [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table (the same command again continues them): ${stopped[*]}"
   [ "${#failed[@]}" = 0 ] || echo "- failed, so not in the table: ${failed[*]}"

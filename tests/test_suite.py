@@ -148,6 +148,7 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
     lines = (tmp_path / "real-smoke" / "meanpool" / "log.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, step + 3))
     assert [os.path.basename(r["run"]) for r in json.load(open(tmp_path / "real-smoke" / "results.json"))] == ["meanpool"]
+    assert "(which resumed runs an earlier one began: meanpool teacher)" in (tmp_path / "real-smoke" / "RESULTS.md").read_text()
 
 
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
