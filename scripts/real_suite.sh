@@ -112,10 +112,11 @@ evaluate() {  # RUN_DIR: its rows in RUN_DIR/metrics.json. The first run to get 
   while [ ! -e "$OUT/.teacher-rows/done" ]; do sleep 1; done
   limited python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1
 }
-run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline stopped it
+run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline stopped it. A metrics.json there:
+  # trained and evaluated by an earlier command (a new checkpoint deletes it), so eval.py only reads it back
   local name=$1 t=$SECONDS rc=0; shift
   echo "== $name: $*"
-  train_one "$name" "$@" || rc=$?
+  [ -f "$OUT/$name/metrics.json" ] || train_one "$name" "$@" || rc=$?
   local trained=$(( SECONDS - t ))
   [ "$rc" != 0 ] || evaluate "$OUT/$name" || rc=$?
   case $rc in

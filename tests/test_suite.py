@@ -149,6 +149,9 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, step + 3))
     assert [os.path.basename(r["run"]) for r in json.load(open(tmp_path / "real-smoke" / "results.json"))] == ["meanpool"]
     assert "(which resumed runs an earlier one began: meanpool teacher)" in (tmp_path / "real-smoke" / "RESULTS.md").read_text()
+    before = log.read_text()  # once more: the finished run is read back, not loaded to train
+    p = suite({**env, "STEPS": str(step + 2), "DEADLINE": ""})
+    assert p.returncode == 0 and log.read_text() == before, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
