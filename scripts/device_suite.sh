@@ -8,7 +8,7 @@
 #   run(command="LIMIT=600 bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2",
 #       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip", ".device_suite/gguf.sha256"], timeout_s=600)
 #       # joins, converts, runs the suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left,
-#       # if less): the suite's runs end (DEADLINE) a minute before it, so its table, claims and logs come back
+#       # if less): the suite's runs end (DEADLINE) 90 s before it, so its table, claims and logs come back
 #       # whatever did not finish; a run stopped while training saves its step
 #   run(command="LIMIT=<device time left - 20> bash scripts/device_suite.sh part3", timeout_s=<the same>,
 #       carry=[".device_suite/dev-v1.1.json.zip"])  # the suite again on part2's files: stopped runs continue
@@ -29,7 +29,7 @@ run_suite() {  # the suite on $STATE's GGUF and SQuAD, in $STATE/real; exits wit
   export PYTHONPATH="$STATE/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   local results=${OUT:-$STATE/results} status=0  # the device tool's $OUT comes back: keep it to a few small files
   mkdir -p "$results"
-  local deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 60 ))}
+  local deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 90 ))}  # then up to 30 s to stop, the table, the copies
   echo "suite runs end ${deadline} s after they start"
   DEADLINE=$deadline GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
     ${SUITE:-bash scripts/real_suite.sh} 2>&1 | tee "$results/suite.log" || status=$?

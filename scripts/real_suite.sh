@@ -89,28 +89,29 @@ fi
 wait_for_a_slot() {  # at most JOBS runs at a time (nvidia-smi's sampler aside)
   while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
 }
-limited() {  # COMMAND...: runs it; with DEADLINE, stopped then (exit 124, as `timeout`), or not started after it.
-  # SIGINT: train.py saves the step it is at (Ctrl-C); what ignores it (eval.py, a run still loading) is killed 10 s on
+limited() {  # SIGNAL COMMAND...: runs it; with DEADLINE, sent SIGNAL then (exit 124, as `timeout`) and killed 30 s
+  # on, or not started after it. train.py takes INT as Ctrl-C: it saves at the end of the step it is in
+  local signal=$1; shift
   [ -n "$DEADLINE" ] || { "$@"; return; }
   local left=$(( DEADLINE - ($(date +%s) - start) ))
   [ "$left" -gt 0 ] || return 124
-  timeout -s INT -k 10 "$left" "$@"
+  timeout -s "$signal" -k 30 "$left" "$@"
 }
 train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log; a run (or its first stage) already there resumes
   local name=$1 resume=(); shift
   [ -z "$(find "$OUT/$name" -name run.json 2> /dev/null)" ] || resume=(--resume)
-  limited python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" "${resume[@]}" >> "$OUT/$name.log" 2>&1
+  limited INT python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" "${resume[@]}" >> "$OUT/$name.log" 2>&1
 }
 evaluate() {  # RUN_DIR: its rows in RUN_DIR/metrics.json. The first run to get here computes the teacher and
   # no-context rows; the others wait for its evaluation, then share them (eval.sibling_teacher_rows)
   local rc=0
   if mkdir "$OUT/.teacher-rows" 2> /dev/null; then
-    limited python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1 || rc=$?
+    limited TERM python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1 || rc=$?
     touch "$OUT/.teacher-rows/done"
     return $rc
   fi
   while [ ! -e "$OUT/.teacher-rows/done" ]; do sleep 1; done
-  limited python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1
+  limited TERM python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1
 }
 run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline stopped it. A metrics.json there:
   # trained and evaluated by an earlier command (a new checkpoint deletes it), so eval.py only reads it back

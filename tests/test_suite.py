@@ -177,7 +177,7 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     assert p.returncode == 1 and p.stderr == "error: LIMIT=6OO: want a whole number > 0\n", p.stderr
     assert sh("part1").returncode == 0
     p = sh("part2")
-    assert p.returncode == 0 and re.search(r"ran by 5[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr  # 600 - 60 - s spent
+    assert p.returncode == 0 and re.search(r"ran by 5[0-1]\d$", p.stdout, re.M), p.stdout + p.stderr  # 600 - 90 - s spent
     assert sorted(f.name for f in (tmp_path / "back").iterdir()) == ["results.json", "runs.log", "suite.log"]
     env["LIMIT"] = "200"  # part3: on the machine part2 left, the suite again on part2's files, in the time left
     p = sh("part3")
@@ -185,7 +185,7 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     (tmp_path / "state" / "real" / "model").mkdir(parents=True)
     (tmp_path / "state" / "real" / "model" / "model.safetensors").write_bytes(b"")
     p = sh("part3")
-    assert p.returncode == 0 and re.search(r"ran by 1[3-4]\d$", p.stdout, re.M), p.stdout + p.stderr
+    assert p.returncode == 0 and re.search(r"ran by 1[0-1]\d$", p.stdout, re.M), p.stdout + p.stderr
     p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "part3"], cwd=ROOT, capture_output=True,
                        text=True, env={k: v for k, v in env.items() if k != "LIMIT"})
     assert p.returncode == 1 and p.stderr.startswith("error: part3 needs LIMIT="), p.stderr
