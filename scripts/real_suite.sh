@@ -121,19 +121,20 @@ run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline s
   local trained=$(( SECONDS - t ))
   [ "$rc" != 0 ] || evaluate "$OUT/$name" || rc=$?
   case $rc in
-    0) echo "   $name: train $trained s, eval $(( SECONDS - t - trained )) s" ;;
+    0) echo "   $name: train $trained s, eval $(( SECONDS - t - trained )) s" | tee -a "$OUT/times.txt" ;;
     124) echo "   $name: stopped at the deadline after $(( SECONDS - t )) s" ;;
     *) echo "error: $name failed; see $OUT/$name.log and $OUT/$name.eval.log" >&2 ;;
   esac
   return $rc
 }
 rm -rf "$OUT/.teacher-rows"
+: > "$OUT/times.txt"  # each finished run's seconds in this command, for the section
 # 2) the teacher (meanpool_multi_ratio §5.1: finetuned, then frozen; Table 6), then the compressors from it
 echo "== teacher: --method teacher --max_iters $TEACHER_STEPS"
 t=$SECONDS
 train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --micro_batch 32 ||
   { echo "error: the teacher did not finish (rc $?); see $OUT/teacher.log" >&2; exit 1; }
-echo "   teacher: train $(( SECONDS - t )) s"
+echo "   teacher: train $(( SECONDS - t )) s" | tee -a "$OUT/times.txt"
 pids=() names=()
 for spec in "${RUNS[@]}"; do
   read -r -a words <<< "$spec"
@@ -161,6 +162,7 @@ gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {p
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row"
   echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for this command${resumed:+ (which resumed runs an earlier one began: $resumed)}"
+  echo "- seconds each run took in this command, train + eval (JOBS=$JOBS at a time): $(sed 's/^ *//; s/: train /: /; s/ s, eval / + /; s/ s$//' "$OUT/times.txt" | paste -sd ';' | sed 's/;/; /g')"
   [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"
   [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table (the same command again continues them): ${stopped[*]}"
   [ "${#failed[@]}" = 0 ] || echo "- failed, so not in the table: ${failed[*]}"

@@ -108,6 +108,8 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     assert "| pic_blockwise_causal T4 |" in report and "ppl" in report
     assert "not finished by the deadline" in report and ": meanpool-single16\n" in report
     assert "- failed, so not in the table: meanpool-single4\n" in report
+    assert re.search(r"^- seconds each run took in this command, train \+ eval \(JOBS=2 at a time\): teacher: \d+; "
+                     r".*meanpool: \d+ \+ \d+", report, re.M), report  # in the order they finished
     single = [line for line in report.splitlines() if "multi-ratio ~ single-ratio" in line]
     assert len(single) == 2 and all("**no data**" in line for line in single)
     # a later part: one run and its own teacher; the first part's runs head its table and join its claims
