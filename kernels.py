@@ -210,6 +210,7 @@ class Mask:
     def __init__(self, mask_mod, B, Q, S, device):
         self.mask_mod, self.B, self.Q, self.S, self.device = mask_mod, B, Q, S, device
         self._dense = self._block = None
+        self._bias = {}
 
     def dense(self):
         """(bool (B, 1, Q, S), bool (B, 1, Q, 1): the query rows that see no key), built once. Those rows see
@@ -219,6 +220,17 @@ class Mask:
             blind = ~dense.any(-1, keepdim=True)
             self._dense = dense | blind, blind
         return self._dense
+
+    def bias(self, dtype):
+        """The dense mask as SDPA's additive bias (0 / -inf) in the scores' dtype, built once per dtype. Every layer
+        passes this one tensor, so autograd keeps one (a bool mask is converted, and kept, by each call). Rows are
+        allocated to a multiple of 16 keys and sliced back: the memory-efficient kernel's alignment, with no copy."""
+        if dtype not in self._bias:
+            dense, _ = self.dense()
+            S16 = -(-self.S // 16) * 16
+            rows = torch.full((self.B, 1, self.Q, S16), float("-inf"), dtype=dtype, device=self.device)
+            self._bias[dtype] = rows[..., :self.S].masked_fill_(dense, 0.0)
+        return self._bias[dtype]
 
     def block(self):
         """BlockMask over (bucket(Q), bucket(S)): compiled on CUDA (never materialises B*Q*S), eager on CPU."""
@@ -256,7 +268,7 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None, flex=False):
         if gqa and q.is_cuda:  # CUDA SDPA runs GQA only in flash (no mask) or math (fp32 scores): K/V repeated
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # go memory-efficient
             gqa = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bias(q.dtype), scale=scale, enable_gqa=gqa)
     return out.masked_fill(blind, 0.0)  # a query row that sees no key (padding) gives 0, as flex does
 
 

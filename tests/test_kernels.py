@@ -119,6 +119,16 @@ def test_attention_backends_match_reference(monkeypatch, backend, cap):
         q, k, v, kernels.Mask(kernels.causal, B, Q, Q, q.device)), atol=1e-5, rtol=1e-5)
 
 
+def test_dense_bias_is_one_tensor_with_aligned_rows():
+    """The additive form SDPA gets: 0 where the mask sees, -inf elsewhere, one tensor for every layer's call (autograd
+    keeps one), rows strided by a multiple of 16 keys (the memory-efficient kernel takes it without padding a copy)."""
+    mask = kernels.Mask(kernels.causal, 2, 20, 20, "cpu")
+    bias = mask.bias(torch.bfloat16)
+    assert bias is mask.bias(torch.bfloat16) and bias.dtype == torch.bfloat16 and bias.shape == (2, 1, 20, 20)
+    assert bias.stride(-2) % 16 == 0 and bias.stride(0) % 16 == 0
+    assert torch.equal(bias == 0, mask.dense()[0]) and torch.isinf(bias[~mask.dense()[0]]).all()
+
+
 def test_every_causal_block_lists_the_blocks_create_block_mask_needs(monkeypatch):
     """A mask marked every_causal_block (sentence_gist's) gets every block on or below the diagonal as a partial
     block, built without evaluating the mask: a superset of what create_block_mask finds, none above the diagonal,
