@@ -135,22 +135,24 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
     command again resumes it from there, the teacher too (nothing left to train), and evaluates it."""
     env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", STEPS="100000",
                DEADLINE="40")
-    suite = lambda env: subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT,  # noqa: E731
-                                       env=env, capture_output=True, text=True)
+    out, log = tmp_path / "real-smoke", tmp_path / "real-smoke" / "meanpool.log"
+
+    def suite(env):
+        return subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
     p = suite(env)
     assert p.returncode == 1 and "   meanpool: stopped at the deadline" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
-    log = tmp_path / "real-smoke" / "meanpool.log"
     saved = re.search(r"^interrupted: saved step (\d+) ", log.read_text(), re.M)
     assert saved and int(saved[1]) > 0, log.read_text()[-2000:]
     step = int(saved[1])
     p = suite({**env, "STEPS": str(step + 2), "DEADLINE": ""})
     assert p.returncode == 0 and "   meanpool: train" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
-    assert f"resuming {tmp_path / 'real-smoke' / 'meanpool'} from step {step}\n" in log.read_text()
-    assert "nothing to train" in (tmp_path / "real-smoke" / "teacher.log").read_text()
-    lines = (tmp_path / "real-smoke" / "meanpool" / "log.jsonl").read_text().splitlines()
+    assert f"resuming {out / 'meanpool'} from step {step}\n" in log.read_text()
+    assert "nothing to train" in (out / "teacher.log").read_text()
+    lines = (out / "meanpool" / "log.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, step + 3))
-    assert [os.path.basename(r["run"]) for r in json.load(open(tmp_path / "real-smoke" / "results.json"))] == ["meanpool"]
-    assert "(which resumed runs an earlier one began: meanpool teacher)" in (tmp_path / "real-smoke" / "RESULTS.md").read_text()
+    assert [os.path.basename(r["run"]) for r in json.load(open(out / "results.json"))] == ["meanpool"]
+    assert "(which resumed runs an earlier one began: meanpool teacher)" in (out / "RESULTS.md").read_text()
     before = log.read_text()  # once more: the finished run is read back, not loaded to train
     p = suite({**env, "STEPS": str(step + 2), "DEADLINE": ""})
     assert p.returncode == 0 and log.read_text() == before, p.stdout[-2000:] + p.stderr[-2000:]
