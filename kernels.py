@@ -265,8 +265,10 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None, flex=False):
     if score_mod is not None:
         out = scored_attention(q, k, v, dense, scale, score_mod)
     else:
-        if gqa and q.is_cuda:  # CUDA SDPA runs GQA only in flash (no mask) or math (fp32 scores): K/V repeated
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # go memory-efficient
+        # CUDA SDPA runs GQA only in flash (no mask) or math (fp32 scores, B x H x Q x S): from 128 queries, K/V
+        # repeated go memory-efficient; a decode step's few queries stay in math, not copying the cache per layer
+        if gqa and q.is_cuda and mask.Q >= 128:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
             gqa = False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bias(q.dtype), scale=scale, enable_gqa=gqa)
     return out.masked_fill(blind, 0.0)  # a query row that sees no key (padding) gives 0, as flex does
