@@ -197,6 +197,8 @@ def ratios_of(spec, flag="ratio"):
         raise SystemExit(f"error: --{flag} {spec!r} must be an integer or a comma list like 4,8,16")
     if not rs or any(not 0 < r <= 1 << 20 for r in rs):  # (a 64-bit overflow in the pooling above that)
         raise SystemExit(f"error: --{flag} {spec!r}: every ratio must be a positive integer, at most 2^20")
+    if len(set(rs)) < len(rs):  # a ratio twice would train (and report) it twice
+        raise SystemExit(f"error: --{flag} {spec!r} names a ratio twice")
     return rs
 
 
