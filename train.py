@@ -840,7 +840,7 @@ class AdamW:
             torch._foreach_lerp_(m, grads, 1 - beta1)  # m <- beta1 m + (1 - beta1) g
             torch._foreach_mul_(v, beta2)
             torch._foreach_addcmul_(v, grads, grads, 1 - beta2)  # v <- beta2 v + (1 - beta2) g^2
-            t = [s["step"].item() for s in states]
+            t = torch.stack([s["step"] for s in states]).tolist()  # one op, not one .item() per parameter
             denom = torch._foreach_sqrt(v)  # sqrt(v / (1 - beta2^t)) + eps
             torch._foreach_div_(denom, [(1 - beta2 ** n) ** 0.5 for n in t])
             torch._foreach_add_(denom, g["eps"])
@@ -886,10 +886,7 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
         dist.all_reduce(counts)
         if counts[2] > 0 and not STOP:
             STOP.append(1)
-    scale = world / max(counts[1].item(), 1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale)
+    torch._foreach_mul_([p.grad for p in params if p.grad is not None], world / max(counts[1].item(), 1.0))
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
