@@ -13,9 +13,9 @@
 #                                             # them: a run already in OUT resumes (--resume), a finished one is read back
 #   bash scripts/real_suite.sh --smoke    # CPU, a tiny random checkpoint on SmolLM2's path (byte-level
 #                                         # tokenizer.json, ChatML template), 1-2 steps a run, 4 questions
-# The runs start in the order of what the issue's claims need most (meanpool and its baselines first, the
-# single-ratio ablations last, so a deadline cuts those), but for the sentence_gist runs: the longest (1.7x
-# meanpool's kernel launches, BENCHMARKS.md), they start in the first wave, where they end the suite sooner.
+# The runs start in the order of what the issue's claims need most: meanpool and its baselines first, the
+# sentence_gist runs with them (the longest: 1.7x meanpool's kernel launches, BENCHMARKS.md), so that every
+# claim's run ends before the single-ratio ablations, which start last and which a deadline cuts first.
 # On the GPU machine, scripts/device_suite.sh brings the GGUF there and runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
