@@ -77,6 +77,7 @@ class Tokenizer:
         self.lacking = lacking        # (split regex, ranks, lacking bytes, unk id, fuse_unk): see _encode_lacking
         self.chat_template = None     # the checkpoint's: its text, "" = it has none (base), None = no config read
         self.bos_id, self.eos_ids, self.pad_id = bos_id, list(eos_ids), pad_id  # pad None: load_tokenizer sets eos
+        self.bos_from_file = False    # bos_id is what the tokenizer.json's post_processor writes (None: nothing)
         self.memo = None              # a dict: encode() keeps each text's ids (train.py: records tokenized once)
         if kind == "tiktoken":
             self.vocab_size = model.max_token_value + 1
@@ -224,7 +225,10 @@ def _from_tokenizer_json(path):
     specials = {s: t["id"] for s, t in added.items()}
     always = {s for s, t in added.items() if not t.get("special")}
     enc = tiktoken.Encoding(name=str(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+    processor = spec.get("post_processor")  # what HF writes around a text; None: the config's bos_token decides
+    before = _written_before_text(processor) if processor else None
     bos = next((specials[s] for s in ("<|begin_of_text|>", "<s>", "<bos>") if s in specials), None)
+    bos = bos if before is None else specials[before[0]] if before else None
     eos = [specials[s] for s in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>") if s in specials][:1]
     unk, lacking = model["vocab"].get(model.get("unk_token")), None
     if lacks:
@@ -232,7 +236,23 @@ def _from_tokenizer_json(path):
             lacking = (regex.compile(pattern), ranks, lacks, unk, bool(model.get("fuse_unk")))
         except regex.error as e:
             raise ValueError(f"{path}: unsupported pre_tokenizer regex {pattern!r} ({e})") from None
-    return Tokenizer("tiktoken", enc, specials, bos, eos, nfc=nfc, always=always, lacking=lacking)
+    tok = Tokenizer("tiktoken", enc, specials, bos, eos, nfc=nfc, always=always, lacking=lacking)
+    tok.bos_from_file = before is not None
+    return tok
+
+
+def _written_before_text(processor):
+    """The special tokens a tokenizer.json post_processor writes before a text, as HF's add_special_tokens=True
+    (SmolLM2's writes none, though its config names <|im_start|> the bos_token; Llama 3's writes its BOS)."""
+    if processor["type"] == "Sequence":
+        return [t for p in processor["processors"] for t in _written_before_text(p)]
+    if processor["type"] == "TemplateProcessing":
+        single = processor["single"]
+        text_at = next(i for i, piece in enumerate(single) if "Sequence" in piece)
+        return [piece["SpecialToken"]["id"] for piece in single[:text_at] if "SpecialToken" in piece]
+    if processor["type"] in ("RobertaProcessing", "BertProcessing"):
+        return [processor["cls"][0]]
+    return []  # ByteLevel: offsets only
 
 
 def _pretokenizer(path, spec):
@@ -306,9 +326,10 @@ def _apply_checkpoint_config(tok, folder):
                              "expected a Jinja text")
         jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
         tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
-        bos = token_id("bos_token") if tcfg.get("bos_token") else None
-        tok.bos_id = None if tcfg.get("add_bos_token") is False else bos
-    elif "bos_token_id" in cfg:
+        if "add_bos_token" in tcfg or not tok.bos_from_file:  # else the tokenizer.json's post_processor decides
+            bos = token_id("bos_token") if tcfg.get("bos_token") else None
+            tok.bos_id = None if tcfg.get("add_bos_token") is False else bos
+    elif "bos_token_id" in cfg and not tok.bos_from_file:
         tok.bos_id = cfg["bos_token_id"]
     eos = [token_id("eos_token")] if tcfg.get("eos_token") else []
     for name, v in (("generation_config.json", gcfg.get("eos_token_id")), ("config.json", cfg.get("eos_token_id"))):

@@ -126,13 +126,14 @@ def random_standin(out_dir, texts, seed=0):
     byte-level BPE tokenizer.json (digits split one by one, as SmolLM2's) trained on `texts`, and its
     specials and ChatML chat template. For CPU smoke runs of the real-model suite; returns out_dir."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from model import ModelConfig, Transformer
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1")  # no BOS, as the converted file
     tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     os.makedirs(out_dir, exist_ok=True)

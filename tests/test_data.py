@@ -132,6 +132,38 @@ def test_bpe_json_specials(hf_pair):
     assert len(texts) == tok.vocab_size and texts[tok.special("<|eot_id|>")] == "<|eot_id|>"
 
 
+@pytest.mark.parametrize("post, config", [
+    ("bos $A", {}),                                    # Llama 3: its template writes BOS
+    ("$A", {}),                                        # SmolLM2: none, though its config names a bos_token
+    ("bytelevel", {}),                                 # a ByteLevel post-processor writes no token
+    ("$A", {"add_bos_token": True}),                   # the config's add_bos_token wins where it is given
+    ("bos $A", {"add_bos_token": False}),
+])
+def test_bos_is_what_hf_writes_before_a_text(hf_pair, tmp_path, post, config):
+    """encode(bos=True) gives HF's add_special_tokens=True ids: a tokenizer.json's post_processor says whether a BOS
+    leads (and a prompt starts with it), unless tokenizer_config.json's add_bos_token says otherwise."""
+    from tokenizers import Tokenizer, processors
+    hf = Tokenizer.from_str(hf_pair[0].to_str())
+    if post == "bytelevel":
+        hf.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        single = post.replace("bos", "<|begin_of_text|>")
+        bos = ("<|begin_of_text|>", hf.token_to_id("<|begin_of_text|>"))
+        hf.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=[bos])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                "eos_token": "<|end_of_text|>", **config}))
+    tok = data.load_tokenizer(tmp_path)
+    want_bos = config.get("add_bos_token", post.startswith("bos"))
+    for text in FRAGMENTS[:8]:
+        want = hf.encode(text).ids
+        if config:  # transformers adds (or drops) the BOS by add_bos_token, over the post_processor
+            bos_id = hf.token_to_id("<|begin_of_text|>")
+            want = [bos_id] * want_bos + [i for i in want if i != bos_id]
+        assert tok.encode(text, bos=True) == want, (text, post, config)
+    assert data.format_qa(tok, "ctx", "q", "a")["prefix"] == ([tok.special("<|begin_of_text|>")] if want_bos else [])
+
+
 def test_sentencepiece_matches_spm(tmp_path, texts):
     import sentencepiece as spm
     lines = [t for t in varied_texts(400, seed=2) if t.strip() and "\n" not in t]

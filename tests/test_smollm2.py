@@ -67,7 +67,8 @@ def test_logits_and_greedy_ids_match_transformers(smol_dir, hf):
 def test_load_tokenizer_matches_hf(smol_dir, hf):
     tok = hf[0]
     ours = data.load_tokenizer(smol_dir)  # byte-level BPE, also from transformers 5.17's converter
-    assert (ours.bos_id, list(ours.eos_ids)) == (1, [2])  # <|im_start|>, <|im_end|>: the GGUF's ids
+    assert (ours.bos_id, list(ours.eos_ids)) == (None, [2])  # the GGUF's add_bos_token is false; <|im_end|>
+    assert ours.encode(PROMPT, bos=True) == tok(PROMPT).input_ids  # so HF writes no BOS, nor do we
     for text in (PROMPT, "In 2024, it's 3.14 apples:\n  x = [1, 2]"):  # digits one by one, then GPT-2's regex
         assert ours.encode(text) == tok(text).input_ids, text
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
