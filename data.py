@@ -228,7 +228,8 @@ def _from_tokenizer_json(path):
     processor = spec.get("post_processor")  # what HF writes around a text; None: the config's bos_token decides
     before = _written_before_text(processor) if processor else None
     bos = next((specials[s] for s in ("<|begin_of_text|>", "<s>", "<bos>") if s in specials), None)
-    bos = bos if before is None else specials[before[0]] if before else None
+    if before is not None:  # the post_processor says which BOS HF writes, if any
+        bos = specials[before[0]] if before else None
     eos = [specials[s] for s in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>") if s in specials][:1]
     unk, lacking = model["vocab"].get(model.get("unk_token")), None
     if lacks:
@@ -248,7 +249,7 @@ def _written_before_text(processor):
         return [t for p in processor["processors"] for t in _written_before_text(p)]
     if processor["type"] == "TemplateProcessing":
         single = processor["single"]
-        text_at = next(i for i, piece in enumerate(single) if "Sequence" in piece)
+        text_at = next((i for i, piece in enumerate(single) if "Sequence" in piece), len(single))
         return [piece["SpecialToken"]["id"] for piece in single[:text_at] if "SpecialToken" in piece]
     if processor["type"] in ("RobertaProcessing", "BertProcessing"):
         return [processor["cls"][0]]
