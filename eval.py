@@ -8,7 +8,9 @@ and answering time, for one or many run dirs; and a one-shot mode.
     python eval.py out/pic --memory doc.mem --question "Where ...?"
 
 Rows: the teacher with full context, the teacher with no context, then method@ratio, each with
-per-question scores and 95% bootstrap intervals of EM and F1. Teacher-normalised F1 = (F1 - F1_noctx) /
+per-question scores and 95% bootstrap intervals of EM, F1 and, in the JSON, the answer's teacher-forced NLL
+(`nll`; `nll_other`: after another question's memory, the control that tells whether a memory carries its
+context; none for sentence_gist, which answers by its own rule). Teacher-normalised F1 = (F1 - F1_noctx) /
 (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1). Results go to <run>/metrics.json; --out writes
 the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
@@ -161,9 +163,27 @@ def timed(fn):
     return out, time.time() - t
 
 
-def scored(preds, records, secs):
-    return {**qa_metrics(preds, [r["answers"] for r in records], [r["id"] for r in records]),
-            "examples_per_s": len(preds) / secs, "n": len(preds)}
+@torch.no_grad()
+def answer_nll(decoder, ids, labels, memory=None):
+    """Per question, the mean NLL (nats) of its reference answer's tokens (EOS included; the answer training reads),
+    teacher-forced through `decoder` after `memory`. F1 reads the greedy answer alone; this reads how much the
+    memory tells about the answer, so a row that moved but not enough to change its answers still shows."""
+    h = decoder(ids, memory=memory, output="hidden")  # (B, T, d)
+    per_row = (decoder.ce(h[b:b + 1], labels[b:b + 1]) for b in range(len(ids)))
+    return [loss.item() / max(n, 1) for loss, n in per_row]
+
+
+def scored(preds, records, secs, **nlls):
+    """The row's metrics; each of `nlls` ({question id: NLL}, e.g. nll=...) also as its mean, its 95% interval
+    ("nll_ci") and per question (scores["nll"])."""
+    ids = [r["id"] for r in records]
+    row = {**qa_metrics(preds, [r["answers"] for r in records], ids), "examples_per_s": len(preds) / secs,
+           "n": len(preds)}
+    for key, values in nlls.items():
+        if values and preds:
+            row.update({key: sum(values.values()) / len(values), f"{key}_ci": bootstrap_ci(list(values.values()))})
+            row["scores"][key] = values
+    return row
 
 
 @torch.no_grad()
@@ -171,14 +191,15 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
     """The base with full context and with no context (SPEC §4)."""
     rows = {}
     for name, key in (("teacher", "full"), ("no-context", "noctx")):
-        preds, secs = [], 0.0
+        preds, secs, nll = [], 0.0, {}
         for b in batches_of(records, tok, cfg, ecfg.batch_size):
             first = (b[f"{key}_labels"] != -100).float().argmax(1)  # the last prompt token predicts the answer
             prompts = [b[key][i, :first[i] + 1].tolist() for i in range(len(first))]
             with base.adapter(None):
                 outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens))
+                nll.update(zip(b["ids"], answer_nll(base, b[key].to(device), b[f"{key}_labels"].to(device))))
             preds, secs = preds + decode(tok, outs), secs + dt
-        rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **scored(preds, records, secs)}
+        rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **scored(preds, records, secs, nll=nll)}
     return rows
 
 
@@ -188,17 +209,25 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     size and the method's own memory.stats, each a mean over examples."""
     rows = []
     for r in ratios:
-        preds, secs, stats = [], 0.0, collections.defaultdict(list)
+        preds, secs, stats, nll, nll_other = [], 0.0, collections.defaultdict(list), {}, {}
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
             b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds, secs = preds + decode(tok, outs), secs + dt
+            if not hasattr(method, "answer_from_memory"):  # its own answering rule (sentence_gist): no NLL
+                decoder = getattr(method, "dec", method.base)  # as answer_from_memory's
+                with decoder.adapter(method.dec_adapter):
+                    nll.update(zip(b["ids"], answer_nll(decoder, b["qa"], b["qa_labels"], memory)))
+                    if len(b["ids"]) > 1:  # the control: question i read after question i+1's memory
+                        other = answer_nll(decoder, b["qa"].roll(1, 0), b["qa_labels"].roll(1, 0), memory)
+                        nll_other.update(zip(b["ids"], other[1:] + other[:1]))
             stats["ratio"] += (b["context_len"].float() / memory.slots().float().clamp(min=1)).tolist()
             stats["memory_bytes"] += memory.nbytes().tolist()
             for k, v in getattr(memory, "stats", {}).items():
                 stats[k] += list(v)
         examples = [{"pred": p, "gold": rec["answers"]} for p, rec in zip(preds[:5], records)]
-        rows.append({"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs),
+        rows.append({"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs, nll=nll,
+                                                                          nll_other=nll_other),
                      **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples})
     return rows
 

@@ -32,6 +32,9 @@ threshold). The verdict comes from our numbers:
     ">" / "<"  A's value above / below B's;
     "~"  A / B within `margin` of the paper's A / B (e.g. the ratio halving per doubling).
   A claim whose rows the results lack gets "no data".
+
+Given one results file, a second table follows (`controls`): the teacher and every method row against its run's
+no-context row in F1, and against itself reading another question's memory in eval.py's teacher-forced answer NLL.
 """
 import os
 import sys
@@ -193,6 +196,36 @@ def table(results, claims=CLAIMS):
     return "\n".join(lines)
 
 
+def side_of_zero(lo, hi):
+    """Where a 95% interval of A - B lies: "above" 0, "below" 0, or "cannot tell"."""
+    return "above" if lo > 0 else "below" if hi < 0 else "cannot tell"
+
+
+def controls(results):
+    """Markdown: the teacher and each method row ("RUN@RATIO", "RUN" when its run has one row) against two
+    controls, paired over the questions: F1 against its run's no-context row (a memory that helps is above), and
+    eval.py's teacher-forced answer NLL against the same row's after another question's memory (below: the
+    memory carries its own context, not only an answer format; it moves before the greedy answers do)."""
+    lines = ["| row | F1 - no context [95% CI] | verdict | answer NLL - after another's memory [95% CI] | verdict |",
+             "|" + "---|" * 5]
+    named = [("teacher", results[0]["teacher"], results[0]["no_context"])]
+    for res in results:
+        run = os.path.basename(os.path.normpath(res["run"]))
+        named += [(run if len(res["rows"]) == 1 else f"{run}@{r.get('ratio_requested')}", r, res["no_context"])
+                  for r in res["rows"]]
+    for name, row, floor in named:
+        cells = []
+        for (a, key_a), (b, key_b), digits in (((row, "f1"), (floor, "f1"), 1), ((row, "nll"), (row, "nll_other"), 2)):
+            if key_a not in a.get("scores", {}) or key_b not in b.get("scores", {}):
+                cells += ["-", "no data"]
+                continue
+            c = evaluate.paired_diff_ci(a["scores"][key_a], b["scores"][key_b])
+            lo, hi = c["ci"]
+            cells += [f"{c['diff']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]", side_of_zero(lo, hi)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def over_seeds(verdicts):
     """(verdict, group) of a claim over seeds: "every seed agrees / disagrees", else the count
     of each verdict, grouped as mixed, no data on some seed, or no data."""
@@ -251,7 +284,9 @@ def main(argv):
                          "RESULTS.json [RESULTS.json ...]  (eval.py --out of scripts/reproduce.sh; several: one per "
                          "seed)")
     if len(argv) == 1:
-        return print(table(evaluate.earlier_results(argv[0])))
+        results = evaluate.earlier_results(argv[0])
+        return print(table(results) + "\n\nEach row against its controls, paired over the questions (answer NLL: "
+                     "teacher-forced, nats per answer token):\n\n" + controls(results))
     runs = [evaluate.earlier_results(p) for p in argv]
     names = [suite_name(p, res) for p, res in zip(argv, runs)]
     if len(set(names)) < len(names):

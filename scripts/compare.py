@@ -1,10 +1,11 @@
 """Two eval.py results files, question by question: the paired F1 difference of rows with its 95% interval.
 
     python scripts/compare.py out/meanpool/metrics.json out/pic/metrics.json [--row_a @16 --row_b @16]
+    python scripts/compare.py out/meanpool/metrics.json out/meanpool/metrics.json --row_b no-context --metric nll
 
 Rows pair up by requested ratio (or the one row each of --row_a / --row_b picks: a name or part of one,
 "@16", "teacher"; "" = the method rows). A verdict per pair: "A > B" when the interval is above 0, "B > A"
-when below, else "cannot tell".
+when below, else "cannot tell". --metric em or nll (the teacher-forced answer NLL, lower is better) instead of F1.
 """
 import argparse
 import json
@@ -33,29 +34,35 @@ def rows_of(path):
         raise SystemExit(f"error: {path} is not an eval.py results JSON ({type(e).__name__}: {e})")
 
 
-def compare(path_a, path_b, row_a="", row_b=""):
-    """One line per pair of rows: both F1s on the shared questions, A - B with its paired 95% CI, a verdict."""
+def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
+    """One line per pair of rows: both values on the shared questions, A - B with its paired 95% CI, a verdict.
+    A row without ratio (teacher, no-context) picked alone pairs with every row of the other side."""
     a, b = rows_of(path_a), rows_of(path_b)
     na = [n for n in a if (row_a in n if row_a else "ratio_requested" in a[n])]
     nb = [n for n in b if (row_b in n if row_b else "ratio_requested" in b[n])]
     pairs = [(x, y) for x in na for y in nb
-             if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")]
+             if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")
+             or (len(nb) == 1 and "ratio_requested" not in b[y]) or (len(na) == 1 and "ratio_requested" not in a[x])]
     if not pairs:
         raise SystemExit(f"error: no rows to pair; pick them with --row_a/--row_b from "
                          f"A: {', '.join(a)}; B: {', '.join(b)}")
-    lines = []
+    lines, label, d = [], metric.upper(), 2 if metric == "nll" else 1
     for x, y in pairs:
         for path, name, row in ((path_a, x, a[x]), (path_b, y, b[y])):
             if "scores" not in row:
                 raise SystemExit(f"error: {path}: row {name!r} has no per-question scores; rerun eval.py --recompute")
+        if metric not in a[x]["scores"] or metric not in b[y]["scores"]:  # a method with its own answering rule
+            lines.append(f"A {x} vs B {y}: {label} not scored in both rows (sentence_gist answers by its own rule; "
+                         "an older eval.py scored none: rerun it with --recompute)")
+            continue
         try:
-            c = evaluate.paired_diff_ci(a[x]["scores"]["f1"], b[y]["scores"]["f1"])
+            c = evaluate.paired_diff_ci(a[x]["scores"][metric], b[y]["scores"][metric])
         except ValueError as e:
             raise SystemExit(f"error: {e}")
         lo, hi = c["ci"]
         verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
-        lines.append(f"A {x} F1 {c['a']:.1f} vs B {y} F1 {c['b']:.1f} on {c['n']} questions: "
-                     f"A - B {c['diff']:+.1f} [{lo:+.1f}, {hi:+.1f}] -> {verdict}")
+        lines.append(f"A {x} {label} {c['a']:.{d}f} vs B {y} {label} {c['b']:.{d}f} on {c['n']} questions: "
+                     f"A - B {c['diff']:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}] -> {verdict}")
     print("\n".join(lines))
     return lines
 
@@ -66,9 +73,11 @@ def main(argv):
     parser.add_argument("b", help="results JSON B")
     parser.add_argument("--row_a", default="", help='rows of A: a name or part of one ("@16", "teacher")')
     parser.add_argument("--row_b", default="", help="the same for B")
+    parser.add_argument("--metric", default="f1", choices=("f1", "em", "nll"),
+                        help="per-question values to pair: F1, EM, or the answer NLL (lower is better)")
     parser.error = lambda message: sys.exit(f"error: {message}")
     args = parser.parse_args(argv)
-    return compare(args.a, args.b, args.row_a, args.row_b)
+    return compare(args.a, args.b, args.row_a, args.row_b, args.metric)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import torch
 
 import data
 import eval as evaluate
+import meanpool
+import tiny
 import train
 from common import load_script
 from conftest import ASSETS, ROOT
@@ -124,15 +126,79 @@ def test_paired_diff_ci_excludes_or_includes_zero():
         evaluate.paired_diff_ci({"x": 1.0}, {"y": 1.0})
 
 
+class FakeBase:
+    """A stand-in base: greedy answers say(prompts), and teacher-forced answer NLL 1 nat a token."""
+    def __init__(self, say):
+        self.say = say
+
+    def adapter(self, name):
+        return torch.no_grad()
+
+    def generate(self, prompts, k):
+        return self.say(prompts)
+
+    def __call__(self, ids, memory=None, output="hidden"):
+        return torch.zeros(*ids.shape, 1)
+
+    def ce(self, h, labels):
+        n = int((labels != -100).sum())
+        return torch.tensor(float(n)), n
+
+
+def test_answer_nll_is_each_questions_mean_answer_ce():
+    """eval.answer_nll on the shipped tiny base against cross-entropy written out; and the base reading the
+    context finds the answers far likelier than with no context."""
+    tok, base = train.load_base(train.TrainConfig(), "cpu", torch.float32)
+    records = tiny.Synthetic(seed=0, split="val").qa_examples(6)
+    b = data.collate_qa(records, tok, pad_multiple=1)
+    nll = {key: evaluate.answer_nll(base, b[key], b[f"{key}_labels"]) for key in ("full", "noctx")}
+    with torch.no_grad():
+        logits = base(b["full"], output="hidden") @ base.lm_head.weight.T  # (B, T, V)
+    for i, labels in enumerate(b["full_labels"]):
+        keep = labels != -100
+        expected = torch.nn.functional.cross_entropy(logits[i][keep], labels[keep]).item()
+        assert nll["full"][i] == pytest.approx(expected, rel=1e-5) and keep.sum() > 1
+    assert sum(nll["full"]) / 6 + 2 < sum(nll["noctx"]) / 6
+
+
+def test_a_method_rows_nll_is_its_qa_training_loss():
+    """A meanpool row's per-question NLL, weighted by answer tokens, sums to the `qa` objective's training loss
+    on the same questions: eval reads the memory as training does; its control (nll_other) to that loss with
+    each question moved to another's context."""
+    cfg = train.TrainConfig(method="meanpool", objective="qa", ratio="4", no_aids=True)
+    tok, base, method = train.build(cfg, meanpool.MeanPoolConfig(), "cpu", torch.float32)
+    torch.manual_seed(0)
+    for p in method.parameters():  # adapters away from their no-op start
+        if p.requires_grad:
+            p.data += 0.02 * torch.randn_like(p)
+    records = tiny.Synthetic(seed=0, split="val").qa_examples(5)
+    row = evaluate.method_rows(method, tok, records, cfg, evaluate.EvalConfig(batch_size=5), [4], "cpu")[0]
+    b = data.collate_qa(records, tok, pad_multiple=1)
+    with torch.no_grad():
+        loss, n, _ = method(b, [4])
+    tokens = (b["qa_labels"] != -100).sum(1).tolist()
+    summed = sum(row["scores"]["nll"][r["id"]] * k for r, k in zip(records, tokens))
+    assert summed == pytest.approx(loss.item(), rel=1e-5)
+    assert row["nll_ci"][0] <= row["nll"] <= row["nll_ci"][1] and n == sum(tokens)
+    for j, r in enumerate(records):  # the control: question j after question j + 1's context, alone
+        k = (j + 1) % len(records)
+        one = {**b, "context": b["context"][k:k + 1], "context_len": b["context_len"][k:k + 1],
+               "qa": b["qa"][j:j + 1], "qa_labels": b["qa_labels"][j:j + 1]}
+        with torch.no_grad():
+            other, n_j, _ = method(one, [4])
+        assert row["scores"]["nll_other"][r["id"]] == pytest.approx(other.item() / n_j, rel=1e-5)
+        assert abs(row["scores"]["nll_other"][r["id"]] - row["scores"]["nll"][r["id"]]) > 1e-4
+
+
 def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     """evaluate_run with a fake base and method (no model, no training): every row of the
     written metrics.json carries {id: score} and the table prints the intervals."""
     tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
-    say = lambda n: [tok.encode(w) for w in (["Paris", "x"] * n)[:n]]
-    base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(len(prompts)))
+    say = lambda prompts: [tok.encode(w) for w in (["Paris", "x"] * len(prompts))[:len(prompts)]]
+    base = FakeBase(say)
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
-                                   answer_from_memory=lambda mem, prompts, k: say(len(prompts)))
+                                   answer_from_memory=lambda mem, prompts, k: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=6)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = tmp_path / "run"
@@ -146,6 +212,9 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
             assert list(row["scores"][k]) == ids
             assert sum(row["scores"][k].values()) / 6 == pytest.approx(row[k])
             assert row[f"{k}_ci"][0] <= row[k] <= row[f"{k}_ci"][1]
+    for row in res["teacher"], res["no_context"]:  # the method rows answer by their own rule: no NLL
+        assert row["nll"] == 1.0 and row["scores"]["nll"] == dict.fromkeys(ids, 1.0)
+    assert "nll" not in res["rows"][0] and "nll" not in res["rows"][0]["scores"]
     lo, hi = res["rows"][0]["f1_ci"]
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
 
@@ -155,7 +224,7 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
     explicit eval.py --ratio wins over both."""
     tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
     say = lambda prompts: [tok.encode("Paris") for _ in prompts]
-    base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(prompts))
+    base = FakeBase(say)
     read_at = []
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     method = types.SimpleNamespace(compress=lambda batch, r: read_at.append(r) or memory(len(batch["qa"])),
@@ -179,7 +248,7 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     what it answered (questions, ratios, answer length)."""
     tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
     say = lambda prompts: [tok.encode("Paris") for _ in prompts]
-    base = types.SimpleNamespace(adapter=lambda name: torch.no_grad(), generate=lambda prompts, k: say(prompts))
+    base = FakeBase(say)
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     compressed = []
     method = types.SimpleNamespace(compress=lambda batch, r: compressed.append(1) or memory(len(batch["qa"])),
@@ -231,6 +300,17 @@ def test_compare_cli_prints_verdicts(tmp_path, capsys):
     assert compare.main([b, a, "--row_a", "@4", "--row_b", "@4"])[0].endswith("-> B > A")
     assert compare.main([a, b, "--row_a", "teacher", "--row_b", "teacher"])[0].endswith(
         "A - B +0.0 [+0.0, +0.0] -> cannot tell")
+    lines = compare.main([a, a, "--row_b", "no-context"])  # picked alone, a row without ratio pairs with each
+    assert [line.split(" on ")[0] for line in lines] == ["A m@4 F1 90.0 vs B no-context F1 50.0",
+                                                         "A m@16 F1 50.0 vs B no-context F1 50.0"]
+    res = json.load(open(a))
+    res["rows"][0]["scores"]["nll"] = {q: 1.0 + i % 2 for i, q in enumerate(ids)}
+    res["no_context"]["scores"]["nll"] = dict.fromkeys(ids, 3.0)
+    (tmp_path / "c.json").write_text(json.dumps(res))
+    lines = compare.main([str(tmp_path / "c.json")] * 2 + ["--row_b", "no-context", "--metric", "nll"])
+    assert lines[0].startswith("A m@4 NLL 1.50 vs B no-context NLL 3.00 on 60 questions: A - B -1.50 [-1.6")
+    assert lines[0].endswith("-> B > A")
+    assert lines[1].startswith("A m@16 vs B no-context: NLL not scored in both rows")
 
 
 def test_compare_bad_input_is_one_line(tmp_path):
@@ -301,6 +381,30 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
     assert f"{len(claims.CLAIMS)} claims: {len(claims.CLAIMS)} no data" in out  # no suite run names here
     with pytest.raises(SystemExit, match="one run's metrics.json"):
         claims.main([_scores_file(tmp_path / "one.json", {4: high})])
+
+
+def test_each_row_against_its_controls(tmp_path, capsys):
+    """claims.py's second table: each row's paired F1 difference from its run's no-context row, and its answer
+    NLL's from its own reading another question's memory."""
+    claims = load_script("claims")
+    ids = [f"q{i}" for i in range(200)]
+    high = {q: 80.0 + 20 * (i % 2) for i, q in enumerate(ids)}
+    zero = dict.fromkeys(ids, 0.0)
+    results = _suite_results({"a": {4: (high, {}), 16: (zero, {})}, "g": {4: (high, {})}})
+    nll = {4: ({q: 1.0 + i % 2 for i, q in enumerate(ids)}, dict.fromkeys(ids, 3.0)),  # 1.5 below its control
+           16: (dict.fromkeys(ids, 3.0), {q: 3.0 + (1 if i % 2 else -1) for i, q in enumerate(ids)})}  # as likely
+    for row in results[0]["rows"]:
+        row["scores"]["nll"], row["scores"]["nll_other"] = nll[row["ratio_requested"]]
+    lines = claims.controls(results).splitlines()
+    assert lines[2] == "| teacher | +100.0 [+100.0, +100.0] | above | - | no data |"
+    assert lines[3].startswith("| a@4 | +90.0 [+8") and lines[3].endswith("| above | -1.50 [-1.57, -1.43] | below |")
+    assert lines[4].startswith("| a@16 | +0.0 [+0.0, +0.0] | cannot tell | +0.00 [-0.1") and lines[4].endswith(
+        "| cannot tell |")
+    assert lines[5].startswith("| g | +90.0") and lines[5].endswith("| above | - | no data |")  # "RUN": one row
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    claims.main([str(path)])
+    assert capsys.readouterr().out.rstrip().endswith("\n".join(lines))
 
 
 def test_claims_over_seeds_one_verdict_per_seed_and_their_count(tmp_path, capsys):
