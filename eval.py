@@ -169,8 +169,13 @@ def answer_nll(decoder, ids, labels, memory=None):
     teacher-forced through `decoder` after `memory`. F1 reads the greedy answer alone; this reads how much the
     memory tells about the answer, so a row that moved but not enough to change its answers still shows."""
     h = decoder(ids, memory=memory, output="hidden")  # (B, T, d)
-    per_row = (decoder.ce(h[b:b + 1], labels[b:b + 1]) for b in range(len(ids)))
-    return [loss.item() / max(n, 1) for loss, n in per_row]
+    row, pos = (labels != -100).nonzero(as_tuple=True)  # the answer tokens: (N,) each
+    nll = h.new_zeros(len(ids), dtype=torch.float32)
+    for i in range(0, len(row), 1024):  # (1024, V) logits at a time
+        r, t = row[i:i + 1024], pos[i:i + 1024]
+        logits = decoder.logits(h[r, t]).float()
+        nll.index_add_(0, r, torch.nn.functional.cross_entropy(logits, labels[r, t], reduction="none"))
+    return (nll / torch.bincount(row, minlength=len(ids)).clamp(min=1)).tolist()
 
 
 def scored(preds, records, secs, **nlls):

@@ -127,7 +127,9 @@ def test_paired_diff_ci_excludes_or_includes_zero():
 
 
 class FakeBase:
-    """A stand-in base: greedy answers say(prompts), and teacher-forced answer NLL 1 nat a token."""
+    """A stand-in base: greedy answers say(prompts); every token equally likely (answer NLL log V a token)."""
+    V = 4096
+
     def __init__(self, say):
         self.say = say
 
@@ -140,9 +142,8 @@ class FakeBase:
     def __call__(self, ids, memory=None, output="hidden"):
         return torch.zeros(*ids.shape, 1)
 
-    def ce(self, h, labels):
-        n = int((labels != -100).sum())
-        return torch.tensor(float(n)), n
+    def logits(self, h):
+        return torch.zeros(*h.shape[:-1], self.V)
 
 
 def test_answer_nll_is_each_questions_mean_answer_ce():
@@ -213,7 +214,7 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
             assert sum(row["scores"][k].values()) / 6 == pytest.approx(row[k])
             assert row[f"{k}_ci"][0] <= row[k] <= row[f"{k}_ci"][1]
     for row in res["teacher"], res["no_context"]:  # the method rows answer by their own rule: no NLL
-        assert row["nll"] == 1.0 and row["scores"]["nll"] == dict.fromkeys(ids, 1.0)
+        assert row["nll"] == pytest.approx(np.log(FakeBase.V)) and list(row["scores"]["nll"]) == ids
     assert "nll" not in res["rows"][0] and "nll" not in res["rows"][0]["scores"]
     lo, hi = res["rows"][0]["f1_ci"]
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
