@@ -205,7 +205,7 @@ def controls(results):
     """Markdown: the teacher and each method row ("RUN@RATIO", "RUN" when its run has one row) against two
     controls, paired over the questions: F1 against its run's no-context row (a memory that helps is above), and
     eval.py's teacher-forced answer NLL against the same row's after another question's memory (below: the
-    memory carries its own context, not only an answer format; it moves before the greedy answers do)."""
+    memory carries its own context, not only an answer format the decoder learned)."""
     lines = ["| row | F1 - no context [95% CI] | verdict | answer NLL - after another's memory [95% CI] | verdict |",
              "|" + "---|" * 5]
     named = [("teacher", results[0]["teacher"], results[0]["no_context"])]
