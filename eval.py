@@ -10,9 +10,8 @@ and answering time, for one or many run dirs; and a one-shot mode.
 Rows: the teacher with full context, the teacher with no context, then method@ratio, each with
 per-question scores and 95% bootstrap intervals of EM, F1 and, in the JSON, the answer's teacher-forced NLL
 (`nll`; `nll_other`: after another question's memory, the control that tells whether a memory carries its
-context; none for sentence_gist, which answers by its own rule). Teacher-normalised F1 = (F1 - F1_noctx) /
-(F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1). Results go to <run>/metrics.json; --out writes
-the combined JSON (and a PNG of F1 vs ratio with matplotlib).
+context). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1).
+Results go to <run>/metrics.json; --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
 import collections
 import glob
@@ -164,18 +163,35 @@ def timed(fn):
 
 
 @torch.no_grad()
-def answer_nll(decoder, ids, labels, memory=None):
-    """Per question, the mean NLL (nats) of its reference answer's tokens (EOS included; the answer training reads),
-    teacher-forced through `decoder` after `memory`. F1 reads the greedy answer alone; this reads how much the
-    memory tells about the answer, so a row that moved but not enough to change its answers still shows."""
-    h = decoder(ids, memory=memory, output="hidden")  # (B, T, d)
+def answer_nll(decoder, h, labels):
+    """Per row of final hidden states h (B, T, d), the mean NLL (nats) under decoder's head of its labelled tokens
+    (labels (B, T), -100 elsewhere: the reference answer, EOS included, as training reads it)."""
     row, pos = (labels != -100).nonzero(as_tuple=True)  # the answer tokens: (N,) each
-    nll = h.new_zeros(len(ids), dtype=torch.float32)
+    nll = h.new_zeros(len(h), dtype=torch.float32)
     for i in range(0, len(row), 1024):  # (1024, V) logits at a time
         r, t = row[i:i + 1024], pos[i:i + 1024]
         logits = decoder.logits(h[r, t]).float()
         nll.index_add_(0, r, torch.nn.functional.cross_entropy(logits, labels[r, t], reduction="none"))
-    return (nll / torch.bincount(row, minlength=len(ids)).clamp(min=1)).tolist()
+    return (nll / torch.bincount(row, minlength=len(h)).clamp(min=1)).tolist()
+
+
+@torch.no_grad()
+def teacher_forced(method, memory, batch, other=False):
+    """Each question's answer NLL after `memory`, read as the method answers (`other`: after the next question's
+    memory, the control that tells whether a memory carries its own context). F1 reads the greedy answer alone;
+    this reads how much the memory tells about the answer, so a row that moved too little to change its answers
+    still shows."""
+    qa, labels, lengths = (batch[k].roll(1, 0) if other else batch[k] for k in ("qa", "qa_labels", "qa_len"))
+    if hasattr(method, "teacher_forced"):  # its own answering rule (sentence_gist)
+        decoder = method.base
+        h, labels = method.teacher_forced(memory, [x[:n] for x, n in zip(qa, lengths)],
+                                          [x[:n] for x, n in zip(labels, lengths)])
+    else:
+        decoder = getattr(method, "dec", method.base)  # as answer_from_memory's
+        with decoder.adapter(method.dec_adapter):
+            h = decoder(qa, memory=memory, output="hidden")  # (B, T, d)
+    nll = answer_nll(decoder, h, labels)
+    return nll[1:] + nll[:1] if other else nll  # rolled: row i read question i - 1
 
 
 def scored(preds, records, secs, **nlls):
@@ -202,7 +218,8 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
             prompts = [b[key][i, :first[i] + 1].tolist() for i in range(len(first))]
             with base.adapter(None):
                 outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens))
-                nll.update(zip(b["ids"], answer_nll(base, b[key].to(device), b[f"{key}_labels"].to(device))))
+                h = base(b[key].to(device), output="hidden")
+                nll.update(zip(b["ids"], answer_nll(base, h, b[f"{key}_labels"].to(device))))
             preds, secs = preds + decode(tok, outs), secs + dt
         rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **scored(preds, records, secs, nll=nll)}
     return rows
@@ -219,13 +236,9 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
             b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds, secs = preds + decode(tok, outs), secs + dt
-            if not hasattr(method, "answer_from_memory"):  # its own answering rule (sentence_gist): no NLL
-                decoder = getattr(method, "dec", method.base)  # as answer_from_memory's
-                with decoder.adapter(method.dec_adapter):
-                    nll.update(zip(b["ids"], answer_nll(decoder, b["qa"], b["qa_labels"], memory)))
-                    if len(b["ids"]) > 1:  # the control: question i read after question i+1's memory
-                        other = answer_nll(decoder, b["qa"].roll(1, 0), b["qa_labels"].roll(1, 0), memory)
-                        nll_other.update(zip(b["ids"], other[1:] + other[:1]))
+            nll.update(zip(b["ids"], teacher_forced(method, memory, b)))
+            if len(b["ids"]) > 1:  # the control needs another question
+                nll_other.update(zip(b["ids"], teacher_forced(method, memory, b, other=True)))
             stats["ratio"] += (b["context_len"].float() / memory.slots().float().clamp(min=1)).tolist()
             stats["memory_bytes"] += memory.nbytes().tolist()
             for k, v in getattr(memory, "stats", {}).items():

@@ -51,9 +51,8 @@ def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
         for path, name, row in ((path_a, x, a[x]), (path_b, y, b[y])):
             if "scores" not in row:
                 raise SystemExit(f"error: {path}: row {name!r} has no per-question scores; rerun eval.py --recompute")
-        if metric not in a[x]["scores"] or metric not in b[y]["scores"]:  # a method with its own answering rule
-            lines.append(f"A {x} vs B {y}: {label} not scored in both rows (sentence_gist answers by its own rule; "
-                         "an older eval.py scored none: rerun it with --recompute)")
+        if metric not in a[x]["scores"] or metric not in b[y]["scores"]:
+            lines.append(f"A {x} vs B {y}: {label} not scored in both rows (an eval.py before it: --recompute)")
             continue
         try:
             c = evaluate.paired_diff_ci(a[x]["scores"][metric], b[y]["scores"][metric])

@@ -152,9 +152,10 @@ def test_answer_nll_is_each_questions_mean_answer_ce():
     tok, base = train.load_base(train.TrainConfig(), "cpu", torch.float32)
     records = tiny.Synthetic(seed=0, split="val").qa_examples(6)
     b = data.collate_qa(records, tok, pad_multiple=1)
-    nll = {key: evaluate.answer_nll(base, b[key], b[f"{key}_labels"]) for key in ("full", "noctx")}
     with torch.no_grad():
-        logits = base(b["full"], output="hidden") @ base.lm_head.weight.T  # (B, T, V)
+        h = {key: base(b[key], output="hidden") for key in ("full", "noctx")}
+        logits = h["full"] @ base.lm_head.weight.T  # (B, T, V)
+    nll = {key: evaluate.answer_nll(base, h[key], b[f"{key}_labels"]) for key in ("full", "noctx")}
     for i, labels in enumerate(b["full_labels"]):
         keep = labels != -100
         expected = torch.nn.functional.cross_entropy(logits[i][keep], labels[keep]).item()
@@ -198,7 +199,7 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     say = lambda prompts: [tok.encode(w) for w in (["Paris", "x"] * len(prompts))[:len(prompts)]]
     base = FakeBase(say)
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
-    method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])),
+    method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])), base=base, dec_adapter=None,
                                    answer_from_memory=lambda mem, prompts, k: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=6)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
@@ -213,9 +214,8 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
             assert list(row["scores"][k]) == ids
             assert sum(row["scores"][k].values()) / 6 == pytest.approx(row[k])
             assert row[f"{k}_ci"][0] <= row[k] <= row[f"{k}_ci"][1]
-    for row in res["teacher"], res["no_context"]:  # the method rows answer by their own rule: no NLL
-        assert row["nll"] == pytest.approx(np.log(FakeBase.V)) and list(row["scores"]["nll"]) == ids
-    assert "nll" not in res["rows"][0] and "nll" not in res["rows"][0]["scores"]
+    for row, key in ((res["teacher"], "nll"), (res["no_context"], "nll"), (res["rows"][0], "nll_other")):
+        assert row[key] == pytest.approx(np.log(FakeBase.V)) and list(row["scores"][key]) == ids
     lo, hi = res["rows"][0]["f1_ci"]
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
 
@@ -229,7 +229,7 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
     read_at = []
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     method = types.SimpleNamespace(compress=lambda batch, r: read_at.append(r) or memory(len(batch["qa"])),
-                                   answer_from_memory=lambda mem, prompts, k: say(prompts))
+                                   base=base, dec_adapter=None, answer_from_memory=lambda mem, prompts, k: say(prompts))
     for name, eval_ratio, extra, expected in (("a", "", [], [5]), ("b", "5,15", [], [5, 15]),
                                               ("c", "5,15", ["--ratio", "51"], [51])):
         cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
@@ -253,7 +253,7 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n))
     compressed = []
     method = types.SimpleNamespace(compress=lambda batch, r: compressed.append(1) or memory(len(batch["qa"])),
-                                   answer_from_memory=lambda mem, prompts, k: say(prompts))
+                                   base=base, dec_adapter=None, answer_from_memory=lambda mem, prompts, k: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=4)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     calls = []
