@@ -3,13 +3,14 @@ Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.tx
 
     encoder    h = Enc(T)                   base + `encoder` LoRA, full bidirectional attention
     pool       S_k = {(k-1)r+1 .. min(kr, L)},  z_k = mean_{i in S_k} h_i    (eq. 3-4)
-    project    z_k <- W z_k                 W in R^{d x d}, identity init (§5.1)
+    project    z_k <- W z_k                 W in R^{d x d} (§5.1)
     decoder    p(. | z, P, A_<i)            base + `decoder` LoRA; memory embeddings first
     loss       L_KD = sum_i KL(Q_i || P_i)  teacher = base with full context  (eq. 5)
                L_multi = sum_{r in R} L_KD(r)  one encoder pass, one update      (eq. 6)
 
 Choices the paper leaves open, made here:
 - h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
+- W starts at I: z as the encoder gives it (its scale, ~15x the embeddings' on SmolLM2, is W's to learn).
 - Encoder and decoder start from the teacher: `--teacher` is merged into the base first, so `adapter(None)` is it.
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
 - The decoder reads [prefix, z_1 .. z_C, prompt, answer] at 0.., as the teacher reads the context (behind_prefix).
