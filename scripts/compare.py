@@ -52,7 +52,7 @@ def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
             if "scores" not in row:
                 raise SystemExit(f"error: {path}: row {name!r} has no per-question scores; rerun eval.py --recompute")
         if metric not in a[x]["scores"] or metric not in b[y]["scores"]:
-            lines.append(f"A {x} vs B {y}: {label} not scored in both rows (an eval.py before it: --recompute)")
+            lines.append(f"A {x} vs B {y}: {label} not in both rows (an older eval.py wrote them: --recompute)")
             continue
         try:
             c = evaluate.paired_diff_ci(a[x]["scores"][metric], b[y]["scores"][metric])

@@ -311,7 +311,7 @@ def test_compare_cli_prints_verdicts(tmp_path, capsys):
     lines = compare.main([str(tmp_path / "c.json")] * 2 + ["--row_b", "no-context", "--metric", "nll"])
     assert lines[0].startswith("A m@4 NLL 1.50 vs B no-context NLL 3.00 on 60 questions: A - B -1.50 [-1.6")
     assert lines[0].endswith("-> B > A")
-    assert lines[1].startswith("A m@16 vs B no-context: NLL not scored in both rows")
+    assert lines[1].startswith("A m@16 vs B no-context: NLL not in both rows (an older eval.py")
 
 
 def test_compare_bad_input_is_one_line(tmp_path):
