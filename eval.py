@@ -201,7 +201,7 @@ def scored(preds, records, secs, **nlls):
     row = {**qa_metrics(preds, [r["answers"] for r in records], ids), "examples_per_s": len(preds) / secs,
            "n": len(preds)}
     for key, values in nlls.items():
-        if values and preds:
+        if values:
             row.update({key: sum(values.values()) / len(values), f"{key}_ci": bootstrap_ci(list(values.values()))})
             row["scores"][key] = values
     return row

@@ -150,13 +150,18 @@ def judge(claim, results):
     return out
 
 
+def side_of_zero(lo, hi):
+    """Where a 95% interval of A - B lies: "above" 0, "below" 0, or "cannot tell"."""
+    return "above" if lo > 0 else "below" if hi < 0 else "cannot tell"
+
+
 def verdict(claim, lo, hi):
     """The rule of the docstring on a 95% interval [lo, hi] of A - B."""
     if claim.kind == "~":
         m = claim.margin
         return "agrees" if -m <= lo and hi <= m else "disagrees" if lo > m or hi < -m else "cannot tell"
     assert claim.kind == ">", f"F1 claims are '>' or '~', not {claim.kind!r}"
-    return "agrees" if lo > 0 else "disagrees" if hi < 0 else "cannot tell"
+    return {"above": "agrees", "below": "disagrees"}.get(side_of_zero(lo, hi), "cannot tell")
 
 
 def fmt(x, digits=1):
@@ -194,11 +199,6 @@ def table(results, claims=CLAIMS):
     lines.append("")
     lines.append(f"{len(claims)} claims: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     return "\n".join(lines)
-
-
-def side_of_zero(lo, hi):
-    """Where a 95% interval of A - B lies: "above" 0, "below" 0, or "cannot tell"."""
-    return "above" if lo > 0 else "below" if hi < 0 else "cannot tell"
 
 
 def controls(results):
