@@ -244,7 +244,7 @@ class SentenceGist(nn.Module):
             logits, cache, is_open = self.extend(cache, is_open, [[t] for t in tok])
         return out
 
-    def teacher_forced(self, memory, qa, labels):  # eval.py's answer NLL: this rule, the answers known
+    def teacher_forced(self, memory, qa, labels):  # eval.py's answer NLL (App. C.1 scores answers by perplexity)
         L = self.layout([([], [], x) for x in qa], labels, multiple=1, runs=[0] * len(qa))
         return self.hidden(L, memory=memory), L["labels"]
 
