@@ -13,10 +13,14 @@ Tables 2, 4-6, Fig. 10.
 
 Choices the paper leaves open, made here:
 - Chunks: the records' "chunks" in the truncated context (a cut one re-decoded), space-joined, tags as text (Fig. 7-9).
-- C_rel: the gold chunks joined by spaces, no <PA> tags (as Table 7's regenerations), then EOS; L_rel: its length.
+  The paper keeps only inputs within 600 tokens (§4.1.4); here the context is cut, and a training batch warns when
+  an example keeps no gold chunk.
+- C_rel: the gold chunks joined by spaces, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS;
+  L_rel: its length.
 - [BOS] (eq. 8): the tokenizer's BOS, its EOS when it has none (Qwen); BOS also starts the encoder input.
 - Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
-- lam * Huber's gradients reach the encoder too (joint training, eq. 8).
+- lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8); §3.4's "operate independently"
+  read as the design (k from the probe, r without retraining). lam = 1e-4 keeps the term small.
 - k: the gold L_rel's in training (the encoder trains independently of the probe, §3.4), the probe's at inference.
 - The causal encoder runs all k_max tokens and the memory masks all but the first k: the same as appending k (tested).
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
@@ -27,7 +31,7 @@ Choices the paper leaves open, made here:
 - Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
   chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
 - Ablations (Table 2): --no_aac (k = --fixed_k, 6: Table 2's "w/o AAC" row; SPEC §3.5's k_max is --fixed_k 8),
-  --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it).
+  --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it; the encoder's prompt is unchanged).
 """
 import math
 import random
@@ -102,12 +106,15 @@ class Probe(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(2 * d, hidden), nn.GELU(), nn.Linear(hidden, 1))
 
     def forward(self, h, valid):
-        h = h.float()  # (B, T, d) final hidden states of the input tokens, left-padded
-        last = h[:, -1]  # (B, d): the last input token sits in the last column
-        scores = (h @ self.query(last)[:, :, None]).squeeze(-1) / math.sqrt(h.shape[-1])  # (B, T)
-        attn = scores.masked_fill(~valid, float("-inf")).softmax(-1)
-        pooled = (attn[:, :, None] * h).sum(1)  # (B, d)
-        return self.mlp(torch.cat([last, pooled], -1)).squeeze(-1) * LEN_UNIT
+        """h (B, T, d) final hidden states of the input tokens, left-padded; fp32 under autocast too: bf16 would round
+        L^_rel to 2 tokens from 256."""
+        with torch.autocast(h.device.type, enabled=False):
+            h = h.float()
+            last = h[:, -1]  # (B, d): the last input token sits in the last column
+            scores = (h @ self.query(last)[:, :, None]).squeeze(-1) / math.sqrt(h.shape[-1])  # (B, T)
+            attn = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+            pooled = (attn[:, :, None] * h).sum(1)  # (B, d)
+            return self.mlp(torch.cat([last, pooled], -1)).squeeze(-1) * LEN_UNIT
 
 
 class ATA(nn.Module):
@@ -160,7 +167,7 @@ class ATA(nn.Module):
         (B, R) = [BOS] C_rel [EOS] with next-token labels, rel_len (B,) = L_rel."""
         tok = self.tok
         start = [tok.bos_id if tok.bos_id is not None else tok.eos_ids[0]]
-        enc, rel, labels, rel_len, all_relevant = [], [], [], [], True
+        enc, rel, labels, rel_len, all_relevant, no_gold = [], [], [], [], True, 0
         for b, question in enumerate(batch["questions"]):
             rec, spans = batch["records"][b], batch["chunk_spans"][b]
             chunks = list((rec.get("chunks") or [rec["context"]])[:len(spans)])  # those inside the context
@@ -168,6 +175,7 @@ class ATA(nn.Module):
                 s, e = spans[-1]
                 chunks[-1] = tok.decode(batch["context"][b, s:e].tolist()).strip()
             all_relevant &= len(batch["relevant_idx"][b]) == len(chunks)
+            no_gold += bool(rec.get("relevant")) and not batch["relevant_idx"][b]
             enc.append(batch["bos"] + tok.encode(encoder_prompt(question, chunks)))
             idx = range(len(chunks)) if self.cfg.no_selective else batch["relevant_idx"][b]
             target = tok.encode(" ".join(chunks[i] for i in idx))[:self.run.max_context] + tok.eos_ids[:1]
@@ -177,6 +185,10 @@ class ATA(nn.Module):
         if all_relevant and self.training and not self.cfg.no_selective and self.run.data:  # not the synthetic default
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
                           "--no_selective; for HotpotQA use --hotpot_distractors")
+        if no_gold and self.training and not self.cfg.no_selective:
+            warnings.warn(f"ata: {no_gold} example(s) of this training batch keep no relevant chunk within "
+                          f"--max_context {self.run.max_context} tokens: C_rel is empty and the answer is not in the "
+                          "context (the paper keeps only inputs within its limit, §4.1.4)")
         pad = self.run.pad_multiple
         batch["enc_ids"] = data.pad_rows(enc, tok.pad_id, pad, left=True)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])

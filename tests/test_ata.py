@@ -199,6 +199,32 @@ def test_training_batch_with_every_chunk_relevant_warns(base_dir):
         m.prepare(data.collate_qa(one, m.tok, pad_multiple=8))  # the ablation means it
 
 
+def test_training_batch_whose_gold_chunk_is_cut_warns(base_dir):
+    """§4.1.4 keeps only inputs within the limit; a context cut before its every relevant chunk is said."""
+    m, _ = _method(base_dir)
+    recs = tiny.Synthetic(0, "val").qa_examples(8, n_people=(3, 4))
+    m.run.max_context = 12  # one biography's first tokens: most gold chunks lie past it
+    batch = data.collate_qa(recs, m.tok, max_context=12, pad_multiple=8)
+    lost = sum(not idx for idx in batch["relevant_idx"])
+    assert lost > 0
+    with pytest.warns(UserWarning, match=f"{lost} example\\(s\\) of this training batch keep no relevant chunk"):
+        m.prepare(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.eval()
+        m.prepare(data.collate_qa(recs, m.tok, max_context=12, pad_multiple=8))  # evaluation: the row says it
+
+
+def test_probe_runs_in_fp32_under_autocast():
+    torch.manual_seed(0)
+    probe, h = ata.Probe(16, 32), torch.randn(2, 5, 16)
+    valid = torch.tensor([[False, True, True, True, True], [True] * 5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = probe(h.bfloat16(), valid)
+    assert auto.dtype == torch.float32
+    assert torch.equal(auto, probe(h.bfloat16().float(), valid))  # bf16 would round L^_rel to 0.25-2 tokens
+
+
 def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
     m, batch = _method(base_dir)
     outs, memory = evaluate.answer(m, batch, 10, 6)
