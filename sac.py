@@ -3,7 +3,7 @@
 Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt), §3.2, §4.1, Tables 3-6, App. A.
 
     sub-contexts  C = C_0 C_1 ...   510 tokens each (last one partial), compressed separately
-    anchors       |S_j| = max(1, floor(L_j / r)) per sub-context            (§4.1)
+    anchors       |S_j| = floor(L_j / r) per sub-context (§4.1); max(1, .) here: a short one keeps one
                   "middle": split C_j into |S_j| chunks, take each chunk's middle token
     embeddings    e_i = Emb(c_i) + 1[c_i in S] * e_A                        (eq. 1)
     encoder       M~ = LLM(E | theta_LoRA)   base + `encoder` LoRA, bidirectional attention
@@ -14,23 +14,25 @@ Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt),
 
 Choices, each marked paper, official code (the authors' public repository, where the paper is silent) or ours:
 - Anchors (paper): the middles of |S| equal chunks: the official code's h, h + r, ... (h = (r - 1) // 2) on a full
-  sub-context, not on a partial one (23 tokens at r = 5: 2, 8, 14, 20; the official code: 2, 7, 12, 17, 22).
+  sub-context at odd r, not on a partial one (23 tokens at r = 5: 2, 8, 14, 20; the official code: 2, 7, 12, 17, 22).
 - Anchor embedding: `--anchor_emb one`, eq. 1's e_A (paper); `table`, row k to every sub-context's anchor k (official).
 - Encoder LoRA: `--lora_targets` q_proj,v_proj on a real checkpoint (official; the paper gives only r 128, alpha 256),
   all seven on the tiny base (ours); none on the last layer's q, o and MLP (ours): they cannot reach the K/V memory.
-- Start (ours): e_A and LoRA B are zero (the table is N(0, 0.02)), so training starts from the base's own cache.
+- Start (ours): e_A and LoRA B are zero (the table is N(0, 0.02)): the base's K/V of the anchors, read bidirectionally.
 - Prefix (ours; BOS, a chat header): it leads every sub-context in the encoder; the memory's first P slots are the
   frozen base's causal K/V of it, so r = 1, a causal encoder and no adapter give the teacher. Ratio L / (P + |S|).
 - `--prompt sac`, the official form (data.format_qa): no prefix slots, a learned [LM] at position L before the Q.
 - Context length: any (official code): a real checkpoint's --max_context is 2^20 (ours), the tiny base's 1024.
 - `lm`: L_LM alone (paper, §3.2, Table 5; the official config averages AE and LM) on texts of at most 2,040 tokens
-  (App. A: 510 to 2,040; longer ones cut), each cut in half (App. A): C, then C'. C'_1 is the decoder's first input
-  (ours: a K/V memory has no position to predict it from), its targets the tokens after it.
+  (App. A: SlimPajama, 510 to 2,040; here --pretrain_data, else the QA contexts, shorter ones kept, longer ones cut),
+  each cut in half (App. A): C, then C'. C'_1 is the decoder's first input (ours: a K/V memory has no position to
+  predict it from), its targets the tokens after it.
 - Recipe (§4.1, Table 6; `recipe`): `lm`, then `qa`, at r = 5; `--ratio 15` or `--ratio 51` for the paper's others.
 - Tiny base: tiny.py's aids (curriculum, `qa` attention distillation onto the nearest anchor, several QA pairs per
   context, a LoRA decoder); the r = 5 model is also read at 15 (`--eval_ratio 5,15`): it beats one trained at 15.
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"), `--anchors random` (Table 4
-"Random"). Not here: the paper's baselines (500xCompressor, ICAE, EPL; cf. pic.py `--mem single --mem_pos centre`).
+"Random"). Not here: Table 4's LLMLingua-2 anchors, Table 5's AE-only and AE+LM pretraining, the paper's baselines
+(500xCompressor, ICAE, EPL; cf. pic.py `--mem single --mem_pos centre`).
 """
 from dataclasses import dataclass
 
@@ -81,8 +83,8 @@ def sac_encoder_mask(key_valid, causal):
 
 
 def anchor_slots(batch, memory, r):
-    """(B, L) the memory slot holding each context token: its nearest anchor (after the prefix slots)."""
-    P, i = memory.n_slots - max(len(g) for g in memory.anchors), torch.arange(batch["context"].shape[1])
+    """(B, L) the memory slot holding each context token: its nearest anchor (after the prefix's P slots)."""
+    P, i = torch.as_tensor(batch["prefix"]).shape[-1], torch.arange(batch["context"].shape[1])
     return torch.stack([P + (i.to(g.device)[:, None] - g[None]).abs().argmin(1) for g in memory.anchors])
 
 
@@ -167,8 +169,10 @@ class SAC(nn.Module):
             e = e + is_anchor.view(-1, T, 1) * self.anchor_emb.to(e.dtype)
         elif self.anchor_emb is not None:  # the official code's table: row k to the k-th anchor of its sub-context
             per_sub = max(1, W // ratio)  # a full sub-context's anchors (only the last one may hold fewer)
+            if per_sub > len(self.anchor_emb):  # sized at the run's smallest ratio
+                raise ValueError(f"--anchor_emb table holds {len(self.anchor_emb)} rows, a sub-context's anchors at "
+                                 f"the run's smallest ratio; ratio {ratio} needs {per_sub}")
             rows = torch.cat([torch.arange(len(g), device=dev) - g // W * per_sub for g in anchors])
-            rows = rows.clamp(max=len(self.anchor_emb) - 1)
             add = torch.zeros(len(ids) * T, e.shape[-1], dtype=e.dtype, device=dev)
             add[torch.cat(anchor_at)] = self.anchor_emb.to(e.dtype).index_select(0, rows)
             e = e + add.view(len(ids), T, -1)

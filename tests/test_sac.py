@@ -402,6 +402,9 @@ def test_the_official_anchor_table_trains_saves_and_loads(tmp_path, base_dir):
     loss.backward()
     used = method.anchor_emb.grad.abs().sum(1) > 0
     assert used[:4].all() and not used[4:].any()
+    method.compress(ctx_batch(tok, [510]), 5)  # a full sub-context: every row
+    with pytest.raises(ValueError, match="holds 102 rows.*ratio 4 needs 127"):  # not row 101 for anchors 101..126
+        method.compress(ctx_batch(tok, [510]), 4)
 
 
 def test_the_official_prompt_reads_an_lm_token_after_the_anchors(base_dir):
@@ -417,6 +420,7 @@ def test_the_official_prompt_reads_an_lm_token_after_the_anchors(base_dir):
     memory = m.compress(batch, 5)
     L, anchors = int(batch["context_len"][0]), len(m.compress(batch, 5).anchors[0])
     assert memory.slots().tolist() == [anchors + 1] and memory.next_pos.tolist() == [L + 1]  # [LM] at L, no sink
+    assert sac.anchor_slots(batch, memory, 5)[0, memory.anchors[0]].tolist() == list(range(anchors))  # [LM] after
     loss, n, _ = m(batch, [5])
     loss.backward()
     assert m.lm_token.grad.abs().sum() > 0
