@@ -390,15 +390,15 @@ def evaluate_run(run_dir, ecfg, device):
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
     key = teacher_key(cfg, ecfg, records, device)
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
-    if not shared and getattr(method, "trains_base", False):  # its weights are the method's now (gist --lora_r 0)
-        base = train.load_base(cfg, device, torch.float32)[1]
+    heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4), against the base
+    if getattr(method, "trains_base", False) and (heldout or not shared):  # its weights are the method's now
+        base = train.load_base(cfg, device, torch.float32)[1]  # (gist --lora_r 0): the base as it was loaded
     t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
     teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
     ratios = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
-    heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4)
-    extra = heldout([r["context"] for r in records]) if heldout else {}
+    extra = heldout([r["context"] for r in records], base) if heldout else {}
     for row in rows:
         row.update(method=label, run=run_dir, **extra,
                    f1_norm=(row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan"))

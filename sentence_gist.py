@@ -15,12 +15,13 @@ Tables 1-5, App. A and C.3; SPEC §3.3.
 Choices the paper leaves open (or that differ from it), made here:
 - The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id V + j embeds as row j,
   mean-resized as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma (HF's: 1e-9); never predicted: no LM-head rows.
-- Targets as App. C.3: a sentence's final gist predicts the next sentence's first token
-  (its last token and other gists predict nothing): perplexity is Fig. 2's "no Gist Tokens".
+- A sentence ends at its . ! ? token, decided there as generation must (3.14, U.S. split: what follows is unseen).
+- Targets (App. C.3): a sentence's final gist predicts the next one's first token, its last token and other gists
+  nothing: each regular token once, our reading of Fig. 2's "no Gist Tokens" (perplexity: of a second half here).
 - The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take position ids. A guard
   (not in the paper) ends a sentence at `max_sentence_len` tokens; a context's end ends its last sentence.
-- Stages (§3.5, `recipe`): 1 the gist rows; 2 and every weight (`--lora_r 0`; `--lora_r R`: a LoRA `gist`); 3 as
-  2, lr linearly to 0. One command runs the three, each from the one before; `--stage N` one alone.
+- Stages (§3.5, `recipe`): 1 the gist rows; 2 and every weight (`--lora_r 0`; `--lora_r R`: a LoRA `gist`); 3 as 2,
+  lr to 0; one command runs all three, `--stage N` one. Table 3's 4,096 tokens count the text before its gists.
 - Objectives: `lm` (the paper's), `qa` (the tiny base's: stage 2, N_g 2, LoRA, tiny.py's aids). --ratio does
   not apply (it is achieved). Ablations: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
@@ -221,6 +222,8 @@ class SentenceGist(nn.Module):
         """Feed each row's ids, gisted, after the cache, continuing its open sentence (slots is_open (B, C)) ->
         ((B, V) logits of each row's last position, the cache less the ended sentences' tokens, its is_open)."""
         L = self.layout([([], [], x) for x in id_lists], multiple=1, runs=is_open.sum(1).tolist())
+        if (is_open.any(1) & ((L["kind"] == TOKEN) & (L["sentence"] > 1)).any(1)).any():  # all cached slots are seen
+            raise ValueError("extend: ids that end the cache's open sentence and begin another: feed them in two calls")
         h, kv = self.hidden(L, memory=cache, return_kv=True)
         ended = ((L["kind"] == GIST) & (L["sentence"] == 1)).any(1, keepdim=True)  # (B, 1) the cache's open sentence
         new_open = (L["kind"] == TOKEN) & (L["sentence"] == L["open"][:, None])
@@ -248,16 +251,16 @@ class SentenceGist(nn.Module):
         L = self.layout([([], [], x) for x in qa], labels, multiple=1, runs=[0] * len(qa))
         return self.hidden(L, memory=memory), L["labels"]
 
-    def heldout_metrics(self, texts):  # eval.py's extra columns for this method: perplexity from the compressed cache
-        return {f"ppl_{k}": v for k, v in perplexity(self, texts).items() if k != "tokens"}
+    def heldout_metrics(self, texts, base):  # eval.py's extra columns: perplexity from the cache, and from `base`
+        return {f"ppl_{k}": v for k, v in perplexity(self, texts, base).items() if k != "tokens"}
 
 
 @torch.no_grad()
-def perplexity(method, texts):
-    """Perplexity of each text's second half (cut at the sentence end nearest the middle) given (a) "full": the
-    first half, plain base (no adapter, no gists); (b) "compressed": its cache, the second half gisted, a
-    sentence's first token scored from the gist before it (App. C.3). "ratio" = first-half tokens / slots."""
-    base, ce = method.base, torch.nn.functional.cross_entropy
+def perplexity(method, texts, base=None):
+    """Perplexity of each text's second half (cut at the sentence end nearest the middle) given (a) "full": the first
+    half read by `base` (eval.py's: as loaded; default the method's), no adapter, no gists; (b) "compressed": its
+    cache, the second half gisted, a sentence's first token scored from its gist (App. C.3). "ratio": tokens / slots."""
+    base, ce = base or method.base, torch.nn.functional.cross_entropy
     nll, count, ratios = {"full": 0.0, "compressed": 0.0}, 0, []
     for text in texts:
         prefix, body = method.prefix(), method.tok.encode(text)
@@ -276,7 +279,7 @@ def perplexity(method, texts):
         memory = method.keep(L1, kv)
         h2 = method.hidden(L2, memory=memory)[0][L2["labels"][0] != -100]
         h = torch.cat([h1[0, L1["length"][0] - 1, None], h2])  # the first half's final gist, then the second half
-        nll["compressed"] += ce(base.logits(h).float(), target, reduction="sum").item()
+        nll["compressed"] += ce(method.base.logits(h).float(), target, reduction="sum").item()
         count, ratios = count + len(target), ratios + [(P + cut) / memory.slots().item()]
     out = {k: torch.tensor(v / max(count, 1)).exp().item() for k, v in nll.items()}
     return dict(out, ratio=sum(ratios) / max(len(ratios), 1), tokens=count)

@@ -182,6 +182,18 @@ def test_answer_equals_one_pass_over_the_gisted_prompt_and_answer(base_dir, monk
     assert n == int((batch["qa_labels"] != -100).sum()) and m.gist.grad.abs().sum() > 0
 
 
+def test_extend_refuses_ids_that_end_the_open_sentence_and_begin_another(base_dir):
+    """Every cached slot is seen by the ids fed: a new sentence's tokens would see the old open sentence's."""
+    m = make(base_dir, objective="qa")
+    memory = m.compress(data.collate_qa(tiny.Synthetic(seed=0, split="val").qa_examples(1), m.tok, pad_multiple=1))
+    _, cache, is_open = m.extend(memory, torch.zeros_like(memory.mask), [m.tok.encode(" Bob likes")])
+    assert is_open.sum() == len(m.tok.encode(" Bob likes"))
+    with pytest.raises(ValueError, match="feed them in two calls"):
+        m.extend(cache, is_open, [m.tok.encode(" tea. Then he")])
+    _, _, is_open = m.extend(cache, is_open, [m.tok.encode(" tea.")])  # it ends the open sentence alone
+    assert not is_open.any()
+
+
 @pytest.mark.parametrize("max_sentence_len", [64, 3])
 def test_answer_nll_and_its_control_are_the_qa_loss_of_one_pass(max_sentence_len):
     """eval.py's answer NLL reads the answering rule with the answers known: per question, weighted by answer
@@ -221,6 +233,21 @@ def test_perplexity_compressed_equals_one_pass(base_dir):
     assert abs(out["compressed"] - (nll / n).exp().item()) < 1e-3 * out["compressed"]
     assert abs(out["full"] - full.exp().item()) < 1e-3 * out["full"]
     assert out["ratio"] == (P + cut) / 2  # the cache of the first half: sink + one gist
+
+
+def test_eval_scores_full_perplexity_with_the_base_as_loaded(base_dir, tmp_path):
+    """--lora_r 0 trains every base weight: ppl_full (Fig. 2: "compared to the base model") reads the base as
+    loaded, not the trained one without gists."""
+    out = tmp_path / "run"
+    train.main(["--method", "sentence_gist", "--init_from", base_dir, "--stage", "2", "--lora_r", "0", "--max_iters",
+                "2", "--lr", "1e-2", "--batch_size", "2", "--max_context", "128", "--device", "cpu", "--quiet",
+                "--eval_examples", "0", "--out_dir", str(out)])
+    row = evaluate.main([str(out), "--n", "4"])[0]["rows"][0]
+    cfg, _, _, _, method = train.load_run(str(out))
+    texts = [r["context"] for r in evaluate.eval_records(cfg, evaluate.EvalConfig(n=4))]
+    assert row["ppl_full"] == pytest.approx(sg.perplexity(method, texts, Transformer.from_pretrained(base_dir))["full"],
+                                            rel=1e-5)
+    assert row["ppl_full"] != pytest.approx(sg.perplexity(method, texts)["full"], rel=1e-2)  # the trained base's
 
 
 # --- stages and config ----------------------------------------------------------------
