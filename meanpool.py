@@ -11,7 +11,8 @@ Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.tx
 Choices the paper leaves open, made here:
 - h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
 - W starts at I: z as the encoder gives it (its scale, ~15x the embeddings' on SmolLM2, is W's to learn).
-- Encoder and decoder start from the teacher: `--teacher` is merged into the base first, so `adapter(None)` is it.
+- Encoder and decoder start from the teacher (§5.1's "same target LLM", read as the finetuned one): `--teacher` is
+  merged into the base first (in fp32), so `adapter(None)` is it; without `--teacher`, the base is the teacher.
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
 - The decoder reads [prefix, z_1 .. z_C, prompt, answer] at 0.., as the teacher reads the context (behind_prefix).
 - The loss is per answer token, summed over ratios; `--objective qa`: CE on the answer instead (not the paper's).

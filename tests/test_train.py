@@ -157,6 +157,26 @@ def test_compile_gives_the_eager_loss(base_dir, tmp_path, monkeypatch):
     assert a == pytest.approx(b, rel=1e-4)
 
 
+def test_a_teacher_merges_in_fp32_and_rounds_once(base_dir, tmp_path):
+    """A bf16 base (CUDA) gets W + dW rounded once: merged into bf16 weights, W would round twice."""
+    teacher = model.Transformer.from_pretrained(base_dir)
+    teacher.add_adapter("teacher", 4, 4)
+    g = torch.Generator().manual_seed(0)
+    for name, p in teacher.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 1e-3)  # |dW| about 1e-3 |W|, as a short SFT's
+    teacher.save_adapter("teacher", str(tmp_path / "t" / "teacher"))
+    want = {n: w.clone() for n, w in teacher.base_state().items()}  # (base_state shares the weights)
+    teacher.merge_adapter("teacher")
+    merged = teacher.base_state()
+    cfg = train.TrainConfig(init_from=base_dir, teacher=str(tmp_path / "t"))
+    got = train.load_base(cfg, "cpu", torch.bfloat16)[1].base_state()
+    assert all(v.dtype == torch.bfloat16 for v in got.values())
+    assert all(torch.equal(got[n], merged[n].to(torch.bfloat16)) for n in got)
+    twice = {n: w.to(torch.bfloat16) + (merged[n] - want[n]).to(torch.bfloat16) for n, w in want.items()}
+    assert any(not torch.equal(got[n], twice[n]) for n in got)  # the old merge, into bf16: not the same weights
+
+
 @pytest.mark.slow
 def test_real_checkpoint_teacher_then_meanpool(tmp_path):
     ckpt = hf_checkpoint(tmp_path / "hf", "llama")
