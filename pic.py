@@ -1,6 +1,7 @@
 """Memory-token compression with a block-wise causal mask (PIC), and the two classic compression-token masks it
-is compared with. Paper: "Parallelized Iterative Compression" (../shared/papers/pic_blockwise_causal.txt), §3,
-Tables 2 and 4; the bidirectional variant is meanpool_multi_ratio §5.1.
+is compared with. Paper: "Cognitive Chunking for Soft Prompts: Accelerating Compressor Learning via Block-wise
+Causal Masking" (../shared/papers/pic_blockwise_causal.txt), §3, Tables 2 and 4; the bidirectional variant is
+meanpool_multi_ratio §5.1.
 
     sequence   Z = [c_1 .. c_N, m_1 .. m_N],  N = ceil(L / r) (paper: r | L)                           (eq. 4)
     mask       blockwise (PIC, eq. 5): context and memory causal (t' <= t); memory t -> context only in chunk c_t
@@ -17,10 +18,11 @@ Choices the paper leaves open, made here:
 - Encoder positions: memory t at L_b + t (`--mem_pos after`: eq. 4's order) or chunk t's centre min(t r + (r - 1) // 2,
   L_b - 1) (`centre`: EPL's idea, not its code; the tiny base's token default, where appended tokens did not learn).
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale; `--mem single` is meanpool §5.1's
-  token baseline whole (one token repeated, a `decoder` LoRA, W = I as converter, `kd`).
+  token baseline whole (one token repeated, a `decoder` LoRA, W (from I) as converter, `kd`; `--mask causal|bidir`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads [prefix, memory, prompt] as meanpool.
 - Encoder: the base + `encoder` LoRA; the paper's separate, fully finetuned one: `--encoder DIR --lora_r 0`.
-- ae+lm: texts of 2 x max_context (BOS dropped, as a QA context) split at k = len // 2, so x_1 .. x_k is QA-long.
+- ae+lm: texts of 2 x max_context (BOS dropped, as a QA context) split at k = len // 2, so x_1 .. x_k is QA-long;
+  TR rebuilds that half (eq. 6's X: one H serves both). Texts: --pretrain_data, else the QA contexts (§4.1.1: FineWeb).
 - Eq. 6-7 are per-example means, so a batch sums eq. 8 over examples and counts them (exact under DDP, accumulation).
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
 - Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it.
@@ -117,7 +119,7 @@ class PIC(nn.Module):
         pretrain = dict(lr=1e-4, max_iters=90_000, ratio="16")
         qa_ours = dict(lr=1e-4, max_iters=5427, batch_size=16)  # PCC's unstated settings: its lr, SQuAD's 86,821 once
         # batch 16 (ours: the paper gives none; 90k steps over its 11.52M FineWeb texts in one epoch would be 128)
-        return [dict(objective="ae+lm", cite="§4.1.2, Fig. 2; Table 4", paper=pretrain, ours=dict(batch_size=16)),
+        return [dict(objective="ae+lm", cite="§4.1.2, Fig. 3; Table 4", paper=pretrain, ours=dict(batch_size=16)),
                 dict(objective="qa", cite="§4.2.1; Table 4", paper=dict(ratio="16"), ours=qa_ours)]
 
     # the tiny base: ae+lm, then qa at ratio 4 read at 4 and 16 (other training ratios kept less)
@@ -133,6 +135,9 @@ class PIC(nn.Module):
             value = getattr(mcfg, flag)
             if value not in choices:
                 raise SystemExit(f"error: --{flag} {value!r}; choose from {', '.join(filter(None, choices))}")
+        if mcfg.mem == "single" and mcfg.mask == "blockwise":
+            raise SystemExit("error: --mem single is meanpool §5.1's compression tokens: add --mask causal (the "
+                             "conventional mask) or --mask bidir (§5.1's), not PIC's blockwise")
         if mcfg.lora_r == 0 and not mcfg.encoder:
             raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
                              "the frozen decoder shares the base weights")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One setting over several seeds, then one table: how much a tiny-base row owes to its seed.
 #   bash scripts/seeds.sh 1337,1,2 --method pic --mem single --mask bidir
-#   JOBS=15 bash scripts/seeds.sh 1,2,3,4,5,6,7 --method pic --mem single --dtype float32   # a GPU
+#   JOBS=15 bash scripts/seeds.sh 1,2,3,4,5,6,7 --method pic --mem single --mask causal --dtype float32   # a GPU
 # --seed draws the held-out questions too, so rows of different seeds are not paired; to pair
 # two settings, run both on one seed and use scripts/compare.py.
 set -euo pipefail

@@ -334,14 +334,17 @@ def test_check_config_errors():
                         (dict(mem_pos="end"), "--mem_pos"), (dict(lora_r=0, max_mem=600), "needs a separate --encoder")):
         with pytest.raises(SystemExit, match=message):
             pic.PIC.check_config(cfg, pic.PICConfig(**kw))
-    pic.PIC.check_config(cfg, pic.PICConfig(mem="single"))  # one token repeated has no table to outgrow
+    pic.PIC.check_config(cfg, pic.PICConfig(mem="single", mask="bidir"))  # one token repeated: no table to outgrow
+    with pytest.raises(SystemExit, match="--mem single is meanpool §5.1's compression tokens: add --mask causal"):
+        pic.PIC.check_config(cfg, pic.PICConfig(mem="single"))  # PIC's mask: in neither paper
     with pytest.raises(SystemExit, match="--max_context 600 at --eval_ratio 16,2 needs 300 memory tokens"):
         pic.PIC.check_config(train.TrainConfig(ratio="4", eval_ratio="16,2", max_context=600), pic.PICConfig())
 
 
 @pytest.mark.parametrize("extra,message", [(["--ratio", "0"], "--ratio"), (["--no_linear"], "does not apply"),
                                            (["--max_context", "4000"], "max_position_embeddings 2048"),
-                                           (["--mem", "single", "--pretrain", "5"], "--pretrain runs a pretraining")])
+                                           (["--mem", "single", "--mask", "bidir", "--pretrain", "5"],
+                                            "--pretrain runs a pretraining")])
 def test_cli_errors_are_one_line(base_dir, tmp_path, extra, message):
     assert message in cli_error(["--method", "pic", "--init_from", base_dir, "--out_dir", tmp_path / "x", *extra])
     assert not (tmp_path / "x").exists()  # before any work

@@ -19,7 +19,7 @@ GIST = dict(weight_decay=0.1, max_context=4096, lora_r=0)  # sentence_gist Table
 PAPERS = {  # method (and flags): [(objective, values)] per stage
     ("teacher",): [("sft", TABLE6)],
     ("meanpool",): [("kd", dict(TABLE6, ratio="4,8,16,32,64,128"))],
-    ("pic", "--mem", "single"): [("kd", dict(TABLE6, ratio="4,8,16,32,64,128", mem_pos="after"))],
+    ("pic", "--mem", "single", "--mask", "bidir"): [("kd", dict(TABLE6, ratio="4,8,16,32,64,128", mem_pos="after"))],
     ("pic",): [("ae+lm", dict(lr=1e-4, max_iters=90_000, ratio="16")), ("qa", dict(ratio="16"))],
     ("sac",): [("lm", dict(SAC, lr=1e-4, max_context=1020)), ("qa", dict(SAC, lr=5e-5))],  # App. A: 2,040-token texts
     ("ata",): [("rel", dict(ATA, max_iters=52_500)), ("qa", dict(ATA, max_iters=17_500))],  # 3 and 1 epochs of 280k / 16
