@@ -260,7 +260,7 @@ def perplexity(method, texts, base=None):
     """Perplexity of each text's second half (cut at the sentence end nearest the middle) given (a) "full": the first
     half read by `base` (eval.py's: as loaded; default the method's), no adapter, no gists; (b) "compressed": its
     cache, the second half gisted, a sentence's first token scored from its gist (App. C.3). "ratio": tokens / slots."""
-    base, ce = base or method.base, torch.nn.functional.cross_entropy
+    base, ce = method.base if base is None else base, torch.nn.functional.cross_entropy
     nll, count, ratios = {"full": 0.0, "compressed": 0.0}, 0, []
     for text in texts:
         prefix, body = method.prefix(), method.tok.encode(text)
