@@ -311,7 +311,8 @@ def paper_stages(cls, mcfg):
 
 
 def split_steps(total, weights):
-    """total steps over stages in proportion to weights, each at least 1, summing to total (largest remainder)."""
+    """total steps over stages in proportion to weights (largest remainder), summing to total; each stage gets at
+    least 1, so a total below the number of stages sums to more."""
     shares = [total * w / sum(weights) for w in weights]
     steps = [max(1, int(x)) for x in shares]
     for i in sorted(range(len(shares)), key=lambda i: int(shares[i]) - shares[i])[:max(0, total - sum(steps))]:

@@ -357,7 +357,10 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
     results = _suite_results({"a": {4: (high, {}), 16: (low, {})}, "b": {4: (low, {}), 16: (high, {})},
                               "c": {4: (coin, {}), 16: (near, {})}, "z": {4: (zero, {}), 16: (zero, {})}, "d": {4: ({q: 100 - v for q, v in coin.items()}, {})},
                               "g1": {8: (coin, {"ratio": 8.1, "ppl_compressed": 9.0})},
-                              "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0})}})
+                              "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0})},
+                              "p": {4: (high, {})}, "q": {4: (near, {})}})
+    for res in results[-2:]:  # p and q: another part's runs, whose own no-context row is where they are
+        res["no_context"] = {**res["no_context"], "scores": {"em": zero, "f1": high}}
     C = claims.Claim
     cases = [(C("t", "a beats b", "a@4", "b@4", 60, 50), "agrees"),
              (C("t", "a beats b", "a@16", "b@16", 60, 50), "disagrees"),
@@ -366,6 +369,7 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
              (C("t", "a ~ b", "a@4", "b@4", 70, 71, "~"), "disagrees"),        # diff +70: outside the band
              (C("t", "c ~ d", "c@4", "d", 70, 71, "~"), "cannot tell"),        # diff 0 but CI ~[-14, 14]
              (C("t", "zero ~ zero", "z@4", "z@16", 70, 71, "~"), "cannot tell"),  # both at no context
+             (C("t", "p ~ q", "p", "q", 70, 71, "~"), "cannot tell"),  # both at their own run's no context
              (C("t", "a beats zz", "a@4", "zz@4", 60, 50), "no data"),
              (C("t", "halves", "g1", "g2", 16.55, 8.28, "~", "ratio", 0.5), "agrees (no CI)"),
              (C("t", "lower ppl", "g1", "g2", 7.2, 12.8, "<", "ppl_compressed"), "agrees (no CI)"),
@@ -418,14 +422,16 @@ def test_claims_over_seeds_one_verdict_per_seed_and_their_count(tmp_path, capsys
     seed_b = _suite_results({"a": {4: (high, {})}, "b": {4: (low, {})}, "c": {4: (low, {})}})
     C = claims.Claim
     cs = [C("t", "a beats b", "a@4", "b@4", 60, 50), C("t", "c beats b", "c@4", "b@4", 60, 50),
-          C("t", "c beats a", "c@4", "a@4", 60, 50), C("t", "a beats zz", "a@4", "zz@4", 60, 50)]
+          C("t", "c beats a", "c@4", "a@4", 60, 50), C("t", "a beats zz", "a@4", "zz@4", 60, 50),
+          C("t", "b beats b", "b@4", "b@4", 60, 50)]
     out = claims.seeds_table({"s1": seed_a, "s2": seed_b}, cs).splitlines()
     assert out[0] == "| source | claim | A vs B | s1 | s2 | over seeds |"
     assert out[2].endswith("agrees | **every seed agrees** |")
     assert "**1 agrees, 1 cannot tell** |" in out[3]                     # c = b on s2: +0.0 [..]
     assert "**1 cannot tell, 1 disagrees** |" in out[4]                  # c = a on s1, c < a on s2
     assert out[5].endswith("| 90.0 / - no data | 90.0 / - no data | **2 no data** |")
-    assert out[-1] == "4 claims over 2 seeds: 1 every seed agrees, 2 mixed, 1 no data"
+    assert out[6].endswith("**every seed cannot tell** |")
+    assert out[-1] == "5 claims over 2 seeds: 1 every seed agrees, 1 every seed cannot tell, 2 mixed, 1 no data"
     for name, res in (("suite", seed_a), ("suite-s1", seed_b)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(res))
