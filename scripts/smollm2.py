@@ -155,6 +155,8 @@ def random_standin(out_dir, texts, seed=0):
 def split_squad(path, out_dir, heldout_articles=10, seed=0):
     """SQuAD v1.1 (JSON or .zip) split by article: `heldout_articles` titles drawn with
     `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both).
+    The held-out paragraphs come in a seeded order, each under its article's title, so that
+    eval.py's first n questions span every held-out article (in title order, 1,000 spanned 5).
     Returns {"train", "heldout"}: (path, articles, questions)."""
     import data
     doc = data._load_json(path)
@@ -168,10 +170,13 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     out = {}
     for name, keep in (("train", lambda a: a["title"] not in held), ("heldout", lambda a: a["title"] in held)):
         part = [a for a in articles if keep(a)]
-        dest = os.path.join(out_dir, f"squad-{name}.json")
-        with open(dest, "w") as f:
+        out[name] = (os.path.join(out_dir, f"squad-{name}.json"), len(part),
+                     sum(len(p["qas"]) for a in part for p in a["paragraphs"]))
+        if name == "heldout":
+            part = [{"title": a["title"], "paragraphs": [p]} for a in part for p in a["paragraphs"]]
+            random.Random(seed).shuffle(part)
+        with open(out[name][0], "w") as f:
             json.dump({"version": doc.get("version", "1.1"), "data": part}, f)
-        out[name] = (dest, len(part), sum(len(p["qas"]) for a in part for p in a["paragraphs"]))
     return out
 
 

@@ -37,7 +37,7 @@ t_teacher=$(( $(clock) - t ))
 {
   echo "- command: \`$CMD\`; commit \`$(git rev-parse --short HEAD 2>/dev/null || echo none)\`"
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())')"
-  echo "- data: SQuAD v1.1 dev split by article, $(python -c "import json; print(sum(len(p['qas']) for a in json.load(open('$OUT/model/squad-train.json'))['data'] for p in a['paragraphs']))") training questions (38 articles), the first $EXAMPLES questions of 10 held-out articles"
+  echo "- data: SQuAD v1.1 dev split by article, $(python -c "import json; print(sum(len(p['qas']) for a in json.load(open('$OUT/model/squad-train.json'))['data'] for p in a['paragraphs']))") training questions (38 articles), the first $EXAMPLES questions of 10 held-out articles (paragraphs in a seeded order)"
   echo ""
   echo "The converted model (SmolLM2-135M-Instruct, Q4_1 weights dequantized) with its chat template (rows: $t_zero s):"
   echo ""

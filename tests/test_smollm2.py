@@ -85,6 +85,8 @@ def test_squad_split_by_article(tmp_path):
     assert not titles[0] & titles[1]
     records = list(data.read_dataset(held))
     assert len(records) == q_held and records[0]["answers"]
+    title = {p["context"]: a["title"] for a in json.load(open(held))["data"] for p in a["paragraphs"]}
+    assert len({title[r["context"]] for r in records[:200]}) == 10  # eval's first questions span the articles
     (tmp_path / "again").mkdir()
     again = smollm2.split_squad(str(SQUAD), str(tmp_path / "again"), heldout_articles=10)
     assert open(held).read() == open(again["heldout"][0]).read()  # seeded: the same split every time
