@@ -9,8 +9,8 @@ and answering time, for one or many run dirs; and a one-shot mode.
 
 Rows: the teacher with full context, the teacher with no context, then method@ratio, each with
 per-question scores and 95% bootstrap intervals of EM, F1 and, in the JSON, the answer's teacher-forced NLL
-(`nll`; `nll_other`: after another question's memory, the control that tells whether a memory carries its
-context). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1).
+(`nll`; `nll_other`: after the memory of another question's context, the control that tells whether a memory
+carries its own). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1).
 Results go to <run>/metrics.json; --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
 import collections
@@ -177,11 +177,20 @@ def answer_nll(decoder, h, labels):
 
 @torch.no_grad()
 def teacher_forced(method, memory, batch, other=False):
-    """Each question's answer NLL after `memory`, read as the method answers (`other`: after the next question's
-    memory, the control that tells whether a memory carries its own context). F1 reads the greedy answer alone;
+    """{question id: its answer NLL} after `memory`, read as the method answers. other: after the memory of the next
+    question in the batch with another context (the questions of a paragraph sit together), the control that tells
+    whether a memory carries its own context; a question with none gets no value. F1 reads the greedy answer alone;
     this reads how much the memory tells about the answer, so a row that moved too little to change its answers
     still shows."""
-    qa, labels, lengths = (batch[k].roll(1, 0) if other else batch[k] for k in ("qa", "qa_labels", "qa_len"))
+    ids, rows = batch["ids"], list(range(len(batch["ids"])))
+    if other:
+        ctx, B = [r["context"] for r in batch["records"]], len(ids)
+        partner = {j: next((k % B for k in range(j + 1, j + B) if ctx[k % B] != ctx[j]), None) for j in rows}
+        rows = [j for j in rows if partner[j] is not None]
+        if not rows:
+            return {}
+        memory = memory.rows(torch.tensor([partner[j] for j in rows], device=batch["qa"].device))
+    qa, labels, lengths = (batch[k][rows] for k in ("qa", "qa_labels", "qa_len"))
     if hasattr(method, "teacher_forced"):  # its own answering rule (sentence_gist)
         decoder = method.base
         h, labels = method.teacher_forced(memory, [x[:n] for x, n in zip(qa, lengths)],
@@ -190,8 +199,7 @@ def teacher_forced(method, memory, batch, other=False):
         decoder = getattr(method, "dec", method.base)  # as answer_from_memory's
         with decoder.adapter(method.dec_adapter):
             h = decoder(qa, memory=memory, output="hidden")  # (B, T, d)
-    nll = answer_nll(decoder, h, labels)
-    return nll[1:] + nll[:1] if other else nll  # rolled: row i read question i - 1
+    return dict(zip([ids[j] for j in rows], answer_nll(decoder, h, labels)))
 
 
 def scored(preds, records, secs, **nlls):
@@ -236,9 +244,8 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
             b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds, secs = preds + decode(tok, outs), secs + dt
-            nll.update(zip(b["ids"], teacher_forced(method, memory, b)))
-            if len(b["ids"]) > 1:  # the control needs another question
-                nll_other.update(zip(b["ids"], teacher_forced(method, memory, b, other=True)))
+            nll.update(teacher_forced(method, memory, b))
+            nll_other.update(teacher_forced(method, memory, b, other=True))
             stats["ratio"] += (b["context_len"].float() / memory.slots().float().clamp(min=1)).tolist()
             stats["memory_bytes"] += memory.nbytes().tolist()
             for k, v in getattr(memory, "stats", {}).items():

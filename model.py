@@ -215,6 +215,11 @@ class Memory:
         kv = [(k.to(dtype), v.to(dtype)) for k, v in self.kv] if self.kv else None
         return Memory(None if self.embeds is None else self.embeds.to(dtype), kv, self.mask, self.next_pos)
 
+    def rows(self, idx):
+        """The memories of examples idx ((B',) long), in that order."""
+        kv = [(k[idx], v[idx]) for k, v in self.kv] if self.kv else None
+        return Memory(None if self.embeds is None else self.embeds[idx], kv, self.mask[idx], self.next_pos[idx])
+
 
 class KVCache:
     """generate's keys and values of every slot its decode reaches, preallocated: per layer (B, Hkv, S, hd), the
