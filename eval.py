@@ -335,12 +335,13 @@ def result_error(res):
 
 def asked(run_dir, ecfg):
     """What a run's rows answer besides its checkpoint: which questions and how many, the ratios read, the answer
-    length (the flags, else the run's own). A cached metrics.json serves only the same."""
+    length (the flags, else the run's own), the batch size (the NLL control's other memories come from the batch).
+    A cached metrics.json serves only the same."""
     state = read_json(os.path.join(run_dir, "run.json"))
     run = state.get("train", {}) if isinstance(state, dict) else {}  # (a broken run.json: load_run says so)
     return {"n": ecfg.n or run.get("eval_examples", 0), "eval_data": ecfg.eval_data or run.get("eval_data", ""),
             "split": ecfg.split, "ratio": ecfg.ratio or run.get("eval_ratio") or run.get("ratio", ""),
-            "max_new_tokens": ecfg.max_new_tokens}
+            "max_new_tokens": ecfg.max_new_tokens, "batch_size": ecfg.batch_size}
 
 
 def cached_result(run_dir, ecfg):

@@ -272,7 +272,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
     assert a["teacher_key"] == b["teacher_key"] and a["teacher"] == b["teacher"]
     for extra, computed in (([], False), (["--n", 3], True), (["--n", 3], False), ([], True), (["--ratio", 4], True),
-                            (["--ratio", 4, "--max_new_tokens", 5], True)):  # a cached metrics.json: what it was asked
+                            (["--ratio", 4, "--max_new_tokens", 5], True), (["--batch_size", 2], True),
+                            ([], True)):  # a cached metrics.json: what it was asked
         before = len(compressed)
         evaluate.main([str(tmp_path / "a")] + [str(x) for x in extra])
         assert (len(compressed) > before) is computed, extra
