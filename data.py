@@ -713,7 +713,7 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
         rel_all.append([i for i, c in enumerate(chunks[:len(spans)]) if rel is None or c in rel])
         spans_all.append(spans)
         rows["context"].append(ctx)
-        for k, before in (("qa", []), ("full", prefix + ctx), ("noctx", prefix)):
+        for k, before in (("qa", []), ("full", prefix + ctx), ("noctx", prefix or f["bos"])):  # (sac: BOS in ctx)
             rows[k].append(before + prompt + ans)
             rows[k + "_labels"].append(_answer_labels(len(before) + len(prompt), ans))
     batch = {k: pad_rows(v, -100 if k.endswith("_labels") else tok.pad_id, pad_multiple) for k, v in rows.items()}

@@ -417,6 +417,7 @@ def test_the_official_prompt_reads_an_lm_token_after_the_anchors(base_dir):
     m = sac.SAC(base, sac.SACConfig(lora_r=4), tok, train.TrainConfig(objective="qa", prompt="sac", ratio="5"))
     batch = data.collate_qa([{"id": "x", "context": "The sky is blue. " * 20, "question": "What colour?",
                               "answers": ["blue"]}], tok, format="sac", pad_multiple=8)
+    assert batch["noctx"][0, 0] == batch["full"][0, 0] == tok.bos_id  # no context, still BOS first
     memory = m.compress(batch, 5)
     L, anchors = int(batch["context_len"][0]), len(m.compress(batch, 5).anchors[0])
     assert memory.slots().tolist() == [anchors + 1] and memory.next_pos.tolist() == [L + 1]  # [LM] at L, no sink
