@@ -257,10 +257,10 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     return rows
 
 
-def teacher_key(cfg, ecfg, records, device):
-    """A hash of what the teacher and no-context rows depend on: the base's weight files (path,
-    size, mtime), the merged teacher's, the prompt and length settings, the questions."""
-    files = glob.glob(os.path.join(tiny.base_path(cfg.init_from), "*.safetensors"))
+def teacher_key(cfg, ecfg, records, device, decoder=""):
+    """A hash of what the teacher and no-context rows depend on: the base's weight files (path, size, mtime), or
+    pic's --decoder's, the merged teacher's, the prompt and length settings, the questions."""
+    files = glob.glob(os.path.join(decoder or tiny.base_path(cfg.init_from), "*.safetensors"))
     files += glob.glob(os.path.join(cfg.teacher, "teacher", "*.safetensors")) if cfg.teacher else []
     state = [f"{os.path.abspath(f)}:{os.path.getsize(f)}:{os.path.getmtime(f)}" for f in sorted(files)]
     setup = [cfg.prompt, cfg.max_context, cfg.max_answer, ecfg.batch_size, ecfg.max_new_tokens, str(device)]
@@ -396,12 +396,12 @@ def evaluate_run(run_dir, ecfg, device):
     records = eval_records(cfg, ecfg)
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
-    key = teacher_key(cfg, ecfg, records, device)
+    key = teacher_key(cfg, ecfg, records, device, getattr(mcfg, "decoder", ""))
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4), against the base
     if getattr(method, "trains_base", False) and (heldout or not shared):  # its weights are the method's now
         base = train.load_base(cfg, device, torch.float32)[1]  # (gist --lora_r 0): the base as it was loaded
-    t = shared or teacher_rows(base, tok, records, cfg, ecfg, device)
+    t = shared or teacher_rows(getattr(method, "dec", base), tok, records, cfg, ecfg, device)  # the model that answers
     teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
     ratios = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)

@@ -266,6 +266,25 @@ def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
         make(base_dir, encoder=wrong)
 
 
+def test_eval_reads_teacher_rows_from_the_decoder_that_answers(base_dir, tmp_path, monkeypatch):
+    """With --decoder, the teacher and no-context rows (and F1/teacher) read that decoder, as pic's kd teacher does,
+    and sibling runs share them only under the same decoder."""
+    vocab = Transformer.from_pretrained(str(base_dir)).config.vocab_size
+    dec = tiny_model(tmp_path / "dec", vocab, 48)
+    out = tmp_path / "run"
+    train.main(["--method", "pic", "--init_from", str(base_dir), "--decoder", dec, "--objective", "qa", "--max_iters",
+                "1", "--batch_size", "2", "--max_context", "64", "--device", "cpu", "--quiet", "--eval_examples", "0",
+                "--out_dir", str(out)])
+    widths, teacher_rows = [], evaluate.teacher_rows
+    monkeypatch.setattr(evaluate, "teacher_rows", lambda model, *a: widths.append(model.config.hidden_size)
+                        or teacher_rows(model, *a))
+    key = evaluate.main([str(out), "--n", "2"])[0]["teacher_key"]
+    cfg = train.run_config(str(out))[0]
+    records = evaluate.eval_records(cfg, evaluate.EvalConfig(n=2))
+    assert widths == [48] and key == evaluate.teacher_key(cfg, evaluate.EvalConfig(n=2), records, "cpu", dec)
+    assert key != evaluate.teacher_key(cfg, evaluate.EvalConfig(n=2), records, "cpu")  # the base's rows: not these
+
+
 # -----------------------------------------------------------------------------
 # Memory round trip, one-shot eval, CLI errors
 
