@@ -6,6 +6,7 @@
    wrong"); for JSON files (not JSONL) "line" is the record index.
 4. Batching: `collate_qa`, `collate_lm` -> padded LongTensors."""
 import base64
+import collections
 import gzip
 import itertools
 import json
@@ -651,7 +652,7 @@ def read_dataset(path, distractors=False, **kw):
         raise ValueError(f"{path}: plain text, read by the text stages only (pic ae+lm, sac lm, sentence_gist lm: "
                          "--pretrain_data); a QA stage reads SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
     if path.suffix == ".zip":
-        return read_squad(path, **kw)
+        return unique_ids(read_squad(path, **kw))
     if ".jsonl" in path.name:
         try:
             first = json.loads(next(_jsonl(path), (1, "{}"))[1])
@@ -659,15 +660,28 @@ def read_dataset(path, distractors=False, **kw):
             first = {}  # read_jsonl reports it with its line number
         keys = set(first) if isinstance(first, dict) else set()
         reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
-        return reader(path, **kw)
+        return unique_ids(reader(path, **kw))
     doc = _load_json(path)
     if isinstance(doc, dict) and "data" in doc:
-        return read_squad(path, doc=doc, **kw)
+        return unique_ids(read_squad(path, doc=doc, **kw))
     if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "supporting_facts" in doc[0]:
-        return read_hotpot(path, distractors=distractors, doc=doc, **kw)
+        return unique_ids(read_hotpot(path, distractors=distractors, doc=doc, **kw))
     if isinstance(doc, dict) and "passages" in doc:
-        return read_msmarco(path, doc=doc, **kw)
+        return unique_ids(read_msmarco(path, doc=doc, **kw))
     raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
+
+
+def unique_ids(records):
+    """Every record an id of its own (eval.py pairs rows question by question): a repeated one gets "#2", "#3", ...
+    (the readers name a missing one by its place in the file; else its index here)."""
+    records, seen = list(records), collections.Counter()
+    for i, r in enumerate(records):
+        r["id"] = r["id"] or str(i)
+        seen[r["id"]] += 1
+        if seen[r["id"]] > 1:
+            r["id"] = f"{r['id']}#{seen[r['id']]}"
+            seen[r["id"]] += 1
+    return records
 
 
 # 4. Batching

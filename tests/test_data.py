@@ -493,6 +493,16 @@ def test_read_jsonl_and_text(tmp_path):
     assert list(data.read_text(j, skip_bad=True)) == ["a"]
 
 
+def test_every_record_gets_an_id_of_its_own(tmp_path):
+    """eval.py pairs rows by question id: a missing one is named by its place (the reader's), a repeated one gets
+    #2, #3."""
+    qas = [{"question": "q", "answers": [{"text": "A", "answer_start": 0}], **({"id": i} if i is not None else {})}
+           for i in ("a", None, "a", "a#2", None)]
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "A b.", "qas": qas}]}]}))
+    assert [r["id"] for r in data.read_dataset(p)] == ["a", "s.json:2", "a#2", "a#2#2", "s.json:5"]
+
+
 def test_a_file_of_another_shape_or_kind_is_one_line(tmp_path):
     """Structure the record checks never see (SQuAD's articles and paragraphs, MRQA's qas), and files that are not
     the zip or gzip their names say: a ValueError naming the file and where."""
