@@ -122,10 +122,10 @@ def eval_records(cfg, ecfg):
     return tiny.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 
 
-def batches_of(records, tok, cfg, size, prepare=None):
+def batches_of(records, tok, cfg, size, prepare=None, stats=None):
     for i in range(0, len(records), size):
         b = data.collate_qa(records[i:i + size], tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
-                            pad_multiple=1, format=cfg.prompt)
+                            pad_multiple=1, format=cfg.prompt, stats=stats)
         yield prepare(b) if prepare else b
 
 
@@ -236,11 +236,11 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
 @torch.no_grad()
 def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     """A row per ratio, with the achieved ratio (context tokens / memory slots), the memory's
-    size and the method's own memory.stats, each a mean over examples."""
+    size and the method's own memory.stats, each a mean over examples; and how many contexts --max_context cut."""
     rows = []
     for r in ratios:
-        preds, secs, stats, nll, nll_other = [], 0.0, collections.defaultdict(list), {}, {}
-        for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None)):
+        preds, secs, stats, nll, nll_other, cut = [], 0.0, collections.defaultdict(list), {}, {}, {}
+        for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None), cut):
             b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
             preds, secs = preds + decode(tok, outs), secs + dt
@@ -253,7 +253,8 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
         examples = [{"pred": p, "gold": rec["answers"]} for p, rec in zip(preds[:5], records)]
         rows.append({"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs, nll=nll,
                                                                           nll_other=nll_other),
-                     **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples})
+                     **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples,
+                     "truncated_context": cut.get("truncated_context", 0)})
     return rows
 
 
@@ -406,6 +407,9 @@ def evaluate_run(run_dir, ecfg, device):
     ratios = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
+    if rows[0]["truncated_context"]:  # every row reads them so, the teacher's too: its answer may lie past the cut
+        print(f"note: {run_dir}: {rows[0]['truncated_context']} of {len(records)} held-out contexts cut to its "
+              f"--max_context {cfg.max_context}", file=sys.stderr)
     extra = heldout([r["context"] for r in records], base) if heldout else {}
     for row in rows:
         row.update(method=label, run=run_dir, **extra,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 import zipfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -182,7 +183,11 @@ def test_a_method_rows_nll_is_its_qa_training_loss():
     tokens = (b["qa_labels"] != -100).sum(1).tolist()
     summed = sum(row["scores"]["nll"][r["id"]] * k for r, k in zip(records, tokens))
     assert summed == pytest.approx(loss.item(), rel=1e-5)
-    assert row["nll_ci"][0] <= row["nll"] <= row["nll_ci"][1] and n == sum(tokens)
+    assert row["nll_ci"][0] <= row["nll"] <= row["nll_ci"][1] and n == sum(tokens) and row["truncated_context"] == 0
+    cut = replace(cfg, max_context=int(b["context_len"].min()))
+    long = int((b["context_len"] > cut.max_context).sum())
+    assert long and evaluate.method_rows(method, tok, records, cut, evaluate.EvalConfig(batch_size=5), [4],
+                                         "cpu")[0]["truncated_context"] == long
     for j, r in enumerate(records):  # the control: question j after the next other context's, alone
         k = {0: 2, 1: 2, 2: 3, 3: 4, 4: 0}[j]
         one = {**b, "context": b["context"][k:k + 1], "context_len": b["context_len"][k:k + 1],
