@@ -34,7 +34,7 @@ threshold). The verdict comes from our numbers:
   A claim whose rows the results lack gets "no data".
 
 Given one results file, a second table follows (`controls`): the teacher and every method row against its run's
-no-context row in F1, and against itself reading another question's memory in eval.py's teacher-forced answer NLL.
+no-context row in F1, and against itself reading another context's memory in eval.py's teacher-forced answer NLL.
 """
 import os
 import sys
@@ -211,7 +211,7 @@ def table(results, claims=CLAIMS):
 def controls(results):
     """Markdown: the teacher and each method row ("RUN@RATIO", "RUN" when its run has one row) against two
     controls, paired over the questions: F1 against its run's no-context row (a memory that helps is above), and
-    eval.py's teacher-forced answer NLL against the same row's after another question's memory (below: the
+    eval.py's teacher-forced answer NLL against the same row's after another context's memory (below: the
     memory carries its own context, not only an answer format the decoder learned)."""
     lines = ["| row | F1 - no context [95% CI] | verdict | answer NLL - after another's memory [95% CI] | verdict |",
              "|" + "---|" * 5]
