@@ -270,6 +270,10 @@ def check_stage(cfg, mcfg, cls):
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
     cuda = pick_device(cfg.device).type == "cuda"
+    if cfg.cuda_graphs and cfg.grad_accum > 1:  # a micro-batch's backward reuses the last one's .grad buffers
+        raise SystemExit(f"error: --cuda_graphs with {cfg.grad_accum} micro-batches a step: CUDA-graph trees overwrite "
+                         "the gradients one holds with the next's (pytorch/pytorch#169545); use one a step "
+                         "(--grad_accum 1, --micro_batch at least the batch)")
     if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
         raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
                          "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")

@@ -73,6 +73,8 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
     ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu
+    ("cuda graphs accum", ["--cuda_graphs", "--compile", "--batch_size", 4, "--grad_accum", 2],
+     "--cuda_graphs with 2 micro-batches a step"),
     ("device", ["--device", "tpu"], "--device 'tpu' is not a device"),
     ("out_dir", ["--out_dir", "bad.json"], "bad.json is a file, not a folder"),
     ("out_dir below", ["--out_dir", "bad.json/run"], "bad.json is a file, not a folder"),
