@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 79's GPU checks in four device calls of at most 9 minutes each; every command's output goes to
 # $OUT/<name>.txt (the device tool's returned folder; default out/gpu_bench), each command under its own timeout.
-#   run(command="bash scripts/gpu_bench.sh part1", timeout_s=600)  # the gpu tests; bench.py train at Llama-3.1-8B
-#       shapes: meanpool kd and the compression tokens, one decoder pass for all ratios and a pass per ratio, eager
-#       and --compile
+#   run(command="bash scripts/gpu_bench.sh part1", timeout_s=600)  # the gpu tests (but CUDA graphs'); bench.py train
+#       at Llama-3.1-8B shapes: meanpool kd and the compression tokens, one decoder pass for all ratios and a pass
+#       per ratio, eager and --compile
 #   run(command="bash scripts/gpu_bench.sh part2", timeout_s=600)  # bench.py attention at B = 8 x 4K (pic block-wise,
 #       sentence_gist's listed blocks); ttft from a 16x Memory at Llama-3.2-1B and Llama-3.1-8B, eager and --compile,
 #       each with and without generate's CUDA graphs
 #   run(command="bash scripts/gpu_bench.sh part3", timeout_s=600)  # meanpool kd against its transformers + peft twin
 #       at Llama-3.1-8B (fused projections against peft's module per projection), eager and --compile; its profile
-#   run(command="bash scripts/gpu_bench.sh part4", timeout_s=600)  # bench.py train at Llama-3.1-8B, --compile
-#       --cuda_graphs (meanpool kd, pic qa); its profile
+#   run(command="bash scripts/gpu_bench.sh part4", timeout_s=600)  # the CUDA-graph tests; bench.py train at
+#       Llama-3.1-8B, --compile --cuda_graphs (meanpool kd, pic qa); its profile
 # --smoke (after the part): the same commands at the tiny shapes on a CPU, in seconds: the tests collected, not run,
 # no --compile (tests/test_suite.py).
 set -uo pipefail
@@ -39,7 +39,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 git rev-parse --short HEAD >> "$OUT/device.txt" 2>/dev/null || true
 case "${1:-}" in
   part1)
-    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n "$([ -n "$SMOKE" ] && echo 0 || echo 4)" tests/test_gpu.py
+    step gpu_tests 150 python -m pytest -q -m gpu ${SMOKE:+--co} -n "$([ -n "$SMOKE" ] && echo 0 || echo 4)" \
+      -k "not cuda_graph" tests/test_gpu.py  # the CUDA-graph tests: part4, in a step of their own
     step train 160 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters "$ITERS"
     [ -n "$SMOKE" ] || step train_compile 200 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters 5 --compile
     ;;
@@ -61,10 +62,11 @@ case "${1:-}" in
     fi
     ;;
   part4)
+    step gpu_graph_tests 120 python -m pytest -q -m gpu ${SMOKE:+--co} -k cuda_graph tests/test_gpu.py
     if [ -z "$SMOKE" ]; then  # CUDA graphs only on CUDA: the smoke checks the flag's one-line error
-      step train_graphs 300 python benchmarks/bench.py train $SHAPE --methods "meanpool kd,pic qa" --iters 5 \
+      step train_graphs 280 python benchmarks/bench.py train $SHAPE --methods "meanpool kd,pic qa" --iters 5 \
         --compile --cuda_graphs
-      step profile_graphs 200 python benchmarks/bench.py train $SHAPE --methods "meanpool kd" --iters 3 --compile \
+      step profile_graphs 170 python benchmarks/bench.py train $SHAPE --methods "meanpool kd" --iters 3 --compile \
         --cuda_graphs --profile
     else
       step train_graphs 60 python benchmarks/bench.py train $SHAPE --cuda_graphs

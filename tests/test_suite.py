@@ -212,7 +212,8 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
     steps = (tmp_path / "steps.txt").read_text().splitlines()
-    assert [s.split(":")[0] for s in steps] == ["gpu_tests", "train", "attention", "ttft", "twins", "train_graphs"]
+    assert [s.split(":")[0] for s in steps] == ["gpu_tests", "train", "attention", "ttft", "twins", "gpu_graph_tests",
+                                                "train_graphs"]
     assert all(": rc 0," in s for s in steps[:-1]) and ": rc 2," in steps[-1], steps
     assert "--cuda_graphs needs --compile" in (tmp_path / "train_graphs.txt").read_text()
     train_rows = (tmp_path / "train.txt").read_text()
