@@ -660,9 +660,9 @@ class Transformer(nn.Module):
         """Greedy decoding with a preallocated KV cache. prompts: (B, T) ids or id lists (left-padded here); memory:
         an optional ``Memory``. Stops at ``eos_ids`` (default: the checkpoint's). Returns id lists (EOS excluded).
         cuda_graphs (CUDA; weights in their dtype, no autocast, whose weight cache a graph would keep): the prefill
-        replays a graph captured at the first call of its shapes and adapters, and each call captures its decode
-        step once, so the host launches a graph instead of every kernel. The prefill graphs read weights and
-        adapters where they were at capture: clear ``self.prefill_graphs`` after adding or removing one."""
+        replays a graph captured at the first call of its shapes, adapters, mode and attention backend, and each call
+        captures its decode step once, so the host launches a graph instead of every kernel. The prefill graphs read
+        weights and adapters where they were at capture: clear ``self.prefill_graphs`` after adding or removing one."""
         if torch.is_tensor(prompts):
             prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
         eos = set(self.config.eos_token_id if eos_ids is None else eos_ids)
@@ -678,8 +678,8 @@ class Transformer(nn.Module):
         if cuda_graphs:
             if torch.is_autocast_enabled(device.type):
                 raise ValueError("generate(cuda_graphs=True) under autocast: cast the model to its dtype instead")
-            adapters = tuple(m.active for m in self.lora_modules().values())
-            prefill = self.prefill_graphs.setdefault(adapters, kernels.CUDAGraphed(self.prefill))
+            key = tuple(m.active for m in self.lora_modules().values()), self.training, kernels.BACKEND
+            prefill = self.prefill_graphs.setdefault(key, kernels.CUDAGraphed(self.prefill))
             step = kernels.CUDAGraphed(self.decode_step)
         last, kv = prefill(ids, pos, None if plain else valid, *mem)
         cache = KVCache(kv, valid if memory is None else torch.cat([memory.mask, valid], 1), pos[:, -1] + 1,
