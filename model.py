@@ -528,6 +528,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.adapter_configs, self._inv_freq, self.prefill_graphs = {}, None, {}
+        self.graphed_layers = False  # compile_layers(cuda_graphs=True): the layers replay CUDA graphs of their own
         self.grad_ckpt = False  # recompute each layer in the backward (train.py --grad_ckpt): memory for compute
 
     @classmethod
@@ -678,6 +679,9 @@ class Transformer(nn.Module):
         if cuda_graphs:
             if torch.is_autocast_enabled(device.type):
                 raise ValueError("generate(cuda_graphs=True) under autocast: cast the model to its dtype instead")
+            if self.graphed_layers:
+                raise ValueError("generate(cuda_graphs=True) after compile_layers(cuda_graphs=True): a graph capture "
+                                 "cannot hold the layers' own; compile them without cuda_graphs")
             key = tuple(m.active for m in self.lora_modules().values()), self.training, kernels.BACKEND
             prefill = self.prefill_graphs.setdefault(key, kernels.CUDAGraphed(self.prefill))
             step = kernels.CUDAGraphed(self.decode_step)
@@ -798,7 +802,7 @@ def compile_layers(model, backend="inductor", cuda_graphs=False):
     (kernels.attention with flex: the dispatch stays eager, flex compiles on its own). The layers share graphs: a
     few, not a model per length bucket.
     cuda_graphs: mode="reduce-overhead", each graph replayed as a CUDA graph per shape (torch's cudagraph trees)."""
-    mode = "reduce-overhead" if cuda_graphs else None
+    mode, model.graphed_layers = "reduce-overhead" if cuda_graphs else None, cuda_graphs
     for layer in model.model.layers:  # dynamic=None: static shapes first, dynamic after a recompile
         layer.self_attn.attend = torch.compiler.disable(functools.partial(kernels.attention, flex=True))
         layer.forward = kernels.compiled(layer.forward, backend, dynamic=None, mode=mode)

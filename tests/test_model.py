@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import kernels
-from conftest import ASSETS
+from conftest import ASSETS, ROOT
 from model import Memory, Transformer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),  # eager flex on CPU
@@ -599,6 +599,15 @@ def test_generate_batched_left_padding(llama):
     batched = llama.generate(prompts, 12, eos_ids=[])
     for p, out in zip(prompts, batched):
         assert out == llama.generate([p], 12, eos_ids=[])[0]
+
+
+def test_generate_cuda_graphs_refuses_layers_that_replay_their_own(tmp_path):
+    from model import compile_layers
+    model = Transformer.from_pretrained(str(ROOT / "tiny_base")).eval()
+    assert model.generate([[5, 6, 7]], 2, eos_ids=[], cuda_graphs=True)  # off CUDA: the eager functions
+    compile_layers(model, cuda_graphs=True)  # lazy: nothing compiles before a forward
+    with pytest.raises(ValueError, match="after compile_layers\\(cuda_graphs=True\\)"):
+        model.generate([[5, 6, 7]], 2, eos_ids=[], cuda_graphs=True)
 
 
 def test_generate_from_memory(decoder):
