@@ -410,7 +410,7 @@ def evaluate_run(run_dir, ecfg, device):
     if rows[0]["truncated_context"]:  # every row reads them so, the teacher's too: its answer may lie past the cut
         print(f"note: {run_dir}: {rows[0]['truncated_context']} of {len(records)} held-out contexts cut to its "
               f"--max_context {cfg.max_context}", file=sys.stderr)
-    extra = heldout([r["context"] for r in records], base) if heldout else {}
+    extra = heldout(list(dict.fromkeys(r["context"] for r in records)), base) if heldout else {}  # each text once
     for row in rows:
         row.update(method=label, run=run_dir, **extra,
                    f1_norm=(row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan"))
