@@ -646,13 +646,17 @@ def read_text(path, skip_bad=False, stats=None):
 
 def read_dataset(path, distractors=False, **kw):
     """The file's reader: .zip / JSON with "data": SQuAD; JSON list with "supporting_facts": HotpotQA; JSON(L) with
-    "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats."""
-    path = Path(path)
+    "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats.
+    Every record gets an id of its own (unique_ids)."""
+    return unique_ids(_read_any(Path(path), distractors, **kw))
+
+
+def _read_any(path, distractors, **kw):
     if path.suffix in (".txt", ".text"):
         raise ValueError(f"{path}: plain text, read by the text stages only (pic ae+lm, sac lm, sentence_gist lm: "
                          "--pretrain_data); a QA stage reads SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
     if path.suffix == ".zip":
-        return unique_ids(read_squad(path, **kw))
+        return read_squad(path, **kw)
     if ".jsonl" in path.name:
         try:
             first = json.loads(next(_jsonl(path), (1, "{}"))[1])
@@ -660,14 +664,14 @@ def read_dataset(path, distractors=False, **kw):
             first = {}  # read_jsonl reports it with its line number
         keys = set(first) if isinstance(first, dict) else set()
         reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
-        return unique_ids(reader(path, **kw))
+        return reader(path, **kw)
     doc = _load_json(path)
     if isinstance(doc, dict) and "data" in doc:
-        return unique_ids(read_squad(path, doc=doc, **kw))
+        return read_squad(path, doc=doc, **kw)
     if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "supporting_facts" in doc[0]:
-        return unique_ids(read_hotpot(path, distractors=distractors, doc=doc, **kw))
+        return read_hotpot(path, distractors=distractors, doc=doc, **kw)
     if isinstance(doc, dict) and "passages" in doc:
-        return unique_ids(read_msmarco(path, doc=doc, **kw))
+        return read_msmarco(path, doc=doc, **kw)
     raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
 
 

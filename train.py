@@ -501,11 +501,12 @@ def load_base(cfg, device, dtype):
     if not os.path.exists(os.path.join(path, "config.json")):
         raise SystemExit(f"error: --init_from {path!r} is not an HF checkpoint dir (no config.json)")
     tok = data.load_tokenizer(path)
-    if cfg.teacher and not os.path.exists(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
+    adapter = os.path.join(cfg.teacher, "teacher") if cfg.teacher else ""
+    if adapter and not os.path.exists(os.path.join(adapter, "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
-    base = Transformer.from_pretrained(path, dtype=torch.float32 if cfg.teacher else dtype, device=device)
-    if cfg.teacher:  # merged in fp32, then rounded once: into a bf16 base, W would round twice (4x the KL to it)
-        base.load_adapter(os.path.join(cfg.teacher, "teacher"), "teacher")
+    base = Transformer.from_pretrained(path, dtype=torch.float32 if adapter else dtype, device=device)
+    if adapter:  # merged in fp32, then rounded once: into a bf16 base, W would round twice (4x the KL to it)
+        base.load_adapter(adapter, "teacher")
         base.merge_adapter("teacher")
         base.to(dtype)
     return tok, base
