@@ -473,7 +473,7 @@ def test_claims_name_rows_of_the_suite():
 
 def test_results_md_is_generated_whole(tmp_path, base_dir):
     """The report: header (command, commit, machine, base tokens/s, wall time, seeds,
-    steps, questions), the table with intervals, the claims; rerunning rewrites it."""
+    steps, questions), the table with intervals, the claims, the controls; rerunning rewrites it."""
     results_md = load_script("results_md")
     ids = [f"q{i}" for i in range(20)]
     runs = {"meanpool": {4: ({q: 100.0 * (i % 2) for i, q in enumerate(ids)}, {"n": 20})},
@@ -496,7 +496,8 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
                  "- seeds: 1337; training steps x batch per run: 150 x 16; held-out questions per row: 20",
                  "tokens/s (fwd + bwd", "| meanpool | 4.0x | 0.0 [0.0, 0.0] | 50.0 [",
                  "| mean pooling > bidirectional compression tokens, 4x | meanpool@4 > ctok-bidir@4 | 70.55 / 69.57 |"
-                 " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question"):
+                 " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question",
+                 "## Each row against its controls", "| meanpool | +50.0 [", "| ctok-bidir | +0.0 [+0.0, +0.0] | cannot tell |"):
         assert want in text, want
     assert ("RESULTS.png" in text) == (tmp_path / "report" / "RESULTS.png").exists()
     results_md.main(args)
