@@ -497,7 +497,8 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
                  "tokens/s (fwd + bwd", "| meanpool | 4.0x | 0.0 [0.0, 0.0] | 50.0 [",
                  "| mean pooling > bidirectional compression tokens, 4x | meanpool@4 > ctok-bidir@4 | 70.55 / 69.57 |"
                  " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question",
-                 "## Each row against its controls", "| meanpool | +50.0 [", "| ctok-bidir | +0.0 [+0.0, +0.0] | cannot tell |"):
+                 "## Each row against its controls", "| meanpool | +50.0 [",
+                 "| ctok-bidir | +0.0 [+0.0, +0.0] | cannot tell |"):
         assert want in text, want
     assert ("RESULTS.png" in text) == (tmp_path / "report" / "RESULTS.png").exists()
     results_md.main(args)
