@@ -208,6 +208,10 @@ def table(results, claims=CLAIMS):
     return "\n".join(lines)
 
 
+CONTROLS = ("Each row against its controls, paired over the questions (answer NLL: teacher-forced, nats per answer "
+            "token)")
+
+
 def controls(results):
     """Markdown: the teacher and each method row ("RUN@RATIO", "RUN" when its run has one row) against two
     controls, paired over the questions: F1 against its run's no-context row (a memory that helps is above), and
@@ -292,8 +296,7 @@ def main(argv):
                          "seed)")
     if len(argv) == 1:
         results = evaluate.earlier_results(argv[0])
-        return print(table(results) + "\n\nEach row against its controls, paired over the questions (answer NLL: "
-                     "teacher-forced, nats per answer token):\n\n" + controls(results))
+        return print(table(results) + f"\n\n{CONTROLS}:\n\n" + controls(results))
     runs = [evaluate.earlier_results(p) for p in argv]
     names = [suite_name(p, res) for p, res in zip(argv, runs)]
     if len(set(names)) < len(names):

@@ -136,16 +136,12 @@ def put_section(path, title, body):
     write(path, text.rstrip() + "\n")
 
 
-CONTROLS = ("Paired over the questions: F1 against the run's no-context row; eval.py's teacher-forced answer NLL "
-            "(nats per answer token) against the same row read after another context's memory.")
-
-
 def report(results, args):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     png = evaluate.plot(results, os.path.join(out_dir, os.path.splitext(os.path.basename(args.out))[0] + ".png"))
     parts = [header(results, args), "## The table", evaluate.table(results), LEGEND,
              "## Each paper's claims", "```text\n" + claims.__doc__.split("\n\n", 2)[2].strip() + "\n```",
-             claims.table(results), "## Each row against its controls", CONTROLS, claims.controls(results)]
+             claims.table(results), "## Each row against its controls", f"{claims.CONTROLS}:", claims.controls(results)]
     if png:
         parts += ["## F1 vs compression ratio", f"![F1 vs compression ratio]({os.path.basename(png)})"]
     parts += [m.group(0) for m in SECTION.finditer(read(args.out))]  # other commands' sections stay
