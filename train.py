@@ -1020,8 +1020,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
         save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
         print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
     signal.signal(signal.SIGINT, old_handler)
-    if ddp:  # DDP's reducer holds the group: free it before __main__ destroys the group (gloo can abort at exit)
-        del model
+    if ddp:  # a next stage (--pretrain) reads what rank 0 saved
         dist.barrier()
     if master and batches.stats:
         print(f"truncated while training (--max_context / --max_answer): {batches.stats}")
@@ -1041,3 +1040,8 @@ if __name__ == "__main__":
         if run_cfg["method"] not in ("base", "teacher") and run_cfg["eval_examples"] > 0:
             sys.stdout.flush()  # train.py does not import eval.py: the evaluation replaces this process
             os.execv(sys.executable, [sys.executable, os.path.join(os.path.dirname(__file__), "eval.py"), out])
+    if int(os.environ.get("RANK", -1)) != -1:
+        # torchrun's ranks skip Python's shutdown: DDP keeps the gloo group's threads alive past destroy_process_group
+        # (torch 2.13), and one that frees a tensor while the interpreter shuts down aborts the rank (SIGABRT)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
