@@ -1033,15 +1033,15 @@ if __name__ == "__main__":
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
     finally:
-        if dist.is_initialized():
+        ddp = dist.is_initialized()
+        if ddp:
             dist.destroy_process_group()
     if out and os.environ.get("RANK", "0") == "0":  # main returns None after --help
         run_cfg = json.load(open(os.path.join(out, "run.json")))["train"]
         if run_cfg["method"] not in ("base", "teacher") and run_cfg["eval_examples"] > 0:
             sys.stdout.flush()  # train.py does not import eval.py: the evaluation replaces this process
             os.execv(sys.executable, [sys.executable, os.path.join(os.path.dirname(__file__), "eval.py"), out])
-    if int(os.environ.get("RANK", -1)) != -1:
-        # torchrun's ranks skip Python's shutdown: DDP keeps the gloo group's threads alive past destroy_process_group
+    if ddp:  # a rank skips Python's shutdown: DDP keeps the gloo group's threads alive past destroy_process_group
         # (torch 2.13), and one that frees a tensor while the interpreter shuts down aborts the rank (SIGABRT)
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
