@@ -2,7 +2,9 @@
 # Every method on a real pretrained model: SmolLM2-135M-Instruct on SQuAD v1.1 dev split by article
 # (38 training articles for every run, 10 held out for every row), on one GPU. Each run is its paper's
 # recipe (train.resolve: stages, lr, schedule, global batch, limits, LoRA; no tiny aids) scaled down by one
-# rule: --max_iters STEPS, shared by the recipe's stages in its own proportions (a warmup count with them).
+# rule: STEPS steps a run. A recipe that pretrains before its QA stage (pic ae+lm, sac lm, ata rel) gives each
+# half (--pretrain): in the papers' proportions pic's QA stage would get 11 of 200 steps (90k:5.4k), ata's 50.
+# sentence_gist's three lm stages share STEPS in Table 3's proportions. A warmup count scales with its stage.
 # The teacher first (meanpool Table 6, TEACHER_STEPS), then every compressor from it (--teacher), JOBS at a time, each
 # trained and then evaluated; one table, the papers' claims with paired-bootstrap verdicts, and
 # RESULTS.md's real-model section generated whole from this run.
@@ -22,7 +24,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--smoke" ]; then  # its own defaults; a setting given still wins
   : "${STEPS:=2}" "${TEACHER_STEPS:=1}" "${EXAMPLES:=4}" "${JOBS:=2}" "${EVAL_BATCH:=4}"
 fi
-STEPS=${STEPS:-200}              # training steps per compressor run, shared by its stages
+STEPS=${STEPS:-200}              # training steps per compressor run (its stages share them: above)
 TEACHER_STEPS=${TEACHER_STEPS:-600}
 JOBS=${JOBS:-6}                  # runs at a time (one GPU; a 135M model's steps are bound by the host)
 EXAMPLES=${EXAMPLES:-1000}       # held-out questions per row (the same questions for every row)
@@ -48,18 +50,20 @@ fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 source scripts/checks.sh
 whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE
+[ "$STEPS" -ge 2 ] || { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
+HALF=$(( STEPS / 2 ))            # a pretraining stage's steps; its QA stage gets the rest
 RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
   "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)
   "ctok-causal      --method pic --mem single --mask causal --ratio 4,8,16"   # §5.1's tokens, appended
   "ctok-bidir       --method pic --mem single --mask bidir --ratio 4,8,16"
   "gist-4           --method sentence_gist --gists 4"          # Table 3's stages, lm; perplexity and F1
   "gist-2           --method sentence_gist --gists 2"
-  "pic-blockwise    --method pic"                              # PIC Table 4: ae+lm, then qa at 16x
-  "pic-causal       --method pic --mask causal"
-  "sac-r5           --method sac --ratio 5"                    # lm, then qa; Table 4
-  "sac-random-r5    --method sac --ratio 5 --anchors random"
-  "ata              --method ata"                              # rel, then qa (§3.5); Table 2
-  "ata-no_aac       --method ata --no_aac"
+  "pic-blockwise    --method pic --pretrain $HALF"             # PIC Table 4: ae+lm, then qa at 16x
+  "pic-causal       --method pic --mask causal --pretrain $HALF"
+  "sac-r5           --method sac --ratio 5 --pretrain $HALF"   # lm, then qa; Table 4
+  "sac-random-r5    --method sac --ratio 5 --anchors random --pretrain $HALF"
+  "ata              --method ata --pretrain $HALF"             # rel, then qa (§3.5); Table 2
+  "ata-no_aac       --method ata --no_aac --pretrain $HALF"
   "meanpool-single4 --method meanpool --ratio 4"
   "meanpool-single16 --method meanpool --ratio 16"
 )
@@ -142,8 +146,10 @@ pids=() names=()
 for spec in "${RUNS[@]}"; do
   read -r -a words <<< "$spec"
   [ -z "$ONLY" ] || [[ ",$ONLY," == *",${words[0]},"* ]] || continue
+  steps=$STEPS
+  [[ " ${words[*]} " != *" --pretrain "* ]] || steps=$(( STEPS - HALF ))
   wait_for_a_slot
-  run_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$STEPS" --micro_batch "$MICRO" &
+  run_one "${words[0]}" "${words[@]:1}" --teacher "$OUT/teacher" --max_iters "$steps" --micro_batch "$MICRO" &
   pids+=($!)
   names+=("${words[0]}")
 done
@@ -164,7 +170,7 @@ gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {p
   echo "- command: \`$CMD\`; commit \`$(git rev-parse --short HEAD 2>/dev/null || echo none)\`"
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row (its paragraphs in a seeded order over the articles)"
-  echo "- each run: its paper's recipe, --max_iters $STEPS shared by its stages (the teacher: $TEACHER_STEPS); wall time $wall s for this command${resumed:+ (which resumed runs an earlier one began: $resumed)}"
+  echo "- each run: its paper's recipe for $STEPS steps (a pretraining stage $HALF of them, then QA; sentence_gist's stages in Table 3's proportions; the teacher: $TEACHER_STEPS); wall time $wall s for this command${resumed:+ (which resumed runs an earlier one began: $resumed)}"
   echo "- seconds each run took in this command, train + eval (JOBS=$JOBS at a time): $(sed 's/^ *//; s/: train /: /; s/ s, eval / + /; s/ s$//' "$OUT/times.txt" | paste -sd ';' | sed 's/;/; /g')"
   [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"
   [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table (the same command again continues them): ${stopped[*]}"

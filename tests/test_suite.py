@@ -102,6 +102,10 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     for name, objectives in (("pic-blockwise", ["ae+lm", "qa"]), ("gist-4", ["lm"] * 3), ("ata", ["rel", "qa"])):
         recipe = json.load(open(out / name / "run.json"))["recipe"]
         assert [st["objective"] for st in recipe] == objectives and recipe[0]["values"]["max_iters"][1].startswith("flag")
+    for name in ("meanpool", "pic-causal", "sac-r5", "ata-no_aac"):  # STEPS=2 a run; a pretraining stage half of them
+        recipe = json.load(open(out / name / "run.json"))["recipe"]
+        want = [[2, "flag"]] if name == "meanpool" else [[1, "flag (--pretrain)"], [1, "flag (--max_iters, shared by the stages)"]]
+        assert [st["values"]["max_iters"] for st in recipe] == want, (name, recipe)
     report = (out / "RESULTS.md").read_text()
     assert "## SmolLM2-135M-Instruct on SQuAD: every method on one GPU" in report
     assert "38 articles" in report and "held out" in report and "| teacher | 1.0x |" in report
@@ -230,6 +234,9 @@ def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
                            text=True, env=env)
         want = f"error: {setting}: want a whole number{'' if name == 'SEED' else ' > 0'}\n"
         assert p.returncode == 1 and p.stderr == want and not (tmp_path / "out").exists(), p.stderr
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), STEPS="1"))
+    assert p.returncode == 1 and p.stderr.startswith("error: STEPS=1: want at least 2") and not (tmp_path / "out").exists()
 
 
 def test_reproduce_and_seeds_settings_are_one_line_before_any_work(tmp_path):
