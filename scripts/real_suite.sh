@@ -3,7 +3,7 @@
 # (38 training articles for every run, 10 held out for every row), on one GPU. Each run is its paper's
 # recipe (train.resolve: stages, lr, schedule, global batch, limits, LoRA; no tiny aids) scaled down by one
 # rule: STEPS steps a run. A recipe that pretrains before its QA stage (pic ae+lm, sac lm, ata rel) gives each
-# half (--pretrain): in the papers' proportions pic's QA stage would get 11 of 200 steps (90k:5.4k), ata's 50.
+# half (--pretrain): in the recipes' proportions pic's QA stage would get 11 of 200 steps (90k:5.4k), ata's 50.
 # sentence_gist's three lm stages share STEPS in Table 3's proportions. A warmup count scales with its stage.
 # The teacher first (meanpool Table 6, TEACHER_STEPS), then every compressor from it (--teacher), JOBS at a time, each
 # trained and then evaluated; one table, the papers' claims with paired-bootstrap verdicts, and
