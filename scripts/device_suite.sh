@@ -2,7 +2,8 @@
 # scripts/real_suite.sh on the GPU machine of the `device` tool, whose calls each send at most 64 MiB and
 # reach no registry: the 94 MB GGUF goes in two parts, and a machine keeps what a call wrote for ~30 s.
 #   bash scripts/device_suite.sh prepare   # here: .device_suite/ gets the GGUF's two parts, the gguf wheel, SQuAD
-#   then three device calls, each right after the one before (a machine stays warm ~30 s):
+#   then three device calls, each right after the one before (a machine stays warm ~30 s), all naming one kind
+#   (another kind starts a bare machine), nvidia-h200 where lent: on an H100 the suite runs three at a time, not six
 #   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])  # and a GPU test (10 s):
 #       # if it fails, the suite's attention would fall back to SDPA's math kernel: halve JOBS and MICRO
 #   run(command="LIMIT=600 bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2",

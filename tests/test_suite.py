@@ -239,6 +239,22 @@ def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
     assert p.returncode == 1 and p.stderr.startswith("error: STEPS=1: want at least 2") and not (tmp_path / "out").exists()
 
 
+def test_real_suite_runs_three_at_a_time_on_a_gpu_without_room_for_six(tmp_path):
+    """JOBS unset: six runs at a time on an H200 (139 GiB), three on an H100 (80 GB: six hold ~107 GiB), as
+    nvidia-smi reports the GPU's memory; a JOBS given wins."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    for mib, jobs, want in (("81559", "", "JOBS=3: this GPU has 79 GiB"), ("143771", "", ""), ("81559", "5", "")):
+        smi.write_text(f"#!/bin/sh\necho {mib}\n")
+        smi.chmod(0o755)
+        env = dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), EVAL_BATCH="0", JOBS=jobs,
+                   PATH=f"{smi.parent}:{os.environ['PATH']}")
+        p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True, text=True,
+                           env=env)
+        assert p.returncode == 1 and p.stderr == "error: EVAL_BATCH=0: want a whole number > 0\n", p.stderr
+        assert p.stdout.startswith(want) and (want or not p.stdout), (mib, jobs, p.stdout)
+
+
 def test_reproduce_and_seeds_settings_are_one_line_before_any_work(tmp_path):
     for script, setting, args, want in (
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
