@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 79's GPU checks in four device calls of at most 9 minutes each; every command's output goes to
 # $OUT/<name>.txt (the device tool's returned folder; default out/gpu_bench), each command under its own timeout.
+# Each call names kind="nvidia-h200": eager meanpool kd at Llama-3.1-8B shapes peaks at 104 GB (BENCHMARKS.md).
 #   run(command="bash scripts/gpu_bench.sh part1", timeout_s=600)  # the gpu tests (but CUDA graphs'); bench.py train
 #       at Llama-3.1-8B shapes: meanpool kd and the compression tokens, one decoder pass for all ratios and a pass
 #       per ratio, eager and --compile
