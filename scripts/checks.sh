@@ -1,4 +1,4 @@
-# Checks the suite scripts share (sourced): one line on stderr and exit 1 before any work.
+# Checks the suite scripts share (sourced): one line on stderr and exit 1 (2: a wrong argument) before any work.
 whole_numbers() {  # VAR...: each a whole number > 0 (SEED: >= 0); an empty or unset one is skipped
   local var value
   for var in "$@"; do
@@ -7,4 +7,11 @@ whole_numbers() {  # VAR...: each a whole number > 0 (SEED: >= 0); an empty or u
     [[ $value =~ ^[0-9]+$ ]] && { [ "$var" = SEED ] || [ "$value" -gt 0 ]; } ||
       { echo "error: $var=$value: want a whole number$([ "$var" = SEED ] || echo ' > 0')" >&2; exit 1; }
   done
+}
+arguments() {  # WORD "$@": -h / --help prints the script's header (its usage) and exits 0; an argument other
+  # than WORD (one optional word, such as --smoke; "": none) is a one-line error, before any work
+  local word=$1 script=scripts/$(basename "$0"); shift
+  case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$script"; exit 0 ;; esac
+  [ $# -eq 0 ] || { [ $# -eq 1 ] && [ -n "$word" ] && [ "$1" = "$word" ]; } ||
+    { echo "error: unknown argument(s) $*; usage: bash $script${word:+ [$word]} (settings are variables: --help)" >&2; exit 2; }
 }

