@@ -289,6 +289,8 @@ def suite_name(path, results):
 
 
 def main(argv):
+    if argv and argv[0] in ("-h", "--help"):
+        return print("\n\n".join(__doc__.split("\n\n")[:2]))  # the title and usage
     flags = [a for a in argv if a.startswith("-")]
     if not argv or flags:
         raise SystemExit(f"error: {f'unknown flag {flags[0]}; ' if flags else ''}usage: python scripts/claims.py "
