@@ -8,10 +8,15 @@ whole_numbers() {  # VAR...: each a whole number > 0 (SEED: >= 0); an empty or u
       { echo "error: $var=$value: want a whole number$([ "$var" = SEED ] || echo ' > 0')" >&2; exit 1; }
   done
 }
-arguments() {  # WORD "$@": -h / --help prints the script's header (its usage) and exits 0; an argument other
+arguments() {  # WORD "$@": -h / --help prints the script's header and settings, and exits 0; an argument other
   # than WORD (one optional word, such as --smoke; "": none) is a one-line error, before any work
   local word=$1 script=scripts/$(basename "$0"); shift
-  case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$script"; exit 0 ;; esac
+  case "${1:-}" in -h|--help)
+    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$script"
+    echo "settings (NAME=value bash $script), their defaults:"
+    grep -E '^[A-Z_]+=\$\{[A-Z_]+:?-' "$script" | sed 's/^/  /'
+    exit 0 ;;
+  esac
   [ $# -eq 0 ] || { [ $# -eq 1 ] && [ -n "$word" ] && [ "$1" = "$word" ]; } ||
     { echo "error: unknown argument(s) $*; usage: bash $script${word:+ [$word]} (settings are variables: --help)" >&2; exit 2; }
 }

@@ -27,13 +27,8 @@ if [ "${1:-}" = "--smoke" ]; then  # its own defaults; a setting given still win
 fi
 STEPS=${STEPS:-200}              # training steps per compressor run (its stages share them: above)
 TEACHER_STEPS=${TEACHER_STEPS:-600}
-if [ -z "${JOBS:-}" ]; then  # runs at a time (one GPU; a 135M model's steps are bound by the host): six at MICRO=16
-  JOBS=6                     # hold about 107 GiB (BENCHMARKS.md), an H200's 139 but not an H100's 80; the first three 65
-  gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1 || true)
-  if [[ $gpu_mib =~ ^[0-9]+$ ]] && [ "$gpu_mib" -lt 120000 ]; then
-    JOBS=3 && echo "JOBS=3: this GPU has $(( gpu_mib / 1024 )) GiB, and six runs at a time hold about 107 GiB at MICRO=16"
-  fi
-fi
+JOBS=${JOBS:-auto}               # runs at a time on one GPU (a 135M model's steps are bound by the host); auto: six,
+                                 # three on a GPU under 120 GB
 EXAMPLES=${EXAMPLES:-1000}       # held-out questions per row (the same questions for every row)
 MICRO=${MICRO:-16}               # --micro_batch of the compressors, JOBS at a time on one GPU (below)
 EVAL_BATCH=${EVAL_BATCH:-64}     # eval.py --batch_size: questions answered at a time
@@ -45,6 +40,13 @@ SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
 OUT=${OUT:-out/real}
 RESULTS=${RESULTS:-RESULTS.md}
 SECTION="SmolLM2-135M-Instruct on SQuAD: every method on one GPU"
+if [ "$JOBS" = auto ]; then  # six runs at MICRO=16 hold about 107 GiB (BENCHMARKS.md): an H200's 139, not an H100's 80
+  JOBS=6                     # (the first three 65)
+  gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1 || true)
+  if [[ $gpu_mib =~ ^[0-9]+$ ]] && [ "$gpu_mib" -lt 120000 ]; then
+    JOBS=3 && echo "JOBS=3: this GPU has $(( gpu_mib / 1024 )) GiB, and six runs at a time hold about 107 GiB at MICRO=16"
+  fi
+fi
 EXTRA=()
 given="${DEADLINE:+DEADLINE=$DEADLINE }${ONLY:+ONLY=$ONLY }${PRIOR:+PRIOR=$PRIOR }"
 CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES MICRO=$MICRO EVAL_BATCH=$EVAL_BATCH SEED=$SEED ${given}bash scripts/real_suite.sh"

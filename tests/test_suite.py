@@ -256,7 +256,7 @@ def test_real_suite_runs_three_at_a_time_on_a_gpu_without_room_for_six(tmp_path)
 
 
 def test_suite_scripts_answer_help_and_refuse_unknown_arguments_before_any_work(tmp_path):
-    """--help prints the script's header (its usage and settings) and exits 0; an argument the script does not
+    """--help prints the script's header and its settings with their defaults, and exits 0; an argument it does not
     take is a one-line error (exit 2). Neither starts a run (they once ran the whole suite on --help)."""
     env = dict(os.environ, OUT=str(tmp_path / "out"))
     for script, first in (("real_suite.sh", "Every method on a real pretrained model"),
@@ -265,6 +265,7 @@ def test_suite_scripts_answer_help_and_refuse_unknown_arguments_before_any_work(
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], cwd=tmp_path, capture_output=True,
                            text=True, env=env)
         assert p.returncode == 0 and p.stdout.startswith(first) and "#" not in p.stdout.split("\n")[0], p.stdout[:300]
+        assert f"settings (NAME=value bash scripts/{script}), their defaults:\n  " in p.stdout and "  OUT=${OUT:-" in p.stdout
         if script != "seeds.sh":  # seeds.sh's first argument is the seeds (their own error, above)
             p = subprocess.run(["bash", str(ROOT / "scripts" / script), "--smoke", "--bogus"], cwd=ROOT,
                                capture_output=True, text=True, env=env)
