@@ -58,7 +58,8 @@ if [ "${1:-}" = "--smoke" ]; then
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE
-[ "$STEPS" -ge 2 ] || { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
+[ "$STEPS" -ge 2 ] ||
+  { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
 HALF=$(( STEPS / 2 ))            # a pretraining stage's steps; its QA stage gets the rest
 RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
   "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)

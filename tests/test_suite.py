@@ -104,7 +104,8 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
         assert [st["objective"] for st in recipe] == objectives and recipe[0]["values"]["max_iters"][1].startswith("flag")
     for name in ("meanpool", "pic-causal", "sac-r5", "ata-no_aac"):  # STEPS=2 a run; a pretraining stage half of them
         recipe = json.load(open(out / name / "run.json"))["recipe"]
-        want = [[2, "flag"]] if name == "meanpool" else [[1, "flag (--pretrain)"], [1, "flag (--max_iters, shared by the stages)"]]
+        want = [[2, "flag"]] if name == "meanpool" else \
+            [[1, "flag (--pretrain)"], [1, "flag (--max_iters, shared by the stages)"]]
         assert [st["values"]["max_iters"] for st in recipe] == want, (name, recipe)
     report = (out / "RESULTS.md").read_text()
     assert "## SmolLM2-135M-Instruct on SQuAD: every method on one GPU" in report
@@ -236,7 +237,8 @@ def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
         assert p.returncode == 1 and p.stderr == want and not (tmp_path / "out").exists(), p.stderr
     p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), STEPS="1"))
-    assert p.returncode == 1 and p.stderr.startswith("error: STEPS=1: want at least 2") and not (tmp_path / "out").exists()
+    assert p.returncode == 1 and p.stderr.startswith("error: STEPS=1: want at least 2")
+    assert not (tmp_path / "out").exists()
 
 
 def test_real_suite_runs_three_at_a_time_on_a_gpu_without_room_for_six(tmp_path):
@@ -265,7 +267,8 @@ def test_suite_scripts_answer_help_and_refuse_unknown_arguments_before_any_work(
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], cwd=tmp_path, capture_output=True,
                            text=True, env=env)
         assert p.returncode == 0 and p.stdout.startswith(first) and "#" not in p.stdout.split("\n")[0], p.stdout[:300]
-        assert f"settings (NAME=value bash scripts/{script}), their defaults:\n  " in p.stdout and "  OUT=${OUT:-" in p.stdout
+        assert f"settings (NAME=value bash scripts/{script}), their defaults:\n  " in p.stdout
+        assert "  OUT=${OUT:-" in p.stdout
         if script != "seeds.sh":  # seeds.sh's first argument is the seeds (their own error, above)
             p = subprocess.run(["bash", str(ROOT / "scripts" / script), "--smoke", "--bogus"], cwd=ROOT,
                                capture_output=True, text=True, env=env)
