@@ -10,7 +10,8 @@ Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.tx
 
 Choices the paper leaves open, made here:
 - h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
-- W starts at I: z as the encoder gives it (its scale, ~15x the embeddings' on SmolLM2, is W's to learn).
+- W starts at s I, s = the decoder's embedding std / the encoder's final-norm gain (start_at_embedding_scale): z enters
+  at the scale of the embeddings it stands in for (the final-norm outputs are ~14x them on SmolLM2).
 - Encoder and decoder start from the teacher (§5.1's "same target LLM", read as the finetuned one): `--teacher` is
   merged into the base first (in fp32), so `adapter(None)` is it; without `--teacher`, the base is the teacher.
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
@@ -60,6 +61,15 @@ def mean_pool(h, lengths, r):
     return z, counts[:, :C] > 0
 
 
+@torch.no_grad()
+def start_at_embedding_scale(w, enc, dec):
+    """W = s I, s = dec's embedding std / the RMS of enc's final-norm gain: the encoder's last hidden state (unit RMS
+    times that gain) enters the decoder at its embeddings' scale. enc None: W = I."""
+    nn.init.eye_(w.weight)
+    if enc is not None:
+        w.weight.mul_(dec.model.embed_tokens.input_std() / enc.model.norm.gain_rms())
+
+
 def window_slots(batch, memory, r):
     """(B, L) the memory slot holding each context token: window S_k's slot P + k, after the P prefix slots
     (r an int or (B,); PIC's memory token m_t and chunk c_t alike)."""
@@ -91,7 +101,7 @@ class MeanPool(nn.Module):
             base.add_adapter(name, cfg.lora_r, cfg.lora_alpha)
         self.proj = None if cfg.no_linear else nn.Linear(d, d, bias=False)
         if self.proj is not None:
-            nn.init.eye_(self.proj.weight)
+            start_at_embedding_scale(self.proj, None if cfg.no_encoder else base, base)  # no encoder: pooled embeddings
 
     def encode(self, batch):
         """Bidirectional encoder over the context (or its token embeddings, --no_encoder): (B, L, d)."""

@@ -386,6 +386,10 @@ class RMSNorm(nn.Module):
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
+    def gain_rms(self):
+        """The RMS of the per-channel gain: the RMS of this norm's output."""
+        return (1.0 + self.weight.float() if self.unit_offset else self.weight.float()).pow(2).mean().sqrt().item()
+
 
 class Embedding(nn.Embedding):
     """Token embeddings, times ``scale`` when set (Gemma: sqrt(d), rounded to the weight dtype as in HF)."""

@@ -518,6 +518,7 @@ def build(cfg, mcfg, device, dtype):
     method = method_registry()[cfg.method](base, mcfg, tok, cfg)
     if tiny.aided(cfg):
         tiny.add_decoder_adapter(method)
+        tiny.w_from_identity(method)
     method = method.to(device)
     for p in method.parameters():  # fp32 master weights where a bf16 base trains (sentence_gist --lora_r 0): a bf16
         if p.requires_grad:        # weight drops every update below its precision, ~1e-4 of |w| at these lrs

@@ -78,7 +78,7 @@ def test_encoder_is_bidirectional_and_ignores_padding(tmp_path):
         assert torch.allclose(mem.embeds[1][valid], padded.embeds[1][valid], atol=1e-6)
 
 
-def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
+def test_fresh_adapters_and_w_at_embedding_scale_reproduce_base_pooling(tmp_path):
     base_dir = tiny_base(tmp_path / "base")
     tok = data.load_tokenizer(base_dir)
     base = Transformer.from_pretrained(base_dir)
@@ -91,7 +91,8 @@ def test_fresh_adapters_and_identity_w_reproduce_base_pooling(tmp_path):
         memory = m.compress(batch, 8)
         P = len(batch["prefix"])  # [BOS embedding, z_1 .. z_C]
         assert P == 1 and torch.equal(memory.embeds[:, 0], base.model.embed_tokens.weight[[tok.bos_id] * 2])
-        assert torch.allclose(memory.embeds[:, P:], expected, atol=1e-6)
+        s = base.model.embed_tokens.weight.std() / base.model.norm.weight.pow(2).mean().sqrt()  # W = s I
+        assert 0.01 < s < 0.5 and torch.allclose(memory.embeds[:, P:], s * expected, atol=1e-6)
     no_w = meanpool.MeanPool(Transformer.from_pretrained(base_dir), meanpool.MeanPoolConfig(no_linear=True), tok,
                              train.TrainConfig())
     assert no_w.proj is None
@@ -126,8 +127,8 @@ def test_table3_fixed_decoder_fixed_encoder_no_encoder(tmp_path):
     real = torch.arange(batch["context"].shape[1])[None] < batch["context_len"][:, None]
     with torch.no_grad():  # the frozen base, bidirectional, is the encoder
         h = m.base(batch["context"], mask=kernels.bidirectional(real), output="hidden")
-        assert torch.allclose(m.compress(batch, 4).embeds[:, 1:], meanpool.mean_pool(h, batch["context_len"], 4)[0],
-                              atol=1e-6)
+        pooled = m.proj(meanpool.mean_pool(h, batch["context_len"], 4)[0])  # then W
+        assert torch.allclose(m.compress(batch, 4).embeds[:, 1:], pooled, atol=1e-6)
     m, batch = _method(tmp_path, no_encoder=True, no_linear=True)
     assert trained(m) == {"decoder"}
     with torch.no_grad():  # window means of the token embeddings

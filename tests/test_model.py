@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import kernels
 from conftest import ASSETS, ROOT
-from model import Memory, Transformer
+from model import Memory, RMSNorm, Transformer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),  # eager flex on CPU
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]  # peft vs transformers 5
@@ -187,6 +187,17 @@ def test_prefix_kv_equals_one_pass(decoder):
     assert len(kv) == c.num_hidden_layers and kv[0][0].shape == (2, 2, 12, c.head_dim)
     close(la, full[:, :12])
     close(lb, full[:, 12:])
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])  # Llama's weight, Gemma's 1 + weight
+def test_norm_gain_rms_is_the_output_rms_of_a_unit_input(unit_offset):
+    norm = RMSNorm(8, 1e-6, unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([0.5, -2.0, 3.0, 1.0, 0.0, 1.5, -0.5, 2.0]))
+        out = norm(torch.full((8,), 3.0))  # RMS-normalised: all ones, so the output is the gain itself
+    assert abs(norm.gain_rms() - out.pow(2).mean().sqrt().item()) < 1e-6
+    gain = norm.weight + 1 if unit_offset else norm.weight
+    assert abs(norm.gain_rms() - (gain.pow(2).sum().item() / 8) ** 0.5) < 1e-6
 
 
 def test_embeds_input_equals_ids(llama):

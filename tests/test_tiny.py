@@ -440,6 +440,27 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
         assert ("decoder" in used) != no_aids
 
 
+@pytest.mark.parametrize("name,kw,which", [("meanpool", {}, "proj"), ("meanpool", {"no_encoder": True}, "proj"),
+                                           ("pic", {"mem": "single"}, "converter"), ("pic", {}, None)])
+def test_w_starts_at_identity_on_the_tiny_base_and_at_the_embeddings_scale_without_aids(name, kw, which):
+    """Aid 5: W starts at I; --no_aids keeps the real path's s I (s = embedding std / final-norm gain RMS, by hand),
+    and I under --no_encoder (it pools embeddings). PIC's own converter (an MLP) is left as it is."""
+    cls = train.method_registry()[name]
+    starts = []
+    for no_aids in (False, True):
+        torch.manual_seed(0)
+        cfg = train.TrainConfig(method=name, objective="kd" if name == "meanpool" else "qa", no_aids=no_aids)
+        tok, base, m = train.build(cfg, cls.Config(**kw), "cpu", torch.float32)
+        starts.append((m.proj if which == "proj" else m.converter[0]).weight.detach())
+    eye = torch.eye(base.config.hidden_size)
+    s = base.model.embed_tokens.weight.std() / base.model.norm.weight.pow(2).mean().sqrt()
+    if which is None:
+        assert torch.equal(starts[0], starts[1]) and not torch.allclose(starts[0], eye)
+    else:
+        assert torch.equal(starts[0], eye)
+        assert torch.allclose(starts[1], eye if kw.get("no_encoder") else s * eye) and 0.01 < s < 0.5
+
+
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sentence_gist", {"gists": 2}, 1)])
 def test_attention_distillation_trains_the_heads_the_decoder_reads_with(base_dir, name, kw, r):
     """The aid's head 0 is the student's own: computed under the adapter the decoder ran
