@@ -387,7 +387,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def gain_rms(self):
-        """The RMS of the per-channel gain: the RMS of this norm's output."""
+        """The RMS of the per-channel gain: the RMS of this norm's output where the input's channels are equal."""
         return (1.0 + self.weight.float() if self.unit_offset else self.weight.float()).pow(2).mean().sqrt().item()
 
 
