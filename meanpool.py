@@ -11,7 +11,8 @@ Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.tx
 Choices the paper leaves open, made here:
 - h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
 - W starts at s I, s = the decoder's embedding std / the encoder's final-norm gain (start_at_embedding_scale): z enters
-  at the scale of the embeddings it stands in for (the final-norm outputs are ~14x them on SmolLM2).
+  at the scale of the embeddings it stands in for (the final-norm outputs are ~14x them on SmolLM2, where this start
+  learned faster than I; pic's compression tokens did not, and their W keeps I: RESULTS.md).
 - Encoder and decoder start from the teacher (§5.1's "same target LLM", read as the finetuned one): `--teacher` is
   merged into the base first (in fp32), so `adapter(None)` is it; without `--teacher`, the base is the teacher.
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
@@ -62,12 +63,11 @@ def mean_pool(h, lengths, r):
 
 
 @torch.no_grad()
-def start_at_embedding_scale(w, enc, dec):
-    """W = s I, s = dec's embedding std / the RMS of enc's final-norm gain: the encoder's last hidden state (unit RMS
-    times that gain) enters the decoder at its embeddings' scale. enc None: W = I."""
+def start_at_embedding_scale(w, base):
+    """W = s I, s = base's embedding std / the RMS of its final-norm gain: the encoder's last hidden state (unit RMS
+    times that gain) enters the decoder at its embeddings' scale."""
     nn.init.eye_(w.weight)
-    if enc is not None:
-        w.weight.mul_(dec.model.embed_tokens.input_std() / enc.model.norm.gain_rms())
+    w.weight.mul_(base.model.embed_tokens.input_std() / base.model.norm.gain_rms())
 
 
 def window_slots(batch, memory, r):
@@ -100,8 +100,10 @@ class MeanPool(nn.Module):
         for name in filter(None, (self.enc_adapter, self.dec_adapter)):
             base.add_adapter(name, cfg.lora_r, cfg.lora_alpha)
         self.proj = None if cfg.no_linear else nn.Linear(d, d, bias=False)
-        if self.proj is not None:
-            start_at_embedding_scale(self.proj, None if cfg.no_encoder else base, base)  # no encoder: pooled embeddings
+        if self.proj is not None and cfg.no_encoder:  # it pools the embeddings themselves
+            nn.init.eye_(self.proj.weight)
+        elif self.proj is not None:
+            start_at_embedding_scale(self.proj, base)
 
     def encode(self, batch):
         """Bidirectional encoder over the context (or its token embeddings, --no_encoder): (B, L, d)."""

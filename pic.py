@@ -18,8 +18,7 @@ Choices the paper leaves open, made here:
 - Encoder positions: memory t at L_b + t (`--mem_pos after`: eq. 4's order) or chunk t's centre min(t r + (r - 1) // 2,
   L_b - 1) (`centre`: EPL's idea, not its code; the tiny base's token default, where appended tokens did not learn).
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale; `--mem single` is meanpool §5.1's
-  token baseline whole (one token repeated, a `decoder` LoRA, W (from meanpool's s I) as converter, `kd`;
-  `--mask causal|bidir`).
+  token baseline whole (one token repeated, a `decoder` LoRA, W (from I) as converter, `kd`; `--mask causal|bidir`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads [prefix, memory, prompt] as meanpool.
 - Encoder: the base + `encoder` LoRA; the paper's separate, fully finetuned one: `--encoder DIR --lora_r 0`.
 - ae+lm: texts of 2 x max_context (BOS dropped, as a QA context) split at k = len // 2, so x_1 .. x_k is QA-long;
@@ -37,7 +36,7 @@ import torch.nn as nn
 
 import data
 import kernels
-from meanpool import TABLE6, start_at_embedding_scale, window_slots
+from meanpool import TABLE6, window_slots
 from model import Transformer, behind_prefix, decode_each
 
 LAMBDA = 0.5  # eq. 8
@@ -179,7 +178,7 @@ class PIC(nn.Module):
             dec.add_adapter("decoder", cfg.lora_r or 16, cfg.lora_alpha)
             self.converter = nn.Sequential(nn.Linear(d_enc, d_dec, bias=False))  # meanpool's W
             if d_enc == d_dec:
-                start_at_embedding_scale(self.converter[0], enc, dec)
+                nn.init.eye_(self.converter[0].weight)
         else:
             self.converter = nn.Sequential(nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
         self.ae = nn.Parameter(torch.randn(d_dec) * std_dec, requires_grad=run.objective == "ae+lm")  # <AE>, learned

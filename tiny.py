@@ -16,7 +16,7 @@ data.py's synthetic benchmark; nothing here runs on a real checkpoint.
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it (a real LLM
      reads soft memory frozen, a tiny base trained from scratch does not).
-  5. `w_from_identity`: meanpool's W (and the compression tokens') starts at I, as the aids were tuned.
+  5. `w_from_identity`: meanpool's W starts at I, as the aids were tuned.
 """
 import io
 import math
@@ -685,10 +685,7 @@ def add_decoder_adapter(method):
 
 
 def w_from_identity(method):
-    """Aid 5: the linear W of meanpool and of the compression tokens (pic --mem single) starts at I, the encoder's
-    scale, not at the embeddings' (meanpool.start_at_embedding_scale, the real path's)."""
-    w = getattr(method, "proj", None)
-    if len(getattr(method, "converter", ())) == 1:  # PIC's own converter is an MLP
-        w = method.converter[0]
-    if w is not None and w.in_features == w.out_features:
-        torch.nn.init.eye_(w.weight)
+    """Aid 5: meanpool's W starts at I, the encoder's scale, not at the embeddings' (meanpool.start_at_embedding_scale,
+    the real path's)."""
+    if getattr(method, "proj", None) is not None:
+        torch.nn.init.eye_(method.proj.weight)

@@ -443,8 +443,9 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
 @pytest.mark.parametrize("name,kw,which", [("meanpool", {}, "proj"), ("meanpool", {"no_encoder": True}, "proj"),
                                            ("pic", {"mem": "single"}, "converter"), ("pic", {}, None)])
 def test_w_starts_at_identity_on_the_tiny_base_and_at_the_embeddings_scale_without_aids(name, kw, which):
-    """Aid 5: W starts at I; --no_aids keeps the real path's s I (s = embedding std / final-norm gain RMS, by hand),
-    and I under --no_encoder (it pools embeddings). PIC's own converter (an MLP) is left as it is."""
+    """Aid 5: meanpool's W starts at I; --no_aids keeps the real path's s I (s = embedding std / final-norm gain RMS,
+    by hand), and I under --no_encoder (it pools embeddings). The compression tokens' W starts at I either way; PIC's
+    own converter (an MLP) is left as it is."""
     cls = train.method_registry()[name]
     starts = []
     for no_aids in (False, True):
@@ -458,7 +459,7 @@ def test_w_starts_at_identity_on_the_tiny_base_and_at_the_embeddings_scale_witho
         assert torch.equal(starts[0], starts[1]) and not torch.allclose(starts[0], eye)
     else:
         assert torch.equal(starts[0], eye)
-        assert torch.allclose(starts[1], eye if kw.get("no_encoder") else s * eye) and 0.01 < s < 0.5
+        assert torch.allclose(starts[1], s * eye if kw == {} else eye) and 0.01 < s < 0.5
 
 
 @pytest.mark.parametrize("name,kw,r", [("pic", {}, 4), ("sentence_gist", {"gists": 2}, 1)])
