@@ -10,9 +10,9 @@ Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.tx
 
 Choices the paper leaves open, made here:
 - h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
-- W starts at s I, s = the decoder's embedding std / the encoder's final-norm gain (start_at_embedding_scale): z enters
-  at the scale of the embeddings it stands in for (the final-norm outputs are ~14x them on SmolLM2, where this start
-  learned faster than I; pic's compression tokens did not, and their W keeps I: RESULTS.md).
+- W starts at s I, s = the embeddings' std / the RMS of the final norm's gain (the encoder's outputs: unit RMS times
+  that gain), so z enters at the scale of the embeddings it stands in for (the final-norm outputs are ~14x them on
+  SmolLM2, where this start learned faster than I; pic's compression tokens did not, and their W keeps I: RESULTS.md).
 - Encoder and decoder start from the teacher (§5.1's "same target LLM", read as the finetuned one): `--teacher` is
   merged into the base first (in fp32), so `adapter(None)` is it; without `--teacher`, the base is the teacher.
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).
@@ -62,14 +62,6 @@ def mean_pool(h, lengths, r):
     return z, counts[:, :C] > 0
 
 
-@torch.no_grad()
-def start_at_embedding_scale(w, base):
-    """W = s I, s = base's embedding std / the RMS of its final-norm gain: the encoder's last hidden state (unit RMS
-    times that gain) enters the decoder at its embeddings' scale."""
-    nn.init.eye_(w.weight)
-    w.weight.mul_(base.model.embed_tokens.input_std() / base.model.norm.gain_rms())
-
-
 def window_slots(batch, memory, r):
     """(B, L) the memory slot holding each context token: window S_k's slot P + k, after the P prefix slots
     (r an int or (B,); PIC's memory token m_t and chunk c_t alike)."""
@@ -100,10 +92,10 @@ class MeanPool(nn.Module):
         for name in filter(None, (self.enc_adapter, self.dec_adapter)):
             base.add_adapter(name, cfg.lora_r, cfg.lora_alpha)
         self.proj = None if cfg.no_linear else nn.Linear(d, d, bias=False)
-        if self.proj is not None and cfg.no_encoder:  # it pools the embeddings themselves
-            nn.init.eye_(self.proj.weight)
-        elif self.proj is not None:
-            start_at_embedding_scale(self.proj, base)
+        if self.proj is not None:  # W = s I (above); --no_encoder pools the embeddings themselves: s = 1
+            s = 1.0 if cfg.no_encoder else base.model.embed_tokens.input_std() / base.model.norm.gain_rms()
+            with torch.no_grad():
+                self.proj.weight.copy_(s * torch.eye(d))
 
     def encode(self, batch):
         """Bidirectional encoder over the context (or its token embeddings, --no_encoder): (B, L, d)."""

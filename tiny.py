@@ -685,7 +685,7 @@ def add_decoder_adapter(method):
 
 
 def w_from_identity(method):
-    """Aid 5: meanpool's W starts at I, the encoder's scale, not at the embeddings' (meanpool.start_at_embedding_scale,
-    the real path's)."""
+    """Aid 5: meanpool's W starts at I, the encoder's scale, not at the embeddings' (the real path's s I:
+    meanpool.py)."""
     if getattr(method, "proj", None) is not None:
         torch.nn.init.eye_(method.proj.weight)
