@@ -677,15 +677,16 @@ def read_items(path, cfg, text):
 
 def stage_data(cfg):
     """(training items, validation items, a line saying what validation reads) of a stage, read before any work:
-    --data (a text objective: --pretrain_data, else --data's contexts); validation on --eval_data, else on a
-    held-out slice of the training file (2 %, at most 256 items) that training never sees. None: synthetic."""
+    --data (a text objective: --pretrain_data, else --data's contexts); validation on --eval_data (also when training
+    is synthetic), else on a held-out slice of the training file (2 %, at most 256 items) that training never sees.
+    None: synthetic."""
     text = text_objective(cfg)
     path = (cfg.pretrain_data or cfg.data) if text else cfg.data
-    if not path:
-        return None, None, "validation: the synthetic benchmark's val split"
-    items = read_items(path, cfg, text)
+    items = read_items(path, cfg, text) if path else None
     if cfg.eval_data:
         return items, read_items(cfg.eval_data, cfg, text), f"validation: {cfg.eval_data}"
+    if not path:
+        return None, None, "validation: the synthetic benchmark's val split"
     if len(items) < 2:
         return items, items, f"validation: {path} (one record: the training record itself)"
     held = set(random.Random(cfg.seed).sample(range(len(items)), min(256, max(1, len(items) // 50))))

@@ -115,6 +115,22 @@ def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags
         assert p.returncode != 0 and p.stderr.strip() == line, p.stderr[-2000:]
 
 
+def test_eval_data_is_read_before_any_work_and_validates_synthetic_training(files, tmp_path, capsys):
+    """--eval_data without --data (the tiny base's synthetic training): a broken file is one line before any step,
+    and a good one is what validation reads (it was read only by the final evaluation, after training)."""
+    out = tmp_path / "out"
+    line = in_process(["--method", "meanpool", *FAST, "--out_dir", out, "--eval_data", files / "bad.json"])
+    assert line.startswith("error: ") and "bad.json:1: invalid JSON" in line, line
+    assert not out.exists()
+    assert in_process(["--method", "meanpool", *FAST, "--out_dir", out, "--eval_interval", 1,
+                       "--eval_data", files / "squad.json"]) == ""
+    assert f"validation: {files / 'squad.json'}" in capsys.readouterr().out
+    synthetic = tmp_path / "synthetic"
+    in_process(["--method", "meanpool", *FAST, "--out_dir", synthetic, "--eval_interval", 1])
+    val = [json.loads(line)["val_loss"] for run in (out, synthetic) for line in open(run / "log.jsonl")]
+    assert len(val) == 2 and val[0] != val[1], val  # the same step and weights, other validation items
+
+
 def test_resume_keeps_the_runs_method_and_its_config(files, tmp_path):
     """--resume continues a run under the method config that shaped its tensors: another method or a flag with
     another value is one line, a flag left out is inherited; tensors of another shape are one line too."""
