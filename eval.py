@@ -453,10 +453,16 @@ def with_ci(row, key):
 
 
 def table(results):
-    """One markdown table: the first run's teacher and no-context rows, then a row per run x ratio."""
+    """One markdown table: a row per run x ratio, under the teacher and no-context rows it is measured against,
+    shown again where a run's differ from those above (other questions or another base: its F1/teacher is its own)."""
     head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | examples/s | method-specific |"
-    lines = [head, "|" + "---|" * 8]
-    for r in [results[0]["teacher"], results[0]["no_context"]] + [r for res in results for r in res["rows"]]:
+    lines, rows, shown = [head, "|" + "---|" * 8], [], None
+    for res in results:
+        controls = [res["teacher"], res["no_context"]]
+        if [c.get("scores") for c in controls] != shown:
+            rows, shown = rows + controls, [c.get("scores") for c in controls]
+        rows += res["rows"]
+    for r in rows:
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
         norm = f"{r['f1_norm']:.2f}" if "f1_norm" in r else "-"
         mem = f"{r['memory_bytes']:.0f}" if "memory_bytes" in r else "-"

@@ -276,6 +276,9 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
     assert a["teacher_key"] == b["teacher_key"] and a["teacher"] == b["teacher"]
+    c = json.load(open(tmp_path / "c" / "metrics.json"))  # 3 questions: its F1/teacher is against its own rows
+    methods = [line.split(" | ")[0] for line in evaluate.table([a, b, c]).splitlines()[2:]]
+    assert methods == ["| teacher", "| no-context", "| meanpool", "| meanpool", "| teacher", "| no-context", "| meanpool"]
     for extra, computed in (([], False), (["--n", 3], True), (["--n", 3], False), ([], True), (["--ratio", 4], True),
                             (["--ratio", 4, "--max_new_tokens", 5], True), (["--batch_size", 2], True),
                             ([], True)):  # a cached metrics.json: what it was asked
