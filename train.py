@@ -187,6 +187,9 @@ def configure(argv):
         if key in others:
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, method_config(cls))
+    unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
+    if unread:  # the teacher and the tiny base compress nothing
+        raise SystemExit(f"error: --{unread[0]} does not apply to --method {name}: it reads the whole context")
     return cfg, mcfg, explicit, cls
 
 
