@@ -539,7 +539,8 @@ class AttentionDistillation:
     0.76-0.88, not 0.68-0.76, on 5 paired seeds) and than the output form from step 0, which stalled a seed."""
 
     def __init__(self, method, weight, max_iters=0):
-        self.base, self.weight, self.slots = method.base, weight, method.token_slots
+        self.base = getattr(method, "dec", method.base)  # the decoder: pic's --decoder, else the shared base
+        self.weight, self.slots = weight, method.token_slots
         self.slot_steps = round(SLOT_STAGE * max_iters) if self.slots is not None else 0
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists, self.tok = getattr(method.cfg, "gists", 0), getattr(method, "tok", None)

@@ -440,6 +440,21 @@ def test_frozen_decoder_methods_get_a_decoder_adapter_on_the_tiny_base(name, r):
         assert ("decoder" in used) != no_aids
 
 
+def test_the_aids_act_on_pics_separate_decoder():
+    """With pic's --decoder on the tiny base, aids 4 and 2 act on that decoder: its LoRA `decoder` is what the
+    attention term reads (it looked for the adapter on the encoder's base, and the first step failed)."""
+    import data
+    cls = train.method_registry()["pic"]
+    tok, base, m = train.build(train.TrainConfig(method="pic", objective="qa"), cls.Config(decoder=tiny.BASE_DIR),
+                               "cpu", torch.float32)
+    assert "decoder" in m.dec_model.adapter_configs and "decoder" not in base.adapter_configs
+    m.aid = tiny.AttentionDistillation(m, tiny.ATTN_KD, 10)
+    batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=8)
+    with_aid = m(batch, [4])[0]
+    m.aid = None
+    assert with_aid.item() > m(batch, [4])[0].item()
+
+
 @pytest.mark.parametrize("name,kw,which", [("meanpool", {}, "proj"), ("meanpool", {"no_encoder": True}, "proj"),
                                            ("pic", {"mem": "single"}, "converter"), ("pic", {}, None)])
 def test_w_starts_at_identity_on_the_tiny_base_and_at_the_embeddings_scale_without_aids(name, kw, which):
