@@ -159,6 +159,8 @@ class ATA(nn.Module):
         if not (0 < cfg.huber_delta < math.inf and 0 <= cfg.huber_lambda < math.inf):
             raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be a finite number > 0 and --huber_lambda "
                              f"{cfg.huber_lambda} one >= 0 (eq. 8-10)")
+        if not cfg.no_aac and cfg.fixed_k != ATAConfig.fixed_k:  # the probe picks k
+            raise SystemExit(f"error: --fixed_k {cfg.fixed_k} applies under --no_aac (Table 2's fixed k)")
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 

@@ -264,7 +264,8 @@ def test_bad_input_one_line_error(base_dir, tmp_path, args, msg):
                                        (["--rel_ratios", "5,0"], "--rel_ratios"),
                                        (["--objective", "kd"], "--objective"),
                                        (["--no_aac", "--fixed_k", "9", "--max_iters", "1"], "--fixed_k"),
-                                       (["--no_aac", "--k_max", "4", "--max_iters", "1"], "--fixed_k")])
+                                       (["--no_aac", "--k_max", "4", "--max_iters", "1"], "--fixed_k"),
+                                       (["--fixed_k", "3", "--max_iters", "1"], "--fixed_k 3 applies under --no_aac")])
 def test_bad_method_flags(base_dir, tmp_path, args, msg):  # in process: the same SystemExit line, no start-up cost
     with pytest.raises(SystemExit) as e:
         train.main(["--method", "ata", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *args])
