@@ -606,6 +606,8 @@ def main(argv):
     for r in run_dirs:
         if read[r] is None:  # to be evaluated
             check_evaluable(r, ecfg.ratio)
+            if (path := asked(r, ecfg)["eval_data"]) and not os.path.isfile(path):
+                raise SystemExit(f"error: {r}'s --eval_data {path!r}: no such file (name one with --eval_data)")
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device)])]
     print(table(results))

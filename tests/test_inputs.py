@@ -204,7 +204,13 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                 "--out_dir", sac])
     in_process([sac, "--context", tmp_path / "doc.txt", "--question", "Where?", "--save_memory", tmp_path / "doc.mem"],
                evaluate.main)
+    gone = tmp_path / "gone"  # a run validated on a file deleted since
+    shutil.copy(files / "squad.json", tmp_path / "held.json")
+    in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                "--eval_data", tmp_path / "held.json", "--out_dir", gone])
+    (tmp_path / "held.json").unlink()
     for argv, message in (([run_dir, "--memory", tmp_path / "doc.mem"], "it holds K/V; this run's method answers from"),
+                          ([gone, "--n", 2], f"{gone}'s --eval_data '{tmp_path / 'held.json'}': no such file"),
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
                           ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
