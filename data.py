@@ -450,6 +450,8 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 # skip_bad: count malformed records instead of raising; stats: "records", "skipped_bad", "unanswerable", "no_answer".
 
 def _record(id, context, question, answers, relevant=None, chunks=None):
+    if not context.strip():
+        raise ValueError("empty context: nothing to compress")
     return {"id": str(id or ""), "context": context, "question": question, "answers": list(answers),
             "relevant": relevant, "chunks": chunks}
 

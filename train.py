@@ -25,6 +25,7 @@ import random
 import signal
 import sys
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -649,11 +650,13 @@ def text_objective(cfg):
 
 
 def read_file(path, read):
-    """list(read(path)); a file that is not UTF-8 text is one line naming it."""
+    """list(read(path)); a file that is not UTF-8 text, or a cut or corrupt .gz / .zip, is one line naming it."""
     try:
         return list(read(path))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except (EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: a cut or corrupt compressed file ({e})") from None
 
 
 def read_records(path, cfg, stats=None):

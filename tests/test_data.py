@@ -483,6 +483,10 @@ def test_read_jsonl_and_text(tmp_path):
         list(data.read_dataset(p))
     (r,) = data.read_jsonl(p, skip_bad=True)
     assert r["id"] == "g.jsonl:1" and r["chunks"] == ["A.", "B."]
+    p.write_text(p.read_text().splitlines()[0] + "\n" + json.dumps({"context": " ", "question": "q", "answers": ["a"]}))
+    with pytest.raises(ValueError, match=r"g\.jsonl:2: empty context: nothing to compress"):
+        list(data.read_dataset(p))
+    assert len(list(data.read_jsonl(p, skip_bad=True))) == 1
     t = tmp_path / "t.txt"
     t.write_text("para one\nstill one\n\n\npara two\n")
     assert list(data.read_text(t)) == ["para one\nstill one", "para two"]

@@ -1,6 +1,7 @@
 """Every input a run names is checked before work (issue 76): a broken file or flag gets one line
 naming the file (and line or key) or the flag, exit != 0, no traceback, and nothing already written
 is lost; --resume continues the log where its checkpoint was taken."""
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -45,6 +46,7 @@ def files(tmp_path_factory):
     (root / "bad.json").write_text('{"data": [')
     (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["a"]}\n{oops\n')
     (root / "latin1.json").write_bytes(b"\xff\xfe garbage")
+    (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"context": "a b", "question": "q", "answers": ["a"]}\n')[:30])
     (root / "teacher" / "teacher").mkdir(parents=True)
     (root / "teacher" / "teacher" / "adapter_config.json").write_text("{}")
     return root
@@ -64,6 +66,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("data line", ["--data", "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
     ("data bytes", ["--data", "latin1.json"], "latin1.json: not UTF-8 text"),
     ("data missing", ["--data", "nothere.json"], "--data"),
+    ("data cut", ["--data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt compressed file"),  # was a traceback
     ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),
     ("teacher", ["--teacher", "teacher"], "teacher/adapter_config.json: missing key 'r'"),
     ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
