@@ -533,6 +533,13 @@ def one_shot(ecfg, run_dir, device):
     if ecfg.context and not context.strip():
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
     check_evaluable(run_dir, ecfg.ratio)
+    memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
+    saved_by, name = (memory.origin or {}) if memory else {}, train.run_config(run_dir)[0].method
+    if saved_by.get("method", name) != name:  # (a file saved without its origin is not checked)
+        raise SystemExit(f"error: --memory {ecfg.memory} was saved by a --method {saved_by['method']} run "
+                         f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
+    if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):
+        print(f"note: --memory {ecfg.memory} was saved by {saved_by['run']}; answering with {run_dir}", file=sys.stderr)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,
@@ -540,7 +547,6 @@ def one_shot(ecfg, run_dir, device):
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
     if not ecfg.memory and batch["context_len"][0] > cfg.max_context:
         raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
-    memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
     if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
         raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
     ratio = train.ratios_of(ecfg.ratio or cfg.ratio)[0]
@@ -549,6 +555,7 @@ def one_shot(ecfg, run_dir, device):
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
+        memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method}
         memory.save(ecfg.save_memory)
         print(f"saved the compressed context to {ecfg.save_memory}")
 

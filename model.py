@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
@@ -171,6 +171,7 @@ class Memory:
     kv: list = None                    # [(k, v)] per layer, each (B, Hkv, C, hd)
     mask: torch.Tensor = None          # (B, C) bool
     next_pos: torch.Tensor = None      # (B,) long
+    origin: dict = None                # the run that saved it: {"run": its dir, "method": ...} (eval.py --save_memory)
 
     def __post_init__(self):
         if self.mask is None:
@@ -201,7 +202,7 @@ class Memory:
         return {name: x for name, x in t.items() if x is not None}
 
     def save(self, path):
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}, path)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}, path, metadata=self.origin)
 
     @classmethod
     def load(cls, path, device="cpu"):
@@ -209,7 +210,9 @@ class Memory:
         if "mask" not in t or "next_pos" not in t:
             raise ValueError(f"{path}: not a saved Memory (no mask / next_pos tensors)")
         kv = [(t[f"k.{i}"], t[f"v.{i}"]) for i in range(sum(k.startswith("k.") for k in t))] or None
-        return cls(embeds=t.get("embeds"), kv=kv, mask=t["mask"], next_pos=t["next_pos"])
+        with safe_open(path, "pt") as f:
+            origin = f.metadata()
+        return cls(embeds=t.get("embeds"), kv=kv, mask=t["mask"], next_pos=t["next_pos"], origin=origin)
 
     def to(self, dtype):
         kv = [(k.to(dtype), v.to(dtype)) for k, v in self.kv] if self.kv else None

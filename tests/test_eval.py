@@ -3,6 +3,7 @@ bootstrap intervals and scripts/compare.py."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -20,6 +21,7 @@ import tiny
 import train
 from common import load_script
 from conftest import ASSETS, ROOT
+from model import Memory
 
 
 def test_qa_metrics_hand_cases():
@@ -620,6 +622,28 @@ def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
     evaluate.main([str(a) for a in [run, "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
                                     "--save_memory", tmp_path / "new" / "doc.mem"]])
     assert (tmp_path / "new" / "doc.mem").is_file()
+
+
+def test_a_saved_memory_says_which_run_saved_it(tmp_path, capsys):
+    """--save_memory records the run and method: another method's run reading it is one line before any model
+    loads (pic's memory is embeddings as wide as meanpool's: it answered from it), another run of the same method
+    a note."""
+    runs = {m: tmp_path / m for m in ("meanpool", "pic")}
+    for method, run in runs.items():
+        first_stage = ["--pretrain", 0] if method == "pic" else []  # (its ae+lm: not needed here)
+        train.main([str(a) for a in ["--method", method, "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0,
+                                     "--quiet", "--device", "cpu", "--out_dir", run, *first_stage]])
+    (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
+    mem = tmp_path / "doc.mem"
+    evaluate.main([str(a) for a in [runs["meanpool"], "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
+                                    "--save_memory", mem]])
+    assert Memory.load(str(mem)).origin == {"run": str(runs["meanpool"]), "method": "meanpool"}
+    line = _one_line(evaluate.main, [runs["pic"], "--memory", mem, "--question", "Where?"])
+    assert f"was saved by a --method meanpool run ({runs['meanpool']}); {runs['pic']} is a --method pic run" in line
+    shutil.copytree(runs["meanpool"], tmp_path / "copy")
+    capsys.readouterr()
+    evaluate.main([str(a) for a in [tmp_path / "copy", "--memory", mem, "--question", "Where?", "--max_new_tokens", 2]])
+    assert f"was saved by {runs['meanpool']}; answering with {tmp_path / 'copy'}" in capsys.readouterr().err
 
 
 def test_a_run_or_ratio_eval_cannot_read_is_one_line_before_any_run_is_evaluated(tmp_path, capsys):
