@@ -534,8 +534,9 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
     check_evaluable(run_dir, ecfg.ratio)
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
-    saved_by, name = (memory.origin or {}) if memory else {}, train.run_config(run_dir)[0].method
-    if saved_by.get("method", name) != name:  # (a file saved without its origin is not checked)
+    saved_by = (memory.origin or {}) if memory is not None else {}  # (a file saved without its origin: no check)
+    name = train.run_config(run_dir)[0].method
+    if saved_by.get("method", name) != name:
         raise SystemExit(f"error: --memory {ecfg.memory} was saved by a --method {saved_by['method']} run "
                          f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
     if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):

@@ -11,6 +11,7 @@ import pytest
 import eval as evaluate
 import train
 from common import hf_checkpoint, run, squad_file
+from model import Memory
 
 FAST = ["--max_iters", 1, "--batch_size", 2, "--eval_examples", 0, "--quiet", "--device", "cpu", "--lora_r", 4]
 
@@ -212,7 +213,11 @@ def test_eval_inputs_are_one_line(files, tmp_path):
     in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
                 "--eval_data", tmp_path / "held.json", "--out_dir", gone])
     (tmp_path / "held.json").unlink()
-    for argv, message in (([run_dir, "--memory", tmp_path / "doc.mem"], "it holds K/V; this run's method answers from"),
+    bare = Memory.load(str(tmp_path / "doc.mem"))
+    bare.origin = None  # as saved before memories named their run: the tensors' kind is what tells
+    bare.save(str(tmp_path / "bare.mem"))
+    for argv, message in (([run_dir, "--memory", tmp_path / "doc.mem"], "was saved by a --method sac run"),
+                          ([run_dir, "--memory", tmp_path / "bare.mem"], "it holds K/V; this run's method answers from"),
                           ([gone, "--n", 2], f"{gone}'s --eval_data '{tmp_path / 'held.json'}': no such file"),
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
