@@ -26,6 +26,10 @@ SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
 OUT=${OUT:-out/smollm2}
 RESULTS=${RESULTS:-RESULTS.md}
 CMD="ITERS=$ITERS BATCH=$BATCH LR=$LR EXAMPLES=$EXAMPLES COMPRESS=$COMPRESS bash scripts/smollm2_squad.sh"
+whole_numbers ITERS BATCH EXAMPLES
+[[ $COMPRESS =~ ^[01]$ ]] || { echo "error: COMPRESS=$COMPRESS: want 0 or 1" >&2; exit 1; }
+[[ $LR =~ ^[0-9.]+(e-?[0-9]+)?$ ]] || { echo "error: LR=$LR: want a learning rate, like 5e-4" >&2; exit 1; }
+[ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 clock() { date +%s; }
 python scripts/smollm2.py "$OUT/model" --squad "$SQUAD"
 COMMON=(--init_from "$OUT/model" --data "$OUT/model/squad-train.json" --eval_data "$OUT/model/squad-heldout.json"

@@ -277,8 +277,11 @@ def test_suite_scripts_answer_help_and_refuse_unknown_arguments_before_any_work(
         assert not (tmp_path / "out").exists() and not (tmp_path / "out-smoke").exists()
 
 
-def test_reproduce_and_seeds_settings_are_one_line_before_any_work(tmp_path):
+def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work(tmp_path):
     for script, setting, args, want in (
+            ("smollm2_squad.sh", "ITERS=-1", [], "ITERS=-1: want a whole number > 0"),  # (it converted first)
+            ("smollm2_squad.sh", "COMPRESS=yes", [], "COMPRESS=yes: want 0 or 1"),
+            ("smollm2_squad.sh", "LR=fast", [], "LR=fast: want a learning rate, like 5e-4"),
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
             ("reproduce.sh", "JOBS=0", [], "JOBS=0: want a whole number > 0"),
             ("reproduce.sh", "INIT_FROM=/ckpt", [], "INIT_FROM needs DATA=a QA file (DATA=: no such file)"),
