@@ -217,6 +217,11 @@ def check_inputs(cfg, mcfg):
                        ("decoder", getattr(mcfg, "decoder", ""))):
         if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
             raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
+    turn = data.CHAT_FORMATS.get(cfg.prompt, ())
+    if turn and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would train before its QA stage failed)
+        if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
+            raise SystemExit(f"error: --prompt {cfg.prompt}: the tokenizer of {tiny.base_path(cfg.init_from)} has no "
+                             f"{' and '.join(turn)} tokens")
     if cfg.method != "teacher" and first_stage(cfg.init_from, "teacher"):
         raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
                          "(its adapter is merged into the base)")

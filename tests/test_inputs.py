@@ -90,6 +90,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("grad_accum", ["--grad_accum", 0], "--grad_accum 0 must be a positive integer"),
     ("lora_r", ["--lora_r", 0], "--lora_r 0 must be >= 1 (the adapters' rank)"),
     ("lora_alpha", ["--lora_alpha", 0], "--lora_alpha 0 must be > 0"),
+    ("prompt", ["--prompt", "gemma"], "--prompt gemma: the tokenizer of"),  # was an error at the first batch
     ("teacher ratio", ["--method=teacher", "--ratio", 4], "--ratio does not apply to --method teacher"),
     ("nothing trains", ["--fixed_encoder", "--fixed_decoder", "--no_linear"], "(kd) with these flags trains no"),
 ]
