@@ -646,6 +646,15 @@ def read_text(path, skip_bad=False, stats=None):
         return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
 
 
+def first_record(path):
+    """The first line of a JSONL(.gz) file as a dict; {} when it is not one (its reader says why, with the line)."""
+    try:
+        first = json.loads(next(_jsonl(path), (1, "{}"))[1])
+    except json.JSONDecodeError:
+        return {}
+    return first if isinstance(first, dict) else {}
+
+
 def read_dataset(path, distractors=False, **kw):
     """The file's reader: .zip / JSON with "data": SQuAD; JSON list with "supporting_facts": HotpotQA; JSON(L) with
     "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats.
@@ -660,11 +669,7 @@ def _read_any(path, distractors, **kw):
     if path.suffix == ".zip":
         return read_squad(path, **kw)
     if ".jsonl" in path.name:
-        try:
-            first = json.loads(next(_jsonl(path), (1, "{}"))[1])
-        except json.JSONDecodeError:
-            first = {}  # read_jsonl reports it with its line number
-        keys = set(first) if isinstance(first, dict) else set()
+        keys = set(first_record(path))
         reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
         return reader(path, **kw)
     doc = _load_json(path)

@@ -671,10 +671,10 @@ def read_records(path, cfg, stats=None):
 
 
 def read_items(path, cfg, text):
-    """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, else the
-    contexts of a QA file). A file with none is a one-line error."""
-    stats = {}
-    if text and path.endswith((".txt", ".text", ".jsonl")):
+    """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, gzipped or
+    not, else the contexts of a QA file). A file with none is a one-line error."""
+    stats, name = {}, os.path.basename(path).removesuffix(".gz")
+    if text and (name.endswith((".txt", ".text")) or name.endswith(".jsonl") and "text" in data.first_record(path)):
         items = read_file(path, data.read_text)
     else:
         records = read_records(path, cfg, stats)

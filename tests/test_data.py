@@ -15,6 +15,7 @@ import torch
 
 import data
 import tiny
+import train
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("NANOCOMPRESS_ASSETS", ROOT.parent / "shared" / "assets"))
@@ -495,6 +496,22 @@ def test_read_jsonl_and_text(tmp_path):
     with pytest.raises(ValueError, match=r"t\.jsonl:2: missing field 'text'"):
         list(data.read_text(j))
     assert list(data.read_text(j, skip_bad=True)) == ["a"]
+
+
+def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tmp_path):
+    """train.read_items for a text objective (pic ae+lm, sac lm, sentence_gist lm): .txt and {"text"} .jsonl, each also
+    .gz (they were read as QA files: "invalid JSON" / "missing field 'context'"), and a QA file of any format (a QA
+    .jsonl: was "missing field 'text'") gives its contexts, each once."""
+    (tmp_path / "a.txt").write_text("one\n\ntwo\n")
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"one\n\ntwo\n"))
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in ("one", "two"))
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    qa = "".join(json.dumps({"context": c, "question": "q", "answers": ["a"]}) + "\n" for c in ("one", "one", "two"))
+    (tmp_path / "qa.jsonl").write_text(qa)
+    cfg = train.TrainConfig()
+    for name in ("a.txt", "a.txt.gz", "a.jsonl.gz", "qa.jsonl"):
+        assert train.read_items(str(tmp_path / name), cfg, text=True) == ["one", "two"], name
+    assert len(train.read_items(str(tmp_path / "qa.jsonl"), cfg, text=False)) == 3
 
 
 def test_every_record_gets_an_id_of_its_own(tmp_path):
