@@ -997,7 +997,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
     val = Batches(cfg, tok, method, val_records, rank, world, split="val")
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        print(f"{cfg.method} ({cfg.objective}) ratios {ratios_of(cfg.ratio)}: {sum(p.numel() for p in params):,} "
+        ratios = f" ratios {ratios_of(cfg.ratio)}" if hasattr(method, "compress") else ""  # (teacher, base: none)
+        print(f"{cfg.method} ({cfg.objective}){ratios}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
               f"{cfg.grad_accum} micro-batches), {device} {dtype} -> {cfg.out_dir}; {val_text}")
     # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps
