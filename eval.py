@@ -520,6 +520,17 @@ def memory_mismatch(memory, decoder, method):
     return ""
 
 
+def check_origin(memory, path, run_dir):
+    """The run that saved a Memory (--save_memory records it) against the one answering from it, before it loads:
+    another method's is one line, another run of the same method a note; a file saved without it is not checked."""
+    saved_by, name = memory.origin or {}, train.run_config(run_dir)[0].method
+    if saved_by.get("method", name) != name:
+        raise SystemExit(f"error: --memory {path} was saved by a --method {saved_by['method']} run "
+                         f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
+    if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):
+        print(f"note: --memory {path} was saved by {saved_by['run']}; answering with {run_dir}", file=sys.stderr)
+
+
 def one_shot(ecfg, run_dir, device):
     if not ecfg.context and not ecfg.memory:
         raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
@@ -534,13 +545,8 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
     check_evaluable(run_dir, ecfg.ratio)
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
-    saved_by = (memory.origin or {}) if memory is not None else {}  # (a file saved without its origin: no check)
-    name = train.run_config(run_dir)[0].method
-    if saved_by.get("method", name) != name:
-        raise SystemExit(f"error: --memory {ecfg.memory} was saved by a --method {saved_by['method']} run "
-                         f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
-    if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):
-        print(f"note: --memory {ecfg.memory} was saved by {saved_by['run']}; answering with {run_dir}", file=sys.stderr)
+    if memory is not None:
+        check_origin(memory, ecfg.memory, run_dir)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,

@@ -99,9 +99,10 @@ def main(argv):
         raise SystemExit(f"error: --max_new_tokens {args.max_new_tokens} must be a positive integer")
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: no such file")
+    memory = Memory.load(args.memory)
+    evaluate.check_origin(memory, args.memory, args.run)
     cfg, mcfg, tok, base, method = train.load_run(args.run)
     evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens)
-    memory = Memory.load(args.memory)
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")
     hf = hf_decoder(method, cfg)

@@ -76,8 +76,12 @@ def test_sentence_gist_and_a_memory_that_does_not_fit_are_one_line(tmp_path):
     other = Memory.load(str(tmp_path / "sac.mem"))
     other.kv = [(k[:, :1], v[:, :1]) for k, v in other.kv]  # another model's: 1 K/V head, not 2
     other.save(str(tmp_path / "other.mem"))
+    bare = Memory.load(str(tmp_path / "sac.mem"))
+    bare.origin = None  # saved without its run: the tensors' kind is what tells
+    bare.save(str(tmp_path / "bare.mem"))
     for run_dir, mem, message in (("gist", "gist.mem", "answers under its own rule"),
-                                  ("mp", "sac.mem", "it holds K/V; this run's method answers from embeddings"),
+                                  ("mp", "sac.mem", "was saved by a --method sac run"),
+                                  ("mp", "bare.mem", "it holds K/V; this run's method answers from embeddings"),
                                   ("sac", "other.mem", "its K/V is")):
         with pytest.raises(SystemExit, match=message):
             hf_generate.main([str(tmp_path / run_dir), "--memory", str(tmp_path / mem), "--question", "Where?"])
