@@ -14,6 +14,7 @@ import math
 import re
 import unicodedata
 import zipfile
+import zlib
 from pathlib import Path
 
 import regex  # tiktoken's own dependency: \p{L} classes for the split regexes
@@ -650,7 +651,7 @@ def first_record(path):
     """The first line of a JSONL(.gz) file as a dict; {} when it is not one (its reader says why, with the line)."""
     try:
         first = json.loads(next(_jsonl(path), (1, "{}"))[1])
-    except json.JSONDecodeError:
+    except (ValueError, EOFError, zlib.error):  # bad JSON or text, a cut or corrupt .gz
         return {}
     return first if isinstance(first, dict) else {}
 

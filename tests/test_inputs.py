@@ -68,6 +68,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("data bytes", ["--data", "latin1.json"], "latin1.json: not UTF-8 text"),
     ("data missing", ["--data", "nothere.json"], "--data"),
     ("data cut", ["--data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt compressed file"),  # was a traceback
+    ("text cut", ["--method=sac", "--pretrain", 1, "--pretrain_data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt"),
     ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),
     ("teacher", ["--teacher", "teacher"], "teacher/adapter_config.json: missing key 'r'"),
     ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
