@@ -569,6 +569,8 @@ def read_mrqa(path, skip_bad=False, stats=None):
         context, records = _field(obj, "context", str), []
         for qa in _field(obj, "qas", list):
             question, answers = _field(qa, "question", str), _field(qa, "answers", list, str)
+            if not answers:
+                raise ValueError("field 'answers' is empty")  # (MRQA's own files answer every question)
             records.append(_record(qa.get("qid") or qa.get("id"), context, question, answers))
         return records
     return _parsed(path, None, parse, skip_bad, stats)

@@ -438,6 +438,10 @@ def test_read_mrqa(tmp_path):
     stats = {}
     recs = list(data.read_dataset(p, skip_bad=True, stats=stats))
     assert [r["id"] for r in recs] == ["a", "b"] and stats["skipped_bad"] == 1 and recs[0]["context"] == "Ann did it."
+    with gzip.open(p, "wt") as f:  # a question without answers (it trained on an empty answer)
+        f.write(json.dumps({"context": "Ann.", "qas": [{"qid": "d", "question": "Who?", "answers": []}]}) + "\n")
+    with pytest.raises(ValueError, match=r"x\.jsonl\.gz:1: field 'answers' is empty"):
+        list(data.read_mrqa(p))
 
 
 def test_read_hotpot(tmp_path):
