@@ -196,7 +196,8 @@ def test_a_method_rows_nll_is_its_qa_training_loss():
                "qa": b["qa"][j:j + 1], "qa_labels": b["qa_labels"][j:j + 1]}
         with torch.no_grad():
             other, n_j, _ = method(one, [4])
-        assert row["scores"]["nll_other"][r["id"]] == pytest.approx(other.item() / n_j, rel=1e-5)
+        # (a batch of 5 against a batch of 1, padded otherwise: fp32 sums differ by ~1e-5; own and other, by > 0.4)
+        assert row["scores"]["nll_other"][r["id"]] == pytest.approx(other.item() / n_j, rel=1e-4)
         assert abs(row["scores"]["nll_other"][r["id"]] - row["scores"]["nll"][r["id"]]) > 1e-4
 
 
