@@ -26,7 +26,9 @@ def rows_of(path):
                 name = r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else "")
                 if "scores" in r and not all(isinstance(v, (int, float)) for v in r["scores"]["f1"].values()):
                     raise TypeError(f"row {name!r}: scores.f1 is not {{question id: number}}")
-                rows.setdefault(name, r)
+                if rows.setdefault(name, r).get("scores") != r.get("scores"):  # two runs' rows of one name
+                    raise SystemExit(f"error: {path}: two different rows named {name!r}: compare the runs' own "
+                                     f"metrics.json files")
         return rows
     except OSError as e:
         raise SystemExit(f"error: cannot read {path} ({e.strerror})")

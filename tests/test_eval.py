@@ -346,6 +346,12 @@ def test_compare_bad_input_is_one_line(tmp_path):
         compare.main([a, str(tmp_path / "bad.json")])
     with pytest.raises(SystemExit, match="the following arguments are required: b"):
         compare.main([a])
+    both = tmp_path / "both.json"  # eval.py --out of two runs whose rows share names: which pairs is not a guess
+    both.write_text(json.dumps([json.load(open(a)), json.load(open(b))]))
+    with pytest.raises(SystemExit, match="both.json: two different rows named 'm@4': compare the runs' own"):
+        compare.main([str(both), a])
+    both.write_text(json.dumps([json.load(open(a))] * 2))  # one run's rows twice (a suite's shared teacher): fine
+    assert compare.main([str(both), a])[0].endswith("-> cannot tell")
 
 
 def _suite_results(runs):
