@@ -160,13 +160,15 @@ def main(argv):
     parser.error = lambda message: sys.exit(f"error: {message}")
     args = parser.parse_args(argv)
     train.check_writable(args.out, "--out", folder=False)
+    if not 0 <= args.wall_s < float("inf"):
+        raise SystemExit(f"error: --wall_s {args.wall_s}: seconds, >= 0")
+    if bool(args.section) == bool(args.results) or args.body and not args.section:
+        raise SystemExit("error: name the suite's results JSON (eval.py --out), or --section with --body: one of them")
     if args.section:
         if not os.path.isfile(args.body):
             raise SystemExit(f"error: --body {args.body!r}: file not found")
         put_section(args.out, args.section, read(args.body))
         return print(f"wrote section {args.section!r} of {args.out}")
-    if not args.results:
-        raise SystemExit("error: name the suite's results JSON (eval.py --out), or use --section")
     results = evaluate.earlier_results(args.results)
     if args.base and not os.path.exists(os.path.join(args.base, "config.json")):
         raise SystemExit(f"error: --base {args.base}: no config.json (not a checkpoint dir)")

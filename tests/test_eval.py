@@ -540,6 +540,13 @@ def test_results_md_keeps_other_commands_sections(tmp_path):
     assert "<!-- section: SmolLM2 -->\n## SmolLM2\n\nsecond table\n<!-- end section -->" in text
     with pytest.raises(SystemExit, match="--body .*: file not found"):
         results_md.main(["--section", "x", "--body", str(tmp_path / "missing.md"), "--out", str(out)])
+    before = out.read_text()
+    for args in ([str(tmp_path / "results.json"), "--section", "x", "--body", str(body)],  # which one to write?
+                 [str(tmp_path / "results.json"), "--body", str(body)],
+                 *([str(tmp_path / "results.json"), "--wall_s", w] for w in ("-5", "nan"))):
+        with pytest.raises(SystemExit, match="error: (name the suite's results JSON .*: one of them|--wall_s)"):
+            results_md.main(args + ["--out", str(out)])
+    assert out.read_text() == before
 
 
 # -----------------------------------------------------------------------------
