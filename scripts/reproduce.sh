@@ -21,11 +21,13 @@ SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
 RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
 whole_numbers ITERS PRE_ITERS JOBS EXAMPLES SEED
-if [ -n "${INIT_FROM:-}" ]; then
-  for var in DATA EVAL_DATA; do
+for var in DATA EVAL_DATA; do  # the tiny base's suite reads its synthetic set: a file without INIT_FROM is a slip
+  if [ -n "${INIT_FROM:-}" ]; then
     [ -f "${!var:-}" ] || { echo "error: INIT_FROM needs $var=a QA file (${var}=${!var:-}: no such file)" >&2; exit 1; }
-  done
-fi
+  elif [ -n "${!var:-}" ]; then
+    echo "error: $var=${!var} without INIT_FROM: the tiny base's suite trains on its synthetic set" >&2; exit 1
+  fi
+done
 CORES=$(getconf _NPROCESSORS_ONLN)    # nproc would read OMP_NUM_THREADS back
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}
 start=$(date +%s)

@@ -10,10 +10,15 @@ source scripts/checks.sh
 case "${1:-}" in -h|--help) arguments "" "$1" ;; esac  # the header
 [ $# -ge 1 ] || { echo "usage: bash scripts/seeds.sh SEED,SEED,... TRAIN_FLAGS..." >&2; exit 2; }
 SEEDS=$1; shift
+OUT=${OUT:-out/seeds}
+for flag in "$@"; do  # each run's own; a second one would be overridden in silence
+  case $flag in --seed|--seed=*|--out_dir|--out_dir=*)
+    echo "error: $flag: seeds.sh sets each run's --seed and --out_dir (OUT=$OUT/seedN)" >&2; exit 1 ;;
+  esac
+done
 JOBS=${JOBS:-2}                  # runs at a time, one thread each
 whole_numbers JOBS
 [[ $SEEDS =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "error: seeds $SEEDS: want whole numbers, like 1337,1,2" >&2; exit 1; }
-OUT=${OUT:-out/seeds}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$OUT"
 dirs=() pids=()

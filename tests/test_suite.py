@@ -285,7 +285,12 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
             ("reproduce.sh", "JOBS=0", [], "JOBS=0: want a whole number > 0"),
             ("reproduce.sh", "INIT_FROM=/ckpt", [], "INIT_FROM needs DATA=a QA file (DATA=: no such file)"),
+            ("reproduce.sh", "DATA=t.json", [], "DATA=t.json without INIT_FROM: the tiny base's suite trains on its "
+                                                 "synthetic set"),  # (it trained the tiny suite)
             ("seeds.sh", "JOBS=x", ["1"], "JOBS=x: want a whole number > 0"),
+            *(("seeds.sh", "JOBS=1", ["1", "--method", "pic", flag, "3", "--max_iters", "1"],
+               f"{flag}: seeds.sh sets each run's --seed and --out_dir (OUT={tmp_path}/out/seedN)")
+              for flag in ("--seed", "--out_dir")),  # (each was overridden in silence)
             ("seeds.sh", "SEED=1", ["1,b", "--method", "pic"], "seeds 1,b: want whole numbers, like 1337,1,2")):
         name, value = setting.split("=")
         env = dict(os.environ, OUT=str(tmp_path / "out"), **{name: value})
