@@ -16,8 +16,8 @@
 # no --compile (tests/test_suite.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in  # before anything is written
-  part[1-4]) ;;
+case "${1:-}:${2:-}:${3:-}" in  # before anything is written
+  part[1-4]::|part[1-4]:--smoke:) ;;
   *) echo "usage: bash scripts/gpu_bench.sh part1|part2|part3|part4 [--smoke]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-out/gpu_bench}

@@ -209,9 +209,10 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
     """scripts/gpu_bench.sh part1 to part4 --smoke: every step runs to rc 0 at the tiny shapes and writes its file;
     part4's CUDA graphs, on a CPU, stop at their flag's one-line error."""
     env = dict(os.environ, OUT=str(tmp_path))
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "part5"], cwd=ROOT, env=env, capture_output=True,
-                       text=True)
-    assert p.returncode == 2 and p.stderr.startswith("usage:") and not list(tmp_path.iterdir())  # (it wrote device.txt)
+    for args in (["part5"], ["part1", "--smok"]):  # (part5 wrote device.txt; part1 ran on a GPU, --smok unread)
+        p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), *args], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.startswith("usage:") and not list(tmp_path.iterdir()), args
     for part in ("part1", "part2", "part3", "part4"):
         p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), part, "--smoke"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300)
