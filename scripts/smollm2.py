@@ -209,16 +209,21 @@ def main(argv):
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
         if path and not os.path.isfile(path):
             raise SystemExit(f"error: {flag} {path}: file not found")
+    if args.zero_shot < 0:
+        raise SystemExit(f"error: --zero_shot {args.zero_shot}: a number of questions, >= 0")
+    if args.teacher and not (args.zero_shot and os.path.isfile(os.path.join(args.teacher, "teacher",
+                                                                            "adapter_config.json"))):
+        raise SystemExit(f"error: --teacher {args.teacher!r}: a --method teacher run dir, read by --zero_shot")
     import train
     train.check_writable(args.out_dir, "out_dir")
-    if args.random:
-        if not args.squad:
-            raise SystemExit("error: --random trains its tokenizer on --squad's contexts: give --squad")
-        import data
-        random_standin(args.out_dir, [r["context"] for r in data.read_dataset(args.squad)][::5])
+    if args.random and not args.squad:
+        raise SystemExit("error: --random trains its tokenizer on --squad's contexts: give --squad")
     if args.squad:  # first: a broken file stops the script before the conversion's half minute
         for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, args.heldout_articles).items():
             print(f"wrote {path}: {arts} articles, {qs} questions")
+    if args.random:
+        import data
+        random_standin(args.out_dir, [r["context"] for r in data.read_dataset(args.squad)][::5])
     if not os.path.exists(os.path.join(args.out_dir, "model.safetensors")):
         convert(args.out_dir, args.gguf or None)
         print(f"wrote {args.out_dir}: " + ", ".join(sorted(os.listdir(args.out_dir))))

@@ -92,3 +92,16 @@ def test_squad_split_by_article(tmp_path):
     assert open(held).read() == open(again["heldout"][0]).read()  # seeded: the same split every time
     with pytest.raises(SystemExit, match="has 48 articles; cannot hold out 48"):
         smollm2.split_squad(str(SQUAD), str(tmp_path), heldout_articles=48)
+
+
+@pytest.mark.skipif(not SQUAD.exists(), reason="assets absent")
+def test_bad_flags_are_one_line_before_anything_is_written(tmp_path):
+    """A split that cannot be made stops before the random stand-in (or the GGUF's conversion) is written; a negative
+    --zero_shot and a --teacher that --zero_shot will not read are errors, not ignored."""
+    out = tmp_path / "model"
+    for args, want in (([str(out), "--random", "--squad", str(SQUAD), "--heldout_articles", "0"], "cannot hold out 0"),
+                       ([str(out), "--random", "--squad", str(SQUAD), "--zero_shot", "-1"], "--zero_shot -1: a number"),
+                       ([str(out), "--teacher", str(tmp_path)], "--teacher .*: a --method teacher run dir, read by")):
+        with pytest.raises(SystemExit, match=want):
+            smollm2.main(args)
+        assert not out.exists(), args
