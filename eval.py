@@ -598,6 +598,8 @@ def check_flags(ecfg, given):
     for flag in ("out", "save_memory"):
         if getattr(ecfg, flag):
             train.check_writable(getattr(ecfg, flag), f"--{flag}", folder=False)
+    if ecfg.save_memory and ecfg.context and os.path.realpath(ecfg.save_memory) == os.path.realpath(ecfg.context):
+        raise SystemExit(f"error: --save_memory {ecfg.save_memory!r} is the --context file; name another")
     if ecfg.out and not ecfg.out.endswith(".json"):
         raise SystemExit(f"error: --out {ecfg.out!r}: name a .json file (its plot goes beside it as .png)")
 

@@ -577,8 +577,17 @@ def test_eval_flags_of_the_other_mode_and_one_shot_edges_are_one_line(tmp_path):
                           ([run, "--memory", doc, "--save_memory", tmp_path / "x.mem"], "--save_memory applies to com"),
                           ([run, run, "--context", doc], "one-shot mode answers from one run dir; 2 given"),
                           ([run, "--context", tmp_path / "empty.txt"], "empty.txt: empty, nothing to compress"),
-                          ([run, "--out", tmp_path / "o.png"], f"--out '{tmp_path / 'o.png'}': name a .json")):
+                          ([run, "--out", tmp_path / "o.png"], f"--out '{tmp_path / 'o.png'}': name a .json"),
+                          # files it would write over (each was overwritten): the input, a run's own files
+                          ([run, "--context", doc, "--save_memory", doc], "--save_memory '%s' is the --context" % doc),
+                          ([run, "--context", doc, "--save_memory", tmp_path / "r" / "ckpt-0000001.safetensors"],
+                           f"ckpt-0000001.safetensors' is a file of the run {tmp_path / 'r'}; name another"),
+                          ([tmp_path / "r", "--out", tmp_path / "r" / "metrics.json"], "is a file of the run")):
+        (tmp_path / "r").mkdir(exist_ok=True)
+        (tmp_path / "r" / "run.json").write_text("{}")
         assert message in _one_line(evaluate.main, argv), argv
+    assert doc.read_text() == "The Nile flows north through Egypt." and os.listdir(tmp_path / "r") == ["run.json"]
+    shutil.rmtree(tmp_path / "r")
     assert sorted(os.listdir(tmp_path)) == ["doc.txt", "empty.txt"]
     p = subprocess.run([sys.executable, "eval.py", run, "--context", doc, "--n", "2"], cwd=ROOT, capture_output=True,
                        text=True)
