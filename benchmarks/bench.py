@@ -36,6 +36,7 @@ import train  # noqa: E402
 from model import Memory, ModelConfig, Transformer, compile_layers  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.error = lambda message: sys.exit(f"error: {message}")  # one line, as every script's
 parser.add_argument("what", choices=["loss", "train", "attention", "ttft", "batching"])
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
@@ -44,7 +45,7 @@ parser.add_argument("--iters", type=int, default=5, help="timed iterations")
 parser.add_argument("--loss_vocab", type=int, default=152064, help="loss: vocabulary size (Qwen2.5's)")
 parser.add_argument("--tokens", type=int, default=2048, help="loss: rows of hidden states")
 parser.add_argument("--dim", type=int, default=256, help="loss: their width")
-parser.add_argument("--only", default="", help="loss, internal: run one variant (chunked | naive) and print")
+parser.add_argument("--only", default="", choices=("", "chunked", "naive"), help="loss, internal: one variant")
 parser.add_argument("--tiny", action="store_true", help="train, ttft: the tiny shape and short contexts (CPU, seconds)")
 parser.add_argument("--shapes", default="llama-3.2-1b,qwen3-1.7b,llama-3.1-8b", help="train, ttft: keys of SHAPES")
 parser.add_argument("--context", type=int, default=1024, help="train: context tokens per example")

@@ -130,7 +130,9 @@ def test_bench_flags_are_one_line_before_any_work():
         for argv, message in ((["train", "--iters", "0"], "--iters 0 must be >= 1"),
                               (["train", "--shapes", "llama-3.1-8b,bogus"], "--shapes bogus: no such shape"),
                               (["attention", "--lengths", "4k"], "--lengths '4k': a comma list"),
-                              (["loss", "--device", "tpu"], "--device 'tpu' is not a device")):
+                              (["loss", "--device", "tpu"], "--device 'tpu' is not a device"),
+                              (["loss", "--only", "bogus"], "--only: invalid choice: 'bogus'"),  # (it timed a loss)
+                              (["train", "--cuda_graphs"], "--cuda_graphs needs --compile")):  # (argparse's usage)
             with pytest.raises(SystemExit) as e:
                 bench.configure(argv)
                 bench.check_args()
