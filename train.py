@@ -401,8 +401,13 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     if cfg.method == "base" and "init_from" in explicit:
         raise SystemExit("error: --init_from does not apply to --method base: it trains a tiny base from scratch "
                          "(--resume continues one)")
-    if cfg.micro_batch < 0 or (cfg.micro_batch and "grad_accum" in explicit):
-        raise SystemExit(f"error: --micro_batch {cfg.micro_batch}: it must be >= 0, and it sets --grad_accum (give one)")
+    if cfg.micro_batch < 0:
+        raise SystemExit(f"error: --micro_batch {cfg.micro_batch} must be >= 0 (0: --grad_accum's micro-batches)")
+    if cfg.micro_batch and "grad_accum" in explicit:
+        raise SystemExit(f"error: --micro_batch {cfg.micro_batch} sets --grad_accum: give one of them")
+    for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
+        if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
+            raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
         stages, source = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None), "tiny"

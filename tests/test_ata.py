@@ -169,7 +169,7 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
                                    "supporting_facts": [["A", 0], ["B", 0]], "context": paragraphs}]))
     rec = train.read_records(str(hotpot), cfg)[0]
     assert len(rec["chunks"]) == 3 and len(rec["relevant"]) == 2
-    gold_only = train.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False)
+    gold_only = train.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False, data=str(hotpot))
     train.resolve(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
     assert len(train.read_records(str(hotpot), gold_only)[0]["chunks"]) == 2
     tiny_cfg = train.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup

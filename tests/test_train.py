@@ -230,6 +230,9 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must be >= 512"),
     (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
+    (["--micro_batch", "2", "--grad_accum", "2"], "--micro_batch 2 sets --grad_accum: give one of them"),
+    (["--method", "ata", "--hotpot_distractors"], "--hotpot_distractors applies to reading a --data file"),  # (ignored)
+    (["--skip_bad"], "--skip_bad applies to reading a --data file; the synthetic set is read without it"),  # (ignored)
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path):
     # --method base takes no --init_from: there a check that fails trains one step in tmp_path, not the repo's out/
