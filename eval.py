@@ -17,6 +17,7 @@ import collections
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import string
@@ -464,7 +465,7 @@ def table(results):
         rows += res["rows"]
     for r in rows:
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
-        norm = f"{r['f1_norm']:.2f}" if "f1_norm" in r else "-"
+        norm = f"{r['f1_norm']:.2f}" if math.isfinite(r.get("f1_norm", math.nan)) else "-"  # nan: no teacher gain
         mem = f"{r['memory_bytes']:.0f}" if "memory_bytes" in r else "-"
         lines.append(f"| {r['method']} | {ratio} | {with_ci(r, 'em')} | {with_ci(r, 'f1')} | {norm} | {mem} | "
                      f"{r['examples_per_s']:.1f} | {extra_text(r)} |")

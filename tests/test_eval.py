@@ -76,6 +76,8 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     assert [l.split("|")[1].strip() for l in body] == ["teacher", "no-context", "meanpool", "meanpool", "pic"]
     assert "| 8.0x |" in body[3] and "| 52.0 |" in body[3]
     assert json.load(open(tmp_path / "all.json"))[1]["rows"][0]["method"] == "pic"
+    results[1]["rows"][0]["f1_norm"] = float("nan")  # a teacher that gains nothing over no context: no share of it
+    assert evaluate.table(results).splitlines()[-1].split(" | ")[4] == "-"  # (was "nan")
 
 
 def test_corrupt_metrics_or_unknown_method_is_one_line(tmp_path):
