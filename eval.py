@@ -37,7 +37,7 @@ from model import Memory, read_json
 
 @dataclass
 class EvalConfig:
-    runs: str = ""             # run dirs (positional arguments, globs allowed), or an earlier --out JSON
+    runs: tuple = ()           # run dirs (positional arguments; a glob: its folders), or an earlier --out JSON
     ratio: str = ""            # "" = the run's --eval_ratio, else the ratios it was trained with
     split: str = "test"        # synthetic split (when the run trained on synthetic data)
     eval_data: str = ""        # QA file; "" = the run's --eval_data, else synthetic
@@ -609,7 +609,8 @@ def main(argv):
     (ecfg,), given = train.parse_args(argv, EvalConfig, positional="runs",
                                        usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
     check_flags(ecfg, given)
-    run_dirs = [p for spec in ecfg.runs.split() for p in (sorted(glob.glob(spec)) or [spec])]
+    run_dirs = [p for spec in ecfg.runs  # a glob's folders: out/suite/* holds each run's .log beside it
+                for p in ([p for p in sorted(glob.glob(spec)) if os.path.isdir(p)] or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
     device = train.pick_device(ecfg.device)

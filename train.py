@@ -163,10 +163,11 @@ def make_parser(configs, positional=None, usage=USAGE):
 
 
 def parse_args(argv, *configs, positional=None, usage=USAGE):
-    """(an instance of each config, the set of keys given) from argv; bare arguments join into `positional`."""
+    """(an instance of each config, the set of keys given) from argv; bare arguments go into `positional` (a tuple:
+    a path may hold spaces)."""
     given = vars(make_parser(configs, positional, usage).parse_intermixed_args([str(a) for a in argv]))
     if positional in given:
-        given[positional] = " ".join(given[positional])
+        given[positional] = tuple(given[positional])
     names = [{f.name for f in fields(c)} for c in configs]
     instances = [c(**{k: v for k, v in given.items() if k in keys}) for c, keys in zip(configs, names)]
     return instances, set(given) - {positional}

@@ -80,6 +80,17 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     assert evaluate.table(results).splitlines()[-1].split(" | ")[4] == "-"  # (was "nan")
 
 
+def test_run_dirs_with_spaces_and_a_glob_of_runs_beside_their_logs(tmp_path):
+    """A run dir whose path holds a space is one run (it was split into two words); a glob names the runs it matches,
+    not the .log files beside them (scripts/reproduce.sh writes NAME.log next to each NAME)."""
+    for name in ("run a", "run b"):
+        _fake_run(tmp_path / name, "meanpool", [4])
+        (tmp_path / f"{name}.log").write_text("training log\n")
+    assert [res["run"] for res in evaluate.main([str(tmp_path / "run a")])] == [str(tmp_path / "run a")]
+    assert [res["run"] for res in evaluate.main([str(tmp_path / "run*")])] == [str(tmp_path / n) for n in ("run a",
+                                                                                                         "run b")]
+
+
 def test_corrupt_metrics_or_unknown_method_is_one_line(tmp_path):
     bad = _fake_run(tmp_path / "bad", "meanpool", [4])
     (bad / "metrics.json").write_text("{not json")
