@@ -552,9 +552,11 @@ def one_shot(ecfg, run_dir, device):
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,
               "question": ecfg.question or "What is this text about?", "answers": [""]}
-    batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None))), device)
-    if not ecfg.memory and batch["context_len"][0] > cfg.max_context:
-        raise SystemExit(f"error: --context {ecfg.context} is longer than --max_context {cfg.max_context}")
+    cut = {}
+    batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None), cut)), device)
+    if not ecfg.memory and cut:  # collate_qa keeps the first max_context tokens: an answer would read a part
+        raise SystemExit(f"error: --context {ecfg.context} is {cfg.max_context + cut['context_tokens_cut']} tokens, "
+                         f"longer than the run's --max_context {cfg.max_context}")
     if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
         raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
     ratio = train.ratios_of(ecfg.ratio or cfg.ratio)[0]
