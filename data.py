@@ -495,12 +495,13 @@ def _parsed(path, items, parse, skip_bad, stats):
 
 
 def _open_text(path):
+    """UTF-8 text, gzipped or not; a byte-order mark (Windows editors write one) is dropped."""
     if not str(path).endswith(".gz"):
-        return open(path, encoding="utf-8")
+        return open(path, encoding="utf-8-sig")
     with open(path, "rb") as f:
         if f.read(2) != b"\x1f\x8b":
             raise ValueError(f"{path}: not a gzip file")
-    return gzip.open(path, "rt", encoding="utf-8")
+    return gzip.open(path, "rt", encoding="utf-8-sig")
 
 
 def _load_json(path):
@@ -516,7 +517,7 @@ def _load_json(path):
             names = [n for n in z.namelist() if n.endswith(".json")]
             if len(names) != 1:
                 raise ValueError(f"{path}: expected one .json file in the zip, found {names}")
-            return json.loads(z.read(names[0]).decode("utf-8"))
+            return json.loads(z.read(names[0]).decode("utf-8-sig"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
 

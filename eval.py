@@ -539,7 +539,7 @@ def one_shot(ecfg, run_dir, device):
         if getattr(ecfg, flag) and not os.path.isfile(getattr(ecfg, flag)):
             raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)!r}: no such file")
     try:
-        context = Path(ecfg.context).read_text(encoding="utf-8") if ecfg.context else ""
+        context = Path(ecfg.context).read_text(encoding="utf-8-sig") if ecfg.context else ""
     except UnicodeDecodeError:
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():

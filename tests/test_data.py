@@ -502,6 +502,25 @@ def test_read_jsonl_and_text(tmp_path):
     assert list(data.read_text(j, skip_bad=True)) == ["a"]
 
 
+def test_a_byte_order_mark_is_dropped(tmp_path):
+    """Files a Windows editor saved with a UTF-8 byte-order mark read as without one (JSON was "invalid JSON: Unexpected
+    UTF-8 BOM"; a text began with U+FEFF): JSONL, gzipped JSONL, SQuAD JSON and .zip, text."""
+    rec = {"id": "q", "context": "Ada was born in London.", "question": "Where?", "answers": ["London"]}
+    squad = json.dumps({"data": [{"title": "T", "paragraphs": [{"context": rec["context"], "qas": [
+        {"id": "q", "question": "Where?", "answers": [{"text": "London", "answer_start": 16}]}]}]}]})
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + json.dumps(rec).encode())
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(bom + json.dumps(rec).encode()))
+    (tmp_path / "s.json").write_bytes(bom + squad.encode())
+    with zipfile.ZipFile(tmp_path / "s.zip", "w") as z:
+        z.writestr("s.json", bom + squad.encode())
+    for name in ("a.jsonl", "a.jsonl.gz", "s.json", "s.zip"):
+        (r,) = data.read_dataset(tmp_path / name)
+        assert (r["context"], r["question"], r["answers"]) == (rec["context"], "Where?", ["London"]), name
+    (tmp_path / "t.txt").write_bytes(bom + b"para one\n\npara two\n")
+    assert data.read_text(tmp_path / "t.txt") == ["para one", "para two"]
+
+
 def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tmp_path):
     """train.read_items for a text objective (pic ae+lm, sac lm, sentence_gist lm): .txt and {"text"} .jsonl, each also
     .gz (they were read as QA files: "invalid JSON" / "missing field 'context'"), and a QA file of any format (a QA
