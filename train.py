@@ -248,12 +248,13 @@ def check_out_dirs(stages):
 
 def check_writable(path, flag, folder=True):
     """One line, before any work, when `path` (a folder to use or make; folder=False: a file to write) cannot be."""
-    if not folder and os.path.isdir(path):
-        raise SystemExit(f"error: {flag} {path!r} is a folder; name a file")
-    name, run_dir = os.path.basename(path), os.path.dirname(os.path.abspath(path))
-    if not folder and os.path.isfile(os.path.join(run_dir, "run.json")) and (
-            name in ("run.json", "metrics.json", "log.jsonl") or name.endswith(".safetensors")):
-        raise SystemExit(f"error: {flag} {path!r} is a file of the run {run_dir}; name another")
+    if not folder:
+        if os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path!r} is a folder; name a file")
+        name, run_dir = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+        if os.path.isfile(os.path.join(run_dir, "run.json")) and (
+                name in ("run.json", "metrics.json", "log.jsonl") or name.endswith(".safetensors")):
+            raise SystemExit(f"error: {flag} {path!r} is a file of the run {run_dir}; name another")
     there = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
     while not os.path.exists(there):  # the nearest folder that exists: the rest is made in it
         there = os.path.dirname(there)
