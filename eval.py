@@ -554,9 +554,9 @@ def one_shot(ecfg, run_dir, device):
               "question": ecfg.question or "What is this text about?", "answers": [""]}
     cut = {}
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None), cut)), device)
-    if not ecfg.memory and cut:  # collate_qa keeps the first max_context tokens: an answer would read a part
-        raise SystemExit(f"error: --context {ecfg.context} is {cfg.max_context + cut['context_tokens_cut']} tokens, "
-                         f"longer than the run's --max_context {cfg.max_context}")
+    if cut:  # collate_qa kept the first max_context tokens, as in training and in evaluating runs
+        print(f"note: --context {ecfg.context} is {cfg.max_context + cut['context_tokens_cut']} tokens; the answer "
+              f"reads its first {cfg.max_context} (the run's --max_context)", file=sys.stderr)
     if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
         raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
     ratio = train.ratios_of(ecfg.ratio or cfg.ratio)[0]

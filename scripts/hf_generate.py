@@ -69,7 +69,7 @@ def generate_kwargs(memory, prompts, hf):
     for layer, (k, v) in enumerate(memory.kv):  # (B, Hkv, C, hd) each, after RoPE
         cache.update(k.float(), v.float(), layer)
     placeholders = torch.zeros(B, C, dtype=torch.long, device=ids.device)  # the cached slots' ids are never read
-    return dict(input_ids=torch.cat([placeholders, ids], 1), attention_mask=mask, cache=cache,
+    return dict(input_ids=torch.cat([placeholders, ids], 1), attention_mask=mask, past_key_values=cache,
                 position_ids=torch.cat([placeholders, pos], 1))
 
 

@@ -204,7 +204,6 @@ def test_eval_inputs_are_one_line(files, tmp_path):
     in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
                 "--out_dir", run_dir])
     (tmp_path / "doc.txt").write_text("The Nile flows north through Egypt.")
-    (tmp_path / "long.txt").write_text("The Nile flows north through Egypt. " * 400)  # (it answered from a part)
     (tmp_path / "one.json").write_text('{"run": "mp", "rows": []}')  # one run's metrics.json, not --out's list
     sac = tmp_path / "sac"
     in_process(["--method", "sac", "--init_from", files / "hf", "--data", files / "squad.json", *FAST, "--pretrain", 0,
@@ -224,7 +223,6 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                           ([gone, "--n", 2], f"{gone}'s --eval_data '{tmp_path / 'held.json'}': no such file"),
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
-                          ([run_dir, "--context", tmp_path / "long.txt"], "tokens, longer than the run's --max_context"),
                           ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
                           ([tmp_path / "nothing", "--n", 2], "is not a run dir"),
                           ([tmp_path / "one.json", "--n", 2], "one.json: not an eval.py --out JSON"),

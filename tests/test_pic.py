@@ -311,6 +311,7 @@ def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):
     again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
     answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
     assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]
+    assert "tokens; the answer reads its first 256 (the run's --max_context)" in first.stderr  # (it said nothing)
 
 
 def test_two_stage_recipe_starts_qa_from_ae_lm(base_dir, tmp_path):
