@@ -336,11 +336,12 @@ class Base(torch.nn.Module):
             raise SystemExit(f"error: --d_model {bc.d_model}, --n_layers {bc.n_layers}, --n_heads {bc.n_heads}, "
                              f"--qa_per_context {bc.qa_per_context}: each must be >= 1, and d_model a multiple of "
                              "2 x n_heads (RoPE rotates head-size pairs)")
-        if bc.vocab_size < 512:  # sentencepiece needs 326 pieces here: 256 bytes, specials, the corpus's characters
-            raise SystemExit(f"error: --vocab_size {bc.vocab_size} must be >= 512")
-        if not (0 <= bc.context_weight <= 1 and 0 <= bc.attn_weight < math.inf):
-            raise SystemExit(f"error: --context_weight {bc.context_weight} must lie in [0, 1] and --attn_weight "
-                             f"{bc.attn_weight} be a number >= 0")
+        for flag, ok, want in (  # sentencepiece: 326 pieces are bytes, specials and characters; the corpus has ~3,700
+                ("vocab_size", 512 <= bc.vocab_size <= 3500, "lie in [512, 3500] (pieces the synthetic corpus holds)"),
+                ("context_weight", 0 <= bc.context_weight <= 1, "lie in [0, 1]"),
+                ("attn_weight", 0 <= bc.attn_weight < math.inf, "be a number >= 0")):
+            if not ok:
+                raise SystemExit(f"error: --{flag} {getattr(bc, flag)} must {want}")
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()

@@ -400,9 +400,10 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             explicit.discard(flag)
     if cfg.grad_accum < 1:
         raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
-    if cfg.method == "base" and "init_from" in explicit:
-        raise SystemExit("error: --init_from does not apply to --method base: it trains a tiny base from scratch "
-                         "(--resume continues one)")
+    unread = sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data"})
+    if cfg.method == "base" and unread:  # (--data reached the first batch, --teacher was ignored)
+        raise SystemExit(f"error: --{unread[0]} does not apply to --method base: it trains a tiny base from scratch on "
+                         "tiny.py's synthetic set (--resume continues one)")
     if cfg.micro_batch < 0:
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch} must be >= 0 (0: --grad_accum's micro-batches)")
     if cfg.micro_batch and "grad_accum" in explicit:

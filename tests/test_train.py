@@ -227,7 +227,11 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "ata", "--k_max", "100000"], "--k_max 100000: 1 to --max_context 600"),  # was killed for memory
     (["--method", "base", "--n_heads", "3"], "d_model a multiple of 2 x n_heads"),
     (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each must be >= 1"),
-    (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must be >= 512"),
+    (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must lie in [512, 3500]"),
+    (["--method", "base", "--vocab_size", "9999"], "--vocab_size 9999 must lie in [512, 3500]"),  # (a traceback)
+    (["--method", "base", "--attn_weight", "-1"], "--attn_weight -1.0 must be a number >= 0"),
+    *(([*"--method base".split(), f"--{flag}", "x.json"], f"--{flag} does not apply to --method base: it trains")
+      for flag in ("data", "teacher")),  # (--data: a KeyError at the first batch; --teacher: ignored)
     (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
     (["--micro_batch", "2", "--grad_accum", "2"], "--micro_batch 2 sets --grad_accum: give one of them"),
