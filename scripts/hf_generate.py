@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
 
@@ -105,11 +106,13 @@ def main(argv):
     evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens)
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")
-    hf = hf_decoder(method, cfg)
     record = {"id": "q", "context": "", "question": args.question, "answers": [""]}
     batch = next(evaluate.batches_of([record], tok, cfg, 1))
     prompt = batch["qa"][0, :batch["prompt_len"][0]].tolist()
-    answers, _ = hf_answer(hf, memory, [prompt], args.max_new_tokens, tok.eos_ids)
+    # quiet: transformers 5.24 deprecates past_key_values= (5.17's only name), peft calls a deprecated name
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*(is_gradient_checkpointing|past_key_values)", FutureWarning)
+        answers, _ = hf_answer(hf_decoder(method, cfg), memory, [prompt], args.max_new_tokens, tok.eos_ids)
     print(f"answer: {tok.decode(answers[0]).strip()}")
 
 
