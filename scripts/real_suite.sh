@@ -81,6 +81,8 @@ for name in ${ONLY//,/ }; do
   grep -qx "$name" <<< "$known" || { echo "error: ONLY: no run $name; the runs: $(echo $known)" >&2; exit 1; }
 done
 [ -z "$PRIOR" ] || [ -f "$PRIOR" ] || { echo "error: PRIOR=$PRIOR: no such file" >&2; exit 1; }
+[ -z "$PRIOR" ] || python -c 'import sys, eval; eval.earlier_results(sys.argv[1])' "$PRIOR" ||
+  exit 1  # (one line, before any work: the table read it after every run had trained)
 mkdir -p "$OUT"
 start=$(date +%s)
 # 1) the model (converted from the GGUF, or the smoke run's random stand-in) and the data split

@@ -240,6 +240,12 @@ def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
                        env=dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), STEPS="1"))
     assert p.returncode == 1 and p.stderr.startswith("error: STEPS=1: want at least 2")
     assert not (tmp_path / "out").exists()
+    (tmp_path / "prior.json").write_text('{"rows": []}')  # one run's metrics.json, not an earlier part's results.json
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"),
+                                PRIOR=str(tmp_path / "prior.json")))
+    assert p.returncode == 1 and p.stderr.startswith(f"error: {tmp_path / 'prior.json'}: not an eval.py --out JSON")
+    assert p.stderr.count("\n") == 1 and not (tmp_path / "out").exists()  # (the table read it after every run)
 
 
 def test_real_suite_runs_three_at_a_time_on_a_gpu_without_room_for_six(tmp_path):
