@@ -284,17 +284,20 @@ def sibling_teacher_rows(run_dir, key):
 def run_label(run_dir, mcfg):
     """Method name plus the flags given on its command line (the trained ratios, the method's own) and
     the first stage's objective for a second stage, else a --pretrain given (pic's qa alone, whose default chains
-    ae+lm first): "pic (ratio=16, mask=causal)", "ata (after rel)", "pic (pretrain=0)"."""
+    ae+lm first), and an objective other than the method's main one (its first): "pic (ratio=16, mask=causal)",
+    "ata (after rel)", "pic (pretrain=0)", "pic (objective=ae+lm)" (a first stage read as it is: out/pic/pretrain)."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
-    given = state.get("flags", [])
+    given, method, objective = state.get("flags", []), state["train"]["method"], state["train"]["objective"]
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
+    if objective != train.method_registry()[method].objectives[0]:
+        flags.append(f"objective={objective}")
     flags += [f"{k}={getattr(mcfg, k)}" for k in given if hasattr(mcfg, k)]
-    first = train.first_stage(state["train"]["init_from"], state["train"]["method"])
+    first = train.first_stage(state["train"]["init_from"], method)
     if first:
         flags.append(f"after {first['train']['objective']}")
     elif "pretrain" in given:
         flags.append(f"pretrain={state['train']['pretrain']}")
-    return state["train"]["method"] + (f" ({', '.join(flags)})" if flags else "")
+    return method + (f" ({', '.join(flags)})" if flags else "")
 
 
 NUMBER = (int, float)
