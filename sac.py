@@ -1,6 +1,7 @@
 """Semantic-Anchor Compression (SAC): anchor tokens of the context itself carry the memory.
 
-Paper: "Semantic-Anchor Compression" (../shared/papers/sac_semantic_anchor.txt), §3.2, §4.1, Tables 3-6, App. A.
+Paper: "Autoencoding-Free Context Compression for LLMs via Contextual Semantic Anchors"
+(../shared/papers/sac_semantic_anchor.txt), §3.2, §4.1, Tables 3-6, App. A.
 
     sub-contexts  C = C_0 C_1 ...   510 tokens each (last one partial), compressed separately
     anchors       |S_j| = floor(L_j / r) per sub-context (§4.1); max(1, .) here: a short one keeps one
@@ -20,7 +21,8 @@ Choices, each marked paper, official code (the authors' public repository, where
   all seven on the tiny base (ours); none on the last layer's q, o and MLP (ours): they cannot reach the K/V memory.
 - Start (ours): e_A and LoRA B are zero (the table is N(0, 0.02)): the base's K/V of the anchors, read bidirectionally.
 - Prefix (ours; BOS, a chat header): it leads every sub-context in the encoder; the memory's first P slots are the
-  frozen base's causal K/V of it, so r = 1, a causal encoder and no adapter give the teacher. Ratio L / (P + |S|).
+  frozen base's causal K/V of it, so r = 1, a causal encoder and no adapter give the teacher on a context of one
+  sub-context (L <= 510: a later one does not see those before it). Ratio L / (P + |S|).
 - `--prompt sac`, the official form (data.format_qa): no prefix slots, a learned [LM] at position L before the Q.
 - Context length: any (official code): a real checkpoint's --max_context is 2^20 (ours), the tiny base's 1024.
 - `lm`: L_LM alone (paper, §3.2, Table 5; the official config averages AE and LM) on texts of at most 2,040 tokens
@@ -28,8 +30,9 @@ Choices, each marked paper, official code (the authors' public repository, where
   each cut in half (App. A): C, then C'. C'_1 is the decoder's first input (ours: a K/V memory has no position to
   predict it from), its targets the tokens after it.
 - Recipe (§4.1, Table 6; `recipe`): `lm`, then `qa`, at r = 5; `--ratio 15` or `--ratio 51` for the paper's others.
-- Tiny base: tiny.py's aids (curriculum, `qa` attention distillation onto the nearest anchor, several QA pairs per
-  context, a LoRA decoder); the r = 5 model is also read at 15 (`--eval_ratio 5,15`): it beats one trained at 15.
+- Tiny base: `qa` alone (no `lm` stage; `--pretrain N` runs it), tiny.py's aids (curriculum, `qa` attention
+  distillation onto the nearest anchor, several QA pairs per context, a LoRA decoder); the r = 5 model is also read
+  at 15 (`--eval_ratio 5,15`): it beats one trained at 15.
 Ablations: `--causal` (Table 3 "w/o mask"), `--no_anchor_embedding` ("w/o anchor"), `--anchors random` (Table 4
 "Random"). Not here: Table 4's LLMLingua-2 anchors, Table 5's AE-only and AE+LM pretraining, the paper's baselines
 (500xCompressor, ICAE, EPL; cf. pic.py `--mem single --mem_pos centre`).
