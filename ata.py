@@ -7,7 +7,7 @@ Tables 2, 4-6, Fig. 10.
                    then k_max learned compression tokens c_1..c_kmax          (Fig. 10, eq. 2-3)
     encoder        base + `encoder` LoRA, causal; memory KV = K/V of c_1..c_k, all layers
     probe          L^_rel = zeta(H): attention pooling of the input's final states (query: its last), an MLP  (eq. 4)
-    policy         k = eta(L^_rel) = clamp(ceil(L^_rel / r), 1, k_max)       (eq. 5)
+    policy         k = eta(L^_rel) = clamp(ceil(L^_rel / r), 1, k_max)       (eq. 5: min(L^_rel / r, k_max))
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
 
@@ -17,7 +17,7 @@ Choices the paper leaves open, made here:
   an example keeps no gold chunk.
 - C_rel: the gold chunks joined by spaces, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS;
   L_rel: its length.
-- [BOS] (eq. 8): the tokenizer's BOS, its EOS when it has none (Qwen); BOS also starts the encoder input.
+- [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); BOS also starts the encoder input.
 - Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
 - lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8); §3.4's "operate independently"
   read as the design (k from the probe, r without retraining). lam = 1e-4 keeps the term small.
@@ -26,7 +26,8 @@ Choices the paper leaves open, made here:
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
 - `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.
 - r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
-- HotpotQA keeps its distractors (recipe: --hotpot_distractors; §4.1.4): a --data batch of only gold chunks warns.
+- HotpotQA keeps its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8): a --data batch of only gold
+  chunks warns. Its chunks are data.read_hotpot's "Title: sentences" (Fig. 7 shows no titles).
 - Objectives: `qa` (+ lam * Huber: one command trains encoder and probe), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
 - Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
   chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
@@ -72,7 +73,8 @@ def encoder_prompt(question, chunks):
 
 
 def policy(L_hat, r, k_max):
-    """eq. 5, which does not round: k = clamp(ceil(L^_rel / r), 1, k_max), per example (B,) long."""
+    """eq. 5 is min(L^_rel / r, k_max), a real number: here rounded up and at least 1 (a memory of 0 tokens holds
+    nothing; §5.2 suggests a minimum): k = clamp(ceil(L^_rel / r), 1, k_max), per example (B,) long."""
     return torch.clamp(torch.ceil(L_hat.float() / r), 1, k_max).long()
 
 
