@@ -20,6 +20,8 @@ Choices the paper leaves open, made here:
 - The loss is per answer token, summed over ratios; `--objective qa`: CE on the answer instead (not the paper's).
 - Several ratios: one encoder pass; one decoder pass over their memories, stacked (model.decode_each; not under aids).
 - Table 3's ablations: MeanPoolConfig's flags; under `--fixed_encoder` the frozen base still encodes bidirectionally.
+  W trains under `--fixed_decoder` and `--fixed_encoder` alike: it has an ablation of its own, (4) `--no_linear`.
+- LoRA on all seven projections, no dropout; the KL at temperature 1, over the answer's tokens and its end token.
 - Tiny base: tiny.py's aids (slot k holds window S_k).
 """
 import random

@@ -107,8 +107,8 @@ class TeacherConfig:
 
 class Teacher(torch.nn.Module):
     """`--method teacher`: `sft` of a real checkpoint with a `teacher` LoRA adapter on full-context QA
-    (meanpool_multi_ratio §5.1: finetuned first, then frozen; Table 6 trains "all the models ... including the
-    teacher"). Compressors merge it into the base with --teacher."""
+    (meanpool_multi_ratio §5.1: finetuned first, then frozen; §A.2: Table 6 holds the hyperparameters "used to train
+    all models, including the teacher"). Compressors merge it into the base with --teacher."""
     objectives = ("sft",)
     TINY = dict(max_iters=200, batch_size=16, lr=1e-3)
 
