@@ -6,8 +6,8 @@ Tables 1-5, App. A and C.3; SPEC §3.3.
     vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, 1e-5 Sigma) of the old rows  (§3.1, mean-resizing)
     placement   t t t .  g_1..g_Ng  t t ?  g_1..g_Ng  t t ...   after every token ending in . ! ?  (§3.2)
     mask        token of sentence s: the tokens of s up to itself + the gists of sentences < s  (§3.3, Fig. 1)
-                gist j of s: all of s, g_1..g_j of s, the gists of sentences < s; causal overall
-    loss        L = -sum_t log P(x_t | x_<t, C) over the regular tokens x_t                 (eq. 1)
+                gist j of s: all of s, g_1..g_j of s (ours: §3.3 is silent), the gists of sentences < s
+    loss        L = -sum_t log P(x_t | x_<t, C) over the regular tokens x_t (eq. 1 sums over all t: below)
     memory      K/V of the sink and the gists; ratio = context tokens / slots; stats["gist_rc"] = eq. 2
     answering   (and `qa` training) the same rule: gists after every sentence of prompt and answer, whose
                 tokens then leave the cache (sink, gists, open sentence stay)
@@ -21,7 +21,7 @@ Choices the paper leaves open (or that differ from it), made here:
 - The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take position ids. A guard
   (not in the paper) ends a sentence at `max_sentence_len` tokens; a context's end ends its last sentence.
 - Stages (§3.5, `recipe`): 1 the gist rows; 2 and every weight (`--lora_r 0`; `--lora_r R`: a LoRA `gist`); 3 as 2,
-  lr to 0; one command runs all three, `--stage N` one. Table 3's 4,096 tokens count the text before its gists.
+  lr to 0; one command runs all three, `--stage N` one; text: --pretrain_data / --data (the paper's: FineWeb-Edu).
 - Objectives: `lm` (the paper's), `qa` (the tiny base's: stage 2, N_g 2, LoRA, tiny.py's aids). --ratio does
   not apply (it is achieved). Ablations: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
 """
@@ -129,7 +129,7 @@ class SentenceGist(nn.Module):
                 warmup_frac=0.1, max_context=1024, lora_r=16)
 
     @staticmethod
-    def recipe(mcfg):  # Table 3, App. A (wd 0.1): `lm` on 4,096-token texts; ratio "1": see check_config
+    def recipe(mcfg):  # Table 3, App. A (wd 0.1): `lm` on 4,096 text tokens (before gists); ratio "1": check_config
         table3 = ((1, 1000, 64, 1e-4, 0.5, 100, 1.0), (2, 9000, 128, 1e-4, 0.5, 1000, 2.0),  # stage, steps, batch,
                   (3, 2000, 512, 5e-5, 0.0, 100, 2.0))  # peak lr, end lr / peak, warmup steps, clip
         return [dict(objective="lm", cite="Table 3, App. A", name=f"stage{stage}", paper=dict(
@@ -158,7 +158,7 @@ class SentenceGist(nn.Module):
         if mcfg.gists not in (1, 2, 4, 8):
             raise SystemExit(f"error: --gists {mcfg.gists}: choose 1, 2, 4 or 8 (the paper's N_g)")
         if mcfg.stage not in (1, 2, 3):
-            raise SystemExit(f"error: --stage {mcfg.stage}: choose 1 (gist rows), 2 (+ LoRA) or 3 (cool-down)")
+            raise SystemExit(f"error: --stage {mcfg.stage}: choose 1 (gist rows), 2 (+ the base) or 3 (cool-down)")
         if mcfg.max_sentence_len < 1:
             raise SystemExit(f"error: --max_sentence_len {mcfg.max_sentence_len} must be >= 1")
         for flag, ratio in (("ratio", cfg.ratio), ("eval_ratio", cfg.eval_ratio or "1")):
@@ -234,8 +234,8 @@ class SentenceGist(nn.Module):
 
     @torch.no_grad()
     def answer_from_memory(self, memory, prompts, max_new_tokens):
-        """Greedy answers under the answering rule (§3.3): the prompt, then each answer token, extends the cache
-        (= one pass over the gisted prompt and answer under the sentence mask)."""
+        """Greedy answers under the answering rule (ours; §3.3 gives the mask): the prompt, then each answer token,
+        extends the cache (= one pass over the gisted prompt and answer under the sentence mask)."""
         eos, out, done = set(self.base.config.eos_token_id), [[] for _ in prompts], [False] * len(prompts)
         logits, cache, is_open = self.extend(memory, torch.zeros_like(memory.mask), prompts)
         for i in range(max_new_tokens):

@@ -291,6 +291,20 @@ def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_
     assert cfg.grad_clip == 0.5  # a flag wins over the preset
 
 
+def test_init_from_a_stage_runs_the_stages_after_it(tmp_path):
+    """--init_from a stage's run dir runs the paper's stages after that one (all three are `lm`: stage 2's dir ran
+    stage 2 again, then 3)."""
+    for done, after in ((1, [2, 3]), (2, [3])):
+        stage_dir = tmp_path / f"stage{done}"
+        stage_dir.mkdir()
+        (stage_dir / "run.json").write_text(json.dumps({"train": {"method": "sentence_gist", "objective": "lm",
+                                                                  "init_from": str(tmp_path / "hf")},
+                                                        "method": {"stage": done}}))
+        argv = ["--method", "sentence_gist", "--init_from", str(stage_dir)]
+        (cfg, mcfg), explicit = train.parse_args(argv, train.TrainConfig, sg.SentenceGistConfig)
+        assert [m.stage for _, m, *_ in train.resolve(cfg, mcfg, explicit, sg.SentenceGist)] == after
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--gists", "3"], "--gists 3"), (["--gists", "0"], "--gists 0"), (["--stage", "4"], "--stage 4"),
     (["--max_sentence_len", "0"], "--max_sentence_len 0"), (["--ratio", "8"], "--ratio 8 does not apply"),
