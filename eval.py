@@ -287,9 +287,9 @@ def run_label(run_dir, mcfg):
     ae+lm first), and an objective other than the method's main one (its first): "pic (ratio=16, mask=causal)",
     "ata (after rel)", "pic (pretrain=0)", "pic (objective=ae+lm)" (a first stage read as it is: out/pic/pretrain)."""
     state = json.load(open(os.path.join(run_dir, "run.json")))
-    given, method, objective = state.get("flags", []), state["train"]["method"], state["train"]["objective"]
+    given, method, objective = state.get("flags", []), state["train"]["method"], state["train"].get("objective")
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
-    if objective != train.method_registry()[method].objectives[0]:
+    if objective and objective != train.method_registry()[method].objectives[0]:
         flags.append(f"objective={objective}")
     flags += [f"{k}={getattr(mcfg, k)}" for k in given if hasattr(mcfg, k)]
     first = train.first_stage(state["train"]["init_from"], method)
