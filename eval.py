@@ -113,10 +113,14 @@ def paired_diff_ci(scores_a, scores_b, n=2000, seed=0):
 # evaluating a run
 
 def eval_records(cfg, ecfg):
+    """The questions a run is read on: --eval_data, the run's --eval_data, else the questions of its --data that
+    training held out (train.held_out; a text objective trained on every context of the file), else synthetic."""
     n = ecfg.n or cfg.eval_examples
-    path = ecfg.eval_data or cfg.eval_data
+    path = ecfg.eval_data or cfg.eval_data or cfg.data
     if path:
         records = train.read_records(path, cfg)
+        if not (ecfg.eval_data or cfg.eval_data) and len(records) > 1:
+            records, path = train.held_out(records, cfg.seed)[1], f"the held-out questions of {path}"
         if ecfg.n > len(records):  # every question is read, and the rows' n says how many
             print(f"note: --n {ecfg.n}: {path} holds {len(records)} questions; evaluating them all", file=sys.stderr)
         return records[:n]
@@ -344,9 +348,11 @@ def asked(run_dir, ecfg):
     A cached metrics.json serves only the same."""
     state = read_json(os.path.join(run_dir, "run.json"))
     run = state.get("train", {}) if isinstance(state, dict) else {}  # (a broken run.json: load_run says so)
-    return {"n": ecfg.n or run.get("eval_examples", 0), "eval_data": ecfg.eval_data or run.get("eval_data", ""),
+    eval_data = ecfg.eval_data or run.get("eval_data", "")
+    return {"n": ecfg.n or run.get("eval_examples", 0), "eval_data": eval_data,
             "split": ecfg.split, "ratio": ecfg.ratio or run.get("eval_ratio") or run.get("ratio", ""),
-            "max_new_tokens": ecfg.max_new_tokens, "batch_size": ecfg.batch_size}
+            "max_new_tokens": ecfg.max_new_tokens, "batch_size": ecfg.batch_size,
+            **({"held_out_of": run["data"]} if not eval_data and run.get("data") else {})}  # eval_records
 
 
 def cached_result(run_dir, ecfg):
@@ -629,8 +635,11 @@ def main(argv):
     for r in run_dirs:
         if read[r] is None:  # to be evaluated
             check_evaluable(r, ecfg.ratio)
-            if (path := asked(r, ecfg)["eval_data"]) and not os.path.isfile(path):
-                raise SystemExit(f"error: {r}'s --eval_data {path!r}: no such file (name one with --eval_data)")
+            what = asked(r, ecfg)
+            flag, path = (("--eval_data", what["eval_data"]) if what["eval_data"] else
+                          ("--data", what.get("held_out_of")))
+            if path and not os.path.isfile(path):
+                raise SystemExit(f"error: {r}'s {flag} {path!r}: no such file (name one with --eval_data)")
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device)])]
     print(table(results))

@@ -53,7 +53,7 @@ class TrainConfig:
     init_from: str = ""        # HF checkpoint dir or one of our run dirs; "" = tiny_base/ (shipped)
     teacher: str = ""          # a --method teacher run dir whose adapter is merged into the base
     data: str = ""             # QA / text file (SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, .txt); "" = synthetic
-    eval_data: str = ""        # held-out file for validation and the final evaluation; "" = synthetic test split
+    eval_data: str = ""        # validation and final evaluation QA; "" = --data's held-out slice, else synthetic
     skip_bad: bool = False     # skip (and count) malformed records instead of stopping
     hotpot_distractors: bool = False  # HotpotQA: keep all ten paragraphs as context (for ata)
     prompt: str = "auto"       # auto (the checkpoint's template, else plain) | plain | chatml | llama3 | gemma | sac
@@ -684,11 +684,17 @@ def read_records(path, cfg, stats=None):
                                                        stats=stats))
 
 
+def is_text_file(path):
+    """A .txt file or a JSONL of {"text"}, gzipped or not: what only a text objective reads."""
+    name = os.path.basename(path).removesuffix(".gz")
+    return name.endswith((".txt", ".text")) or name.endswith(".jsonl") and "text" in data.first_record(path)
+
+
 def read_items(path, cfg, text):
     """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, gzipped or
     not, else the contexts of a QA file). A file with none is a one-line error."""
-    stats, name = {}, os.path.basename(path).removesuffix(".gz")
-    if text and (name.endswith((".txt", ".text")) or name.endswith(".jsonl") and "text" in data.first_record(path)):
+    stats = {}
+    if text and is_text_file(path):
         items = read_file(path, data.read_text)
     else:
         records = read_records(path, cfg, stats)
@@ -714,10 +720,15 @@ def stage_data(cfg):
         return None, None, "validation: the synthetic benchmark's val split"
     if len(items) < 2:
         return items, items, f"validation: {path} (one record: the training record itself)"
-    held = set(random.Random(cfg.seed).sample(range(len(items)), min(256, max(1, len(items) // 50))))
-    train_items = [it for i, it in enumerate(items) if i not in held]
-    held_out = [items[i] for i in sorted(held)]
-    return train_items, held_out, f"validation: {len(held)} items of {path} held out of training"
+    train_items, held = held_out(items, cfg.seed)
+    return train_items, held, f"validation: {len(held)} items of {path} held out of training"
+
+
+def held_out(items, seed):
+    """(training items, held-out items): 2 % of a file's items, at most 256, drawn with seed. Without --eval_data
+    they validate the run, and its final evaluation reads the held-out questions of --data (eval.eval_records)."""
+    held = set(random.Random(seed).sample(range(len(items)), min(256, max(1, len(items) // 50))))
+    return [it for i, it in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
 
 
 class Batches:
@@ -958,6 +969,10 @@ def main(argv):
     if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
         raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
                          f"--method {cfg.method} run has none")
+    last = stages[-1][0]
+    if hasattr(cls, "compress") and last.eval_examples and not last.eval_data and last.data and is_text_file(last.data):
+        raise SystemExit(f"error: --data {last.data} is text: the final evaluation asks questions; name a QA file "
+                         "with --eval_data, or --eval_examples 0")
     items = [stage_data(c) for c, _, _ in stages]
     ddp, rank, world, device = init_distributed(cfg)
     recipe, text = recipe_table(stages)

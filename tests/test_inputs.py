@@ -252,3 +252,19 @@ def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_pat
         p = run(args, script="scripts/smollm2.py", check=False)
         assert p.returncode != 0 and p.stderr.count("\n") == 1 and message in p.stderr, (args, p.stderr[-2000:])
         assert not (tmp_path / "out").exists()
+
+
+def test_a_run_on_a_data_file_is_read_on_the_questions_training_held_out(files, tmp_path):
+    """Without --eval_data a run's final evaluation reads the questions of --data that training held out (it read the
+    synthetic biographies); a text --data, which holds no questions, is one line before any work."""
+    run_dir = tmp_path / "mp"
+    in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                "--out_dir", run_dir])
+    res = evaluate.main([str(run_dir), "--n", 4])[0]
+    cfg = train.TrainConfig(data=str(files / "squad.json"))
+    held = train.held_out(train.read_records(cfg.data, cfg), cfg.seed)[1]
+    assert list(res["rows"][0]["scores"]["f1"]) == [r["id"] for r in held[:4]] and res["asked"]["held_out_of"]
+    (tmp_path / "book.txt").write_text("One sentence. Another one.\n\nA second paragraph.\n")
+    line = in_process(["--method", "sentence_gist", "--init_from", files / "hf", "--data", tmp_path / "book.txt",
+                       *FAST, "--eval_examples", 2, "--out_dir", tmp_path / "sg"])
+    assert "book.txt is text: the final evaluation asks questions" in line and not (tmp_path / "sg").exists()
