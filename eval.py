@@ -640,6 +640,8 @@ def main(argv):
                           ("--data", what.get("held_out_of")))
             if path and not os.path.isfile(path):
                 raise SystemExit(f"error: {r}'s {flag} {path!r}: no such file (name one with --eval_data)")
+            if path and "split" in given:  # (ignored before)
+                raise SystemExit(f"error: --split picks synthetic questions; {r} is read on its {flag} {path}")
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device)])]
     print(table(results))

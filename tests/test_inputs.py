@@ -264,6 +264,7 @@ def test_a_run_on_a_data_file_is_read_on_the_questions_training_held_out(files, 
     cfg = train.TrainConfig(data=str(files / "squad.json"))
     held = train.held_out(train.read_records(cfg.data, cfg), cfg.seed)[1]
     assert list(res["rows"][0]["scores"]["f1"]) == [r["id"] for r in held[:4]] and res["asked"]["held_out_of"]
+    assert "--split picks synthetic questions" in in_process([run_dir, "--split", "val"], evaluate.main)  # (ignored)
     (tmp_path / "book.txt").write_text("One sentence. Another one.\n\nA second paragraph.\n")
     line = in_process(["--method", "sentence_gist", "--init_from", files / "hf", "--data", tmp_path / "book.txt",
                        *FAST, "--eval_examples", 2, "--out_dir", tmp_path / "sg"])
