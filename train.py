@@ -228,7 +228,20 @@ def check_inputs(cfg, mcfg):
                          "(its adapter is merged into the base)")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
+    taught = teacher_prompt(cfg.teacher)
+    if taught and taught != cfg.prompt and not tiny.needs_training(cfg.init_from):
+        tok = data.load_tokenizer(tiny.base_path(cfg.init_from))
+        as_read = lambda p: (data.chat_format(tok) or "plain") if p == "auto" else p  # noqa: E731
+        if as_read(taught) != as_read(cfg.prompt):
+            raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
+                             "prompts (drop the flag to take its format)")
     check_writable(cfg.out_dir, "--out_dir")
+
+
+def teacher_prompt(teacher):
+    """The --prompt a --method teacher run was trained with ("" without one): a run distilling it takes it."""
+    path = os.path.join(teacher, "run.json")
+    return read_json(path)["train"].get("prompt", "") if teacher and os.path.isfile(path) else ""
 
 
 def check_out_dirs(stages):
@@ -411,6 +424,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
         if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
+    if "prompt" not in explicit and teacher_prompt(cfg.teacher):  # the format its adapter learned answers in
+        cfg.prompt = teacher_prompt(cfg.teacher)
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
         stages, source = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None), "tiny"

@@ -269,3 +269,22 @@ def test_a_run_on_a_data_file_is_read_on_the_questions_training_held_out(files, 
     line = in_process(["--method", "sentence_gist", "--init_from", files / "hf", "--data", tmp_path / "book.txt",
                        *FAST, "--eval_examples", 2, "--out_dir", tmp_path / "sg"])
     assert "book.txt is text: the final evaluation asks questions" in line and not (tmp_path / "sg").exists()
+
+
+def test_a_compressor_distils_its_teacher_in_the_prompt_format_it_was_trained_on(files, tmp_path):
+    """--teacher's --prompt is the run's unless a flag says otherwise; a flag of another format is one line (a chatml
+    student distilled a teacher finetuned on plain prompts in silence). "auto" on a chat checkpoint reads as chatml."""
+    chat = tmp_path / "chat"
+    hf_checkpoint(chat, chat=True)
+    common = ["--init_from", chat, "--data", files / "squad.json", *FAST]
+    for prompt in ("plain", "auto"):
+        assert in_process(["--method", "teacher", *common, "--prompt", prompt, "--out_dir", tmp_path / prompt]) == ""
+    line = in_process(["--method", "meanpool", *common, "--teacher", tmp_path / "plain", "--prompt", "chatml",
+                       "--out_dir", tmp_path / "x"])
+    assert f"--prompt chatml: --teacher {tmp_path / 'plain'} was trained on --prompt plain prompts" in line, line
+    assert not (tmp_path / "x").exists()
+    for teacher, flags, taken in (("plain", [], "plain"), ("auto", ["--prompt", "chatml"], "chatml")):
+        out = tmp_path / f"mp-{teacher}"
+        assert in_process(["--method", "meanpool", *common, "--teacher", tmp_path / teacher, *flags,
+                           "--out_dir", out]) == ""
+        assert json.load(open(out / "run.json"))["train"]["prompt"] == taken
