@@ -226,6 +226,10 @@ def check_inputs(cfg, mcfg):
     if cfg.method != "teacher" and first_stage(cfg.init_from, "teacher"):
         raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
                          "(its adapter is merged into the base)")
+    other = first_stage(cfg.init_from, None)  # a run of another method: its weights would be dropped in silence
+    if other and other["train"]["method"] not in (cfg.method, "base", "teacher"):
+        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method {other['train']['method']} run; a "
+                         f"--method {cfg.method} run starts from a checkpoint dir or an earlier {cfg.method} stage")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
     taught = teacher_prompt(cfg.teacher)
@@ -370,12 +374,13 @@ def tiny_stages(cls, mcfg, pretrain=None):
 
 
 def first_stage(init_from, method):
-    """run.json of the run dir `init_from` when it is an earlier stage of the same method, else None."""
+    """run.json of the run dir `init_from` when it is an earlier stage of the same method (method None: of any),
+    else None."""
     path = os.path.join(init_from, "run.json")
     if not init_from or not os.path.exists(path):
         return None
     state = read_json(path)
-    return state if state["train"]["method"] == method else None
+    return state if method in (None, state["train"]["method"]) else None
 
 
 def inherit_method_config(state, what, mcfg, explicit, skip=()):

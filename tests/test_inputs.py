@@ -288,3 +288,17 @@ def test_a_compressor_distils_its_teacher_in_the_prompt_format_it_was_trained_on
         assert in_process(["--method", "meanpool", *common, "--teacher", tmp_path / teacher, *flags,
                            "--out_dir", out]) == ""
         assert json.load(open(out / "run.json"))["train"]["prompt"] == taken
+
+
+def test_a_run_of_another_method_is_not_an_init_from(files, tmp_path):
+    """--init_from another method's run: one line (pic trained from the base under it, the run's weights dropped in
+    silence); a run of the same method continues from its weights ("after kd")."""
+    mp = tmp_path / "mp"
+    assert in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                       "--out_dir", mp]) == ""
+    line = in_process(["--method", "pic", "--init_from", mp, "--data", files / "squad.json", *FAST,
+                       "--out_dir", tmp_path / "pic"])
+    assert f"--init_from '{mp}' is a --method meanpool run; a --method pic run starts from" in line, line
+    assert not (tmp_path / "pic").exists()
+    assert in_process(["--method", "meanpool", "--init_from", mp, "--data", files / "squad.json", *FAST,
+                       "--out_dir", tmp_path / "again"]) == ""
