@@ -28,7 +28,8 @@ RESULTS=${RESULTS:-RESULTS.md}
 CMD="ITERS=$ITERS BATCH=$BATCH LR=$LR EXAMPLES=$EXAMPLES COMPRESS=$COMPRESS bash scripts/smollm2_squad.sh"
 whole_numbers ITERS BATCH EXAMPLES
 [[ $COMPRESS =~ ^[01]$ ]] || { echo "error: COMPRESS=$COMPRESS: want 0 or 1" >&2; exit 1; }
-[[ $LR =~ ^[0-9.]+(e-?[0-9]+)?$ ]] || { echo "error: LR=$LR: want a learning rate, like 5e-4" >&2; exit 1; }
+[[ $LR =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)(e-?[0-9]+)?$ ]] && awk -v lr="$LR" 'BEGIN { exit !(lr + 0 > 0) }' ||
+  { echo "error: LR=$LR: want a learning rate > 0, like 5e-4" >&2; exit 1; }  # (0 failed after the conversion)
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 clock() { date +%s; }
 python scripts/smollm2.py "$OUT/model" --squad "$SQUAD"

@@ -288,7 +288,8 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
     for script, setting, args, want in (
             ("smollm2_squad.sh", "ITERS=-1", [], "ITERS=-1: want a whole number > 0"),  # (it converted first)
             ("smollm2_squad.sh", "COMPRESS=yes", [], "COMPRESS=yes: want 0 or 1"),
-            ("smollm2_squad.sh", "LR=fast", [], "LR=fast: want a learning rate, like 5e-4"),
+            ("smollm2_squad.sh", "LR=fast", [], "LR=fast: want a learning rate > 0, like 5e-4"),
+            ("smollm2_squad.sh", "LR=0", [], "LR=0: want a learning rate > 0, like 5e-4"),  # (failed after converting)
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
             ("reproduce.sh", "JOBS=0", [], "JOBS=0: want a whole number > 0"),
             ("reproduce.sh", "INIT_FROM=/ckpt", [], "INIT_FROM needs DATA=a QA file (DATA=: no such file)"),
