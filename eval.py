@@ -240,8 +240,8 @@ def teacher_rows(base, tok, records, cfg, ecfg, device):
 
 @torch.no_grad()
 def method_rows(method, tok, records, cfg, ecfg, ratios, device):
-    """A row per ratio, with the achieved ratio (context tokens / memory slots), the memory's
-    size and the method's own memory.stats, each a mean over examples; and how many contexts --max_context cut."""
+    """A row per ratio, with the achieved ratio (context tokens / memory slots; per example in scores["ratio"]), the
+    memory's size and the method's own memory.stats, each a mean over examples; and how many contexts were cut."""
     rows = []
     for r in ratios:
         preds, secs, stats, nll, nll_other, cut = [], 0.0, collections.defaultdict(list), {}, {}, {}
@@ -256,10 +256,11 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
             for k, v in getattr(memory, "stats", {}).items():
                 stats[k] += list(v)
         examples = [{"pred": p, "gold": rec["answers"]} for p, rec in zip(preds[:5], records)]
-        rows.append({"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs, nll=nll,
-                                                                          nll_other=nll_other),
-                     **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples,
-                     "truncated_context": cut.get("truncated_context", 0)})
+        row = {"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs, nll=nll, nll_other=nll_other),
+               **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples,
+               "truncated_context": cut.get("truncated_context", 0)}
+        row["scores"]["ratio"] = dict(zip([rec["id"] for rec in records], stats["ratio"]))  # per example (SPEC §4)
+        rows.append(row)
     return rows
 
 

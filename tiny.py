@@ -1,6 +1,7 @@
 """The embedded default: a tiny base that runs on a CPU, and the aids it needs beyond the papers.
 Everything here concerns the tiny base (`tiny_base/`, or any `--method base` run dir) and
-data.py's synthetic benchmark; nothing here runs on a real checkpoint.
+the synthetic benchmark (the tiny world's data: here, not in data.py as SPEC §2 has it); nothing here runs on a
+real checkpoint.
 
 - `tiny_base/` ships with the repo (`python train.py --method base --out_dir tiny_base`);
   if it is deleted, the first run that needs it trains it again.

@@ -81,7 +81,7 @@ class TrainConfig:
     # --- system
     device: str = ""           # "" = cuda if available else cpu
     dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
-    compile: bool = False      # torch.compile the model and the losses
+    compile: bool = False      # torch.compile each decoder layer (model.compile_layers; attention: flex)
     cuda_graphs: bool = False  # with --compile on CUDA: the compiled layers replay as CUDA graphs (reduce-overhead)
     grad_ckpt: bool = False    # activation checkpointing per decoder layer: large models fit, ~1/3 more compute
     seed: int = 1337

@@ -241,6 +241,9 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
         assert row[key] == pytest.approx(np.log(FakeBase.V)) and list(row["scores"][key]) == ids
     lo, hi = res["rows"][0]["f1_ci"]
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
+    ratios = res["rows"][0]["scores"]["ratio"]  # the achieved ratio per question (SPEC §4), its mean the row's
+    assert list(ratios) == ids and sum(ratios.values()) / 6 == pytest.approx(res["rows"][0]["ratio"])
+    assert len(set(ratios.values())) > 1  # (one slot each here: a question's ratio is its context's length)
 
 
 def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
