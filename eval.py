@@ -160,11 +160,18 @@ def decode(tok, outs):
 def timed(fn):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t = time.time()
+    t = time.perf_counter()
     out = fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return out, time.time() - t
+    return out, time.perf_counter() - t
+
+
+def kv_bytes_per_token(model):
+    """The K/V cache bytes a token of context costs `model`, every layer (a sliding window's layers would keep less):
+    what the teacher row holds for a context, against a Memory's bytes (SPEC §4)."""
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
 
 
 @torch.no_grad()
@@ -222,32 +229,41 @@ def scored(preds, records, secs, **nlls):
 
 @torch.no_grad()
 def teacher_rows(base, tok, records, cfg, ecfg, device):
-    """The base with full context and with no context (SPEC §4)."""
+    """The base with full context and with no context (SPEC §4); the teacher's ttft_ms (a batch's first tokens after
+    reading its contexts, the median batch) and context_bytes (a context's K/V, the mean) to set a Memory against."""
     rows = {}
     for name, key in (("teacher", "full"), ("no-context", "noctx")):
-        preds, secs, nll = [], 0.0, {}
+        preds, secs, nll, ttft, context = [], 0.0, {}, [], []
         for b in batches_of(records, tok, cfg, ecfg.batch_size):
             first = (b[f"{key}_labels"] != -100).float().argmax(1)  # the last prompt token predicts the answer
             prompts = [b[key][i, :first[i] + 1].tolist() for i in range(len(first))]
             with base.adapter(None):
                 outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens))
+                if key == "full":  # the first tokens after reading every context, and the contexts' K/V
+                    ttft.append(timed(lambda: base.generate(prompts, 1))[1])
+                    context += (first + 1 - b["prompt_len"]).tolist()  # prefix + context tokens
                 h = base(b[key].to(device), output="hidden")
                 nll.update(zip(b["ids"], answer_nll(base, h, b[f"{key}_labels"].to(device))))
             preds, secs = preds + decode(tok, outs), secs + dt
         rows[name] = {"method": name, "ratio": 1.0 if key == "full" else None, **scored(preds, records, secs, nll=nll)}
+        if ttft:
+            rows[name].update(ttft_ms=1000 * float(np.median(ttft)),
+                              context_bytes=kv_bytes_per_token(base) * sum(context) / len(context))
     return rows
 
 
 @torch.no_grad()
 def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     """A row per ratio, with the achieved ratio (context tokens / memory slots; per example in scores["ratio"]), the
-    memory's size and the method's own memory.stats, each a mean over examples; and how many contexts were cut."""
+    memory's size and the method's own memory.stats, each a mean over examples; how many contexts were cut; ttft_ms,
+    a batch's first tokens answered from its cached Memory (the median batch)."""
     rows = []
     for r in ratios:
-        preds, secs, stats, nll, nll_other, cut = [], 0.0, collections.defaultdict(list), {}, {}, {}
+        preds, secs, stats, nll, nll_other, cut, ttft = [], 0.0, collections.defaultdict(list), {}, {}, {}, []
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None), cut):
             b = train.to_device(b, device)
             (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
+            ttft.append(timed(lambda: answer(method, b, r, 1, memory))[1])  # from the cached Memory
             preds, secs = preds + decode(tok, outs), secs + dt
             nll.update(teacher_forced(method, memory, b))
             nll_other.update(teacher_forced(method, memory, b, other=True))
@@ -258,7 +274,7 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
         examples = [{"pred": p, "gold": rec["answers"]} for p, rec in zip(preds[:5], records)]
         row = {"method": cfg.method, "ratio_requested": r, **scored(preds, records, secs, nll=nll, nll_other=nll_other),
                **{k: sum(v) / len(v) for k, v in stats.items()}, "examples": examples,
-               "truncated_context": cut.get("truncated_context", 0)}
+               "truncated_context": cut.get("truncated_context", 0), "ttft_ms": 1000 * float(np.median(ttft))}
         row["scores"]["ratio"] = dict(zip([rec["id"] for rec in records], stats["ratio"]))  # per example (SPEC §4)
         rows.append(row)
     return rows

@@ -145,6 +145,9 @@ def test_paired_diff_ci_excludes_or_includes_zero():
 class FakeBase:
     """A stand-in base: greedy answers say(prompts); every token equally likely (answer NLL log V a token)."""
     V = 4096
+    config = types.SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, head_dim=4,  # K/V: 64 bytes a token
+                                   max_position_embeddings=2048)
+    lm_head = types.SimpleNamespace(weight=torch.zeros(1))
 
     def __init__(self, say):
         self.say = say
@@ -241,6 +244,10 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
         assert row[key] == pytest.approx(np.log(FakeBase.V)) and list(row["scores"][key]) == ids
     lo, hi = res["rows"][0]["f1_ci"]
     assert f"{res['rows'][0]['f1']:.1f} [{lo:.1f}, {hi:.1f}]" in evaluate.table([res])
+    batch = data.collate_qa(evaluate.eval_records(cfg, evaluate.EvalConfig()), tok, pad_multiple=1)
+    context = (batch["context_len"] + len(batch["prefix"])).float().mean()  # SPEC §4: against the full context's K/V
+    assert res["teacher"]["context_bytes"] == pytest.approx(64 * float(context)) and res["teacher"]["ttft_ms"] >= 0
+    assert "ttft_ms" not in res["no_context"] and res["rows"][0]["ttft_ms"] >= 0
     ratios = res["rows"][0]["scores"]["ratio"]  # the achieved ratio per question (SPEC §4), its mean the row's
     assert list(ratios) == ids and sum(ratios.values()) / 6 == pytest.approx(res["rows"][0]["ratio"])
     assert len(set(ratios.values())) > 1  # (one slot each here: a question's ratio is its context's length)
