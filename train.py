@@ -443,10 +443,10 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
                                 [s.paper.get("max_iters", 1) for s in stages])
             stages = [replace(s, paper={**s.paper, **scale, "max_iters": n}) for s, n in zip(stages, steps)]
     done = first_stage(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
-    ran = [done and s.objective == done["train"]["objective"] and s.paper.get("stage", 0) == done["method"].get(
-        "stage", 0) for s in stages[:-1]]  # (sentence_gist's three are all `lm`: its --stage tells them apart)
-    if any(ran):
-        stages = stages[ran.index(True) + 1:]
+    if done:  # that stage: its objective and (sentence_gist's three are all `lm`) its --stage
+        ran = [s.objective == done["train"]["objective"] and s.paper.get("stage", 0) == done["method"].get("stage", 0)
+               for s in stages[:-1]]
+        stages = stages[ran.index(True) + 1:] if any(ran) else stages
     if "objective" in explicit:  # its stages (sentence_gist: all three), else the last one with this objective
         stages = [s for s in stages if s.objective == cfg.objective] or [replace(stages[-1], objective=cfg.objective)]
     if "stage" in explicit:  # sentence_gist: one of its paper's stages
