@@ -223,13 +223,13 @@ def check_inputs(cfg, mcfg):
         if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
             raise SystemExit(f"error: --prompt {cfg.prompt}: the tokenizer of {tiny.base_path(cfg.init_from)} has no "
                              f"{' and '.join(turn)} tokens")
-    if cfg.method != "teacher" and first_stage(cfg.init_from, "teacher"):
+    other = (first_stage(cfg.init_from, None) or {"train": {"method": "base"}})["train"]["method"]
+    if other == "teacher" != cfg.method:
         raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
                          "(its adapter is merged into the base)")
-    other = first_stage(cfg.init_from, None)  # a run of another method: its weights would be dropped in silence
-    if other and other["train"]["method"] not in (cfg.method, "base", "teacher"):
-        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method {other['train']['method']} run; a "
-                         f"--method {cfg.method} run starts from a checkpoint dir or an earlier {cfg.method} stage")
+    if other not in (cfg.method, "base", "teacher"):  # a run of another method: its weights would be dropped
+        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method {other} run; a --method {cfg.method} "
+                         f"run starts from a checkpoint dir or an earlier {cfg.method} stage")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
     taught = teacher_prompt(cfg.teacher)
@@ -429,8 +429,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
         if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
-    if "prompt" not in explicit and teacher_prompt(cfg.teacher):  # the format its adapter learned answers in
-        cfg.prompt = teacher_prompt(cfg.teacher)
+    taught = teacher_prompt(cfg.teacher)  # the format its adapter learned answers in
+    if taught and "prompt" not in explicit:
+        cfg.prompt = taught
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
         stages, source = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None), "tiny"
