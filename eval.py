@@ -10,7 +10,8 @@ and answering time, for one or many run dirs; and a one-shot mode.
 Rows: the teacher with full context, the teacher with no context, then method@ratio, each with
 per-question scores and 95% bootstrap intervals of EM, F1 and, in the JSON, the answer's teacher-forced NLL
 (`nll`; `nll_other`: after the memory of another question's context, the control that tells whether a memory
-carries its own). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1).
+carries its own). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1);
+the JSON's em_norm is the same of EM.
 Results go to <run>/metrics.json; --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
 import collections
@@ -430,7 +431,7 @@ def evaluate_run(run_dir, ecfg, device):
     if getattr(method, "trains_base", False) and (heldout or not shared):  # its weights are the method's now
         base = train.load_base(cfg, device, torch.float32)[1]  # (gist --lora_r 0): the base as it was loaded
     t = shared or teacher_rows(getattr(method, "dec", base), tok, records, cfg, ecfg, device)  # the model that answers
-    teacher, noctx, gap = t["teacher"], t["no-context"], t["teacher"]["f1"] - t["no-context"]["f1"]
+    teacher, noctx = t["teacher"], t["no-context"]
     ratios = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)
     rows = method_rows(method, tok, records, cfg, ecfg, ratios, device)
     label = run_label(run_dir, mcfg)
@@ -439,12 +440,17 @@ def evaluate_run(run_dir, ecfg, device):
               f"--max_context {cfg.max_context}", file=sys.stderr)
     extra = heldout(list(dict.fromkeys(r["context"] for r in records)), base) if heldout else {}  # each text once
     for row in rows:
-        row.update(method=label, run=run_dir, **extra,
-                   f1_norm=(row["f1"] - noctx["f1"]) / gap if gap > 0 else float("nan"))
+        row.update(method=label, run=run_dir, **extra, **teacher_normalised(row, teacher, noctx))
     result = {"run": run_dir, "asked": asked(run_dir, ecfg), "teacher_key": key, "teacher": teacher,
               "no_context": noctx, "rows": rows}
     train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
     return result
+
+
+def teacher_normalised(row, teacher, noctx):
+    """{f1_norm, em_norm}: the share of the teacher's gain over no context that a row keeps (nan: no gain to share)."""
+    return {f"{m}_norm": (row[m] - noctx[m]) / (teacher[m] - noctx[m]) if teacher[m] > noctx[m] else math.nan
+            for m in ("f1", "em")}
 
 
 def earlier_results(path):

@@ -1,6 +1,7 @@
 """eval.py: SQuAD metrics (hand cases and the official script's numbers), the table builder,
 bootstrap intervals and scripts/compare.py."""
 import json
+import math
 import os
 import re
 import shutil
@@ -113,6 +114,15 @@ def test_method_specific_columns():
 
 # -----------------------------------------------------------------------------
 # confidence intervals
+
+
+def test_teacher_normalised_score_of_f1_and_em_hand_values():
+    """SPEC §4 (meanpool §5.1): (M - M_noctx) / (M_teacher - M_noctx) of F1 and of EM; nan where the teacher gains
+    nothing over no context."""
+    row, teacher, noctx = dict(em=30.0, f1=50.0), dict(em=50.0, f1=70.0), dict(em=10.0, f1=20.0)
+    assert evaluate.teacher_normalised(row, teacher, noctx) == dict(f1_norm=0.6, em_norm=0.5)
+    norm = evaluate.teacher_normalised(row, dict(em=10.0, f1=80.0), noctx)
+    assert norm["f1_norm"] == pytest.approx(0.5) and math.isnan(norm["em_norm"])
 
 
 def test_bootstrap_ci_constant_covers_mean_and_is_seeded():
