@@ -179,7 +179,7 @@ class ATA(nn.Module):
                 s, e = spans[-1]
                 chunks[-1] = tok.decode(batch["context"][b, s:e].tolist()).strip()
             all_relevant &= len(batch["relevant_idx"][b]) == len(chunks)
-            no_gold += bool(rec.get("relevant")) and not batch["relevant_idx"][b]
+            no_gold += rec.get("relevant") is not None and not batch["relevant_idx"][b]  # (none: every chunk is)
             enc.append(batch["bos"] + tok.encode(encoder_prompt(question, chunks)))
             idx = range(len(chunks)) if self.cfg.no_selective else batch["relevant_idx"][b]
             target = tok.encode(" ".join(chunks[i] for i in idx))[:self.run.max_context] + tok.eos_ids[:1]
@@ -190,9 +190,9 @@ class ATA(nn.Module):
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
                           "--no_selective; for HotpotQA use --hotpot_distractors")
         if no_gold and self.training and not self.cfg.no_selective:
-            warnings.warn(f"ata: {no_gold} example(s) of this training batch keep no relevant chunk within "
-                          f"--max_context {self.run.max_context} tokens: C_rel is empty and the answer is not in the "
-                          "context (the paper keeps only inputs within its limit, §4.1.4)")
+            warnings.warn(f"ata: {no_gold} example(s) of this training batch keep no relevant chunk (none marked, "
+                          f"or none within --max_context {self.run.max_context} tokens): C_rel is empty (the paper "
+                          "keeps only inputs within its limit, §4.1.4)")
         pad = self.run.pad_multiple
         batch["enc_ids"] = data.pad_rows(enc, tok.pad_id, pad, left=True)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])

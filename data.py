@@ -453,6 +453,10 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 def _record(id, context, question, answers, relevant=None, chunks=None):
     if not context.strip():
         raise ValueError("empty context: nothing to compress")
+    if not question.strip():
+        raise ValueError("empty question")
+    if not all(a.strip() for a in answers):  # (an empty prediction would score EM 100 against it)
+        raise ValueError(f"an empty answer in {json.dumps(answers)[:60]}")
     return {"id": str(id or ""), "context": context, "question": question, "answers": list(answers),
             "relevant": relevant, "chunks": chunks}
 
@@ -504,22 +508,32 @@ def _open_text(path):
     return gzip.open(path, "rt", encoding="utf-8-sig")
 
 
+def file_kind(path):
+    """How a data file is read, by its name (case aside, a .gz dropped): "text" (.txt, .text, .md), "jsonl" (.jsonl,
+    .ndjson), "zip", else "json"."""
+    name = Path(path).name.lower().removesuffix(".gz")
+    return ("text" if name.endswith((".txt", ".text", ".md")) else "jsonl" if name.endswith((".jsonl", ".ndjson"))
+            else "zip" if name.endswith(".zip") else "json")
+
+
 def _load_json(path):
     """A JSON file, or the one .json member of a .zip."""
     path = Path(path)
     try:
-        if path.suffix != ".zip":
+        if file_kind(path) != "zip":
             with _open_text(path) as f:
                 return json.load(f)
         if not zipfile.is_zipfile(path):
             raise ValueError(f"{path}: not a zip file")
         with zipfile.ZipFile(path) as z:
-            names = [n for n in z.namelist() if n.endswith(".json")]
+            names = [n for n in z.namelist() if n.endswith(".json") and not n.startswith("__MACOSX/")]  # (Finder's)
             if len(names) != 1:
                 raise ValueError(f"{path}: expected one .json file in the zip, found {names}")
             return json.loads(z.read(names[0]).decode("utf-8-sig"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        named = path.name.lower().removesuffix(".gz").endswith((".json", ".zip"))
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}" + ("" if named else " (read as JSON by its name; "
+                         "text is .txt or .md, JSON lines .jsonl)")) from None
 
 
 def _jsonl(path):
@@ -553,8 +567,10 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
             if not keep_unanswerable:
                 return []
         texts, starts = [_field(a, "text", str) for a in answers], [_field(a, "answer_start", int) for a in answers]
+        if not all(type(s) is int and 0 <= s < max(len(context), 1) for s in starts):  # (bool is an int)
+            raise ValueError(f"answer_start {starts} should lie in the context's {len(context)} characters")
         if context not in sentences:
-            chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s]  # split after . ! ? and whitespace
+            chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s] or [context]  # after . ! ? and whitespace
             sentences[context] = chunks, chunk_ends(context, chunks)
         chunks, ends = sentences[context]
         relevant = [next((c for c, e in zip(chunks, ends) if e > starts[0]), chunks[-1])] if starts else None
@@ -589,8 +605,11 @@ def read_hotpot(path, distractors=False, skip_bad=False, stats=None, doc=None):
         answer, question = _field(rec, "answer", str), _field(rec, "question", str)
         if not all(isinstance(f, list) and f and isinstance(f[0], str) for f in facts):
             raise ValueError("supporting_facts should be [title, sentence index] pairs")
-        if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[1], list) for p in context):
-            raise ValueError("context should be [title, [sentences]] pairs")
+        if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
+                   and all(isinstance(x, str) for x in p[1]) for p in context):
+            raise ValueError("context should be [title, [sentences]] pairs of strings")
+        if not facts:
+            raise ValueError("supporting_facts is empty: no gold paragraph")
         gold, titles = {f[0] for f in facts}, {t for t, _ in context}
         if not gold <= titles:
             raise ValueError(f"supporting fact titles {sorted(gold - titles)} not in context")
@@ -606,7 +625,7 @@ def read_msmarco(path, skip_bad=False, stats=None, doc=None):
     record index) or JSONL records {"query", "passages": [{"passage_text", "is_selected"}], "answers"}. chunks =
     passages, relevant = the selected ones; records answered "No Answer Present." are skipped and counted."""
     items = None  # JSONL
-    if ".jsonl" not in Path(path).name:
+    if file_kind(path) != "jsonl":
         cols = _load_json(path) if doc is None else doc
         if not isinstance(cols, dict) or not isinstance(cols.get("query"), dict):
             raise ValueError(f"{path}:1: not an MS MARCO file (no 'query' column)")
@@ -620,7 +639,9 @@ def read_msmarco(path, skip_bad=False, stats=None, doc=None):
         if not answers or answers == ["No Answer Present."]:
             _count(stats, "no_answer")
             return []
-        relevant = [c for c, p in zip(chunks, passages) if p.get("is_selected")]
+        if any(p.get("is_selected", 0) not in (0, 1) for p in passages):
+            raise ValueError("'is_selected' should be 0 or 1")
+        relevant = [c for c, p in zip(chunks, passages) if p.get("is_selected") == 1]
         return [_record(rec.get("query_id"), "\n".join(chunks), question, answers, relevant, chunks)]
     return _parsed(path, items, parse, skip_bad, stats)
 
@@ -636,15 +657,15 @@ def read_jsonl(path, skip_bad=False, stats=None):
         relevant, chunks = (_field(rec, k, list, str) if rec.get(k) is not None else None
                             for k in ("relevant", "chunks"))
         chunk_ends(context, chunks or [])
-        if relevant and chunks and not set(relevant) <= set(chunks):
-            raise ValueError("'relevant' entries must be chunks")
+        if relevant and not set(relevant) <= set(chunks or []):
+            raise ValueError("'relevant' entries must be chunks (give the context's 'chunks' too)")
         return [_record(rec.get("id"), context, question, answers, relevant, chunks)]
     return _parsed(path, None, parse, skip_bad, stats)
 
 
 def read_text(path, skip_bad=False, stats=None):
     """Strings for LM training: a text file's paragraphs (split at blank lines), or a JSONL(.gz) file's "text"s."""
-    if ".jsonl" in Path(path).name:
+    if file_kind(path) == "jsonl":
         return _parsed(path, None, lambda rec: [_field(rec, "text", str)], skip_bad, stats)
     with _open_text(path) as f:
         return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
@@ -654,7 +675,7 @@ def first_record(path):
     """The first line of a JSONL(.gz) file as a dict; {} when it is not one (its reader says why, with the line)."""
     try:
         first = json.loads(next(_jsonl(path), (1, "{}"))[1])
-    except (ValueError, EOFError, zlib.error):  # bad JSON or text, a cut or corrupt .gz
+    except (ValueError, EOFError, zlib.error, OSError, RecursionError):  # its reader says what is wrong with the file
         return {}
     return first if isinstance(first, dict) else {}
 
@@ -667,12 +688,13 @@ def read_dataset(path, distractors=False, **kw):
 
 
 def _read_any(path, distractors, **kw):
-    if path.suffix in (".txt", ".text"):
+    kind = file_kind(path)
+    if kind == "text":
         raise ValueError(f"{path}: plain text, read by the text stages only (pic ae+lm, sac lm, sentence_gist lm: "
                          "--pretrain_data); a QA stage reads SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
-    if path.suffix == ".zip":
+    if kind == "zip":
         return read_squad(path, **kw)
-    if ".jsonl" in path.name:
+    if kind == "jsonl":
         keys = set(first_record(path))
         reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
         return reader(path, **kw)
@@ -689,13 +711,19 @@ def _read_any(path, distractors, **kw):
 def unique_ids(records):
     """Every record an id of its own (eval.py pairs rows question by question): a repeated one gets "#2", "#3", ...
     (the readers name a missing one by its place in the file; else its index here)."""
-    records, seen = list(records), collections.Counter()
+    records = list(records)
     for i, r in enumerate(records):
         r["id"] = r["id"] or str(i)
-        seen[r["id"]] += 1
-        if seen[r["id"]] > 1:
-            r["id"] = f"{r['id']}#{seen[r['id']]}"
-            seen[r["id"]] += 1
+    taken, seen, count = {r["id"] for r in records}, set(), collections.Counter()  # (a file may hold "a#2" itself)
+    for r in records:
+        if r["id"] in seen:
+            base = r["id"]
+            count[base] = max(count[base], 1) + 1
+            while f"{base}#{count[base]}" in taken:
+                count[base] += 1
+            r["id"] = f"{base}#{count[base]}"
+            taken.add(r["id"])
+        seen.add(r["id"])
     return records
 
 

@@ -50,7 +50,7 @@ class EvalConfig:
     device: str = ""
     # --- one-shot mode
     context: str = ""          # a text file to compress
-    question: str = ""
+    question: str = ""         # "" (not given) = "What is this text about?"
     memory: str = ""           # answer from a saved compressed context
     save_memory: str = ""      # save the compressed context of --context
 
@@ -118,6 +118,8 @@ def eval_records(cfg, ecfg):
     training held out (train.held_out; a text objective trained on every context of the file), else synthetic."""
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data or cfg.data
+    if ecfg.eval_data and cfg.data and os.path.isfile(cfg.data) and train.same_file(ecfg.eval_data, cfg.data):
+        print(f"note: --eval_data {ecfg.eval_data} is the file the run trained on", file=sys.stderr)
     if path:
         records = train.read_records(path, cfg)
         if not (ecfg.eval_data or cfg.eval_data) and len(records) > 1:
@@ -417,12 +419,12 @@ def check_run(run_dir, decoder, max_new_tokens):
                          f"positions of {run_dir}'s decoder")
 
 
-def evaluate_run(run_dir, ecfg, device):
-    """Compute and write <run>/metrics.json."""
+def evaluate_run(run_dir, ecfg, device, records=None):
+    """Compute and write <run>/metrics.json. records: eval_records's, read before any model loads (main)."""
     cached = os.path.join(run_dir, "metrics.json")
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
-    records = eval_records(cfg, ecfg)
+    records = eval_records(cfg, ecfg) if records is None else records
     if not records:
         raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
     key = teacher_key(cfg, ecfg, records, device, getattr(mcfg, "decoder", ""))
@@ -569,7 +571,7 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit("error: one-shot mode needs --context FILE or --memory FILE")
     for flag in ("context", "memory"):
         if getattr(ecfg, flag) and not os.path.isfile(getattr(ecfg, flag)):
-            raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)!r}: no such file")
+            raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)!r}: {train.not_a_file(getattr(ecfg, flag))}")
     try:
         context = Path(ecfg.context).read_text(encoding="utf-8-sig") if ecfg.context else ""
     except UnicodeDecodeError:
@@ -611,6 +613,8 @@ def check_flags(ecfg, given):
     if wrong:
         modes = ("evaluating runs", "one-shot mode (--context, --memory, --question)")
         raise SystemExit(f"error: --{wrong[0]} applies to {modes[not ecfg.one_shot]}, not to {modes[ecfg.one_shot]}")
+    if "question" in given and not ecfg.question.strip():
+        raise SystemExit("error: --question is empty (leave it out to ask what the text is about)")
     if ecfg.context and ecfg.memory:
         raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
     for flag in ("ratio", "save_memory"):
@@ -629,7 +633,7 @@ def check_flags(ecfg, given):
     if ecfg.split not in tiny.SPLITS:
         raise SystemExit(f"error: --split {ecfg.split!r}; choose from {', '.join(tiny.SPLITS)}")
     if ecfg.eval_data and not os.path.isfile(ecfg.eval_data):
-        raise SystemExit(f"error: --eval_data {ecfg.eval_data!r}: no such file")
+        raise SystemExit(f"error: --eval_data {ecfg.eval_data!r}: {train.not_a_file(ecfg.eval_data)}")
     for flag in ("out", "save_memory"):
         if getattr(ecfg, flag):
             train.check_writable(getattr(ecfg, flag), f"--{flag}", folder=False)
@@ -653,8 +657,9 @@ def main(argv):
             raise SystemExit(f"error: one-shot mode answers from one run dir; {len(run_dirs)} given: "
                              f"{' '.join(run_dirs)}")
         return one_shot(ecfg, run_dirs[0], device)
-    # every results file read, every run dir seen, before any run is evaluated
+    # every results file read, every run dir seen and its questions read, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
+    records = {}
     for r in run_dirs:
         if read[r] is None:  # to be evaluated
             check_evaluable(r, ecfg.ratio)
@@ -662,11 +667,12 @@ def main(argv):
             flag, path = (("--eval_data", what["eval_data"]) if what["eval_data"] else
                           ("--data", what.get("held_out_of")))
             if path and not os.path.isfile(path):
-                raise SystemExit(f"error: {r}'s {flag} {path!r}: no such file (name one with --eval_data)")
+                raise SystemExit(f"error: {r}'s {flag} {path!r}: {train.not_a_file(path)} (name one with --eval_data)")
             if path and "split" in given:  # (ignored before)
                 raise SystemExit(f"error: --split picks synthetic questions; {r} is read on its {flag} {path}")
+            records[r] = eval_records(train.run_config(r)[0], ecfg)
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
-                                                 [read[r] or evaluate_run(r, ecfg, device)])]
+                                                 [read[r] or evaluate_run(r, ecfg, device, records[r])])]
     print(table(results))
     if ecfg.out:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.out)), exist_ok=True)

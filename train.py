@@ -17,6 +17,8 @@ exactly where a run stopped.
 """
 import argparse
 import copy
+import filecmp
+import gzip
 import inspect
 import json
 import math
@@ -25,6 +27,7 @@ import random
 import signal
 import sys
 import time
+import zipfile
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -213,7 +216,10 @@ def check_inputs(cfg, mcfg):
     for flag in ("data", "eval_data", "pretrain_data"):
         path = getattr(cfg, flag)
         if path and not os.path.isfile(path):
-            raise SystemExit(f"error: --{flag} {path!r}: no such file")
+            raise SystemExit(f"error: --{flag} {path!r}: {not_a_file(path)}")
+    if cfg.data and cfg.eval_data and same_file(cfg.data, cfg.eval_data):
+        print(f"note: --eval_data {cfg.eval_data} is --data's file: validation and the final evaluation read the "
+              "questions training reads", file=sys.stderr)
     for flag, path in (("init_from", tiny.base_path(cfg.init_from)), ("encoder", getattr(mcfg, "encoder", "")),
                        ("decoder", getattr(mcfg, "decoder", ""))):
         if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
@@ -240,6 +246,15 @@ def check_inputs(cfg, mcfg):
             raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
                              "prompts (drop the flag to take its format)")
     check_writable(cfg.out_dir, "--out_dir")
+
+
+def not_a_file(path):
+    return "a folder, not a file" if os.path.isdir(path) else "no such file"
+
+
+def same_file(a, b):
+    """Two paths to one file, or two files of the same bytes."""
+    return os.path.samefile(a, b) or os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
 
 
 def teacher_prompt(teacher):
@@ -690,13 +705,27 @@ def text_objective(cfg):
 
 
 def read_file(path, read):
-    """list(read(path)); a file that is not UTF-8 text, or a cut or corrupt .gz / .zip, is one line naming it."""
+    """list(read(path)); a file that is not UTF-8 text, a cut or corrupt .gz / .zip, or JSON nested past Python's
+    recursion limit is one line naming it."""
     try:
         return list(read(path))
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except (EOFError, zlib.error) as e:
+        where = f"byte {e.start}" if data.file_kind(path) == "zip" else f"line {first_non_utf8_line(path)}"
+        raise ValueError(f"{path}: not UTF-8 text ({where})") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile, zipfile.BadZipFile) as e:
         raise ValueError(f"{path}: a cut or corrupt compressed file ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
+
+
+def first_non_utf8_line(path):
+    """The number of the first line of a file (gzipped or not) that is not UTF-8 (a decoder counts from its chunk)."""
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return n
 
 
 def read_records(path, cfg, stats=None):
@@ -706,9 +735,9 @@ def read_records(path, cfg, stats=None):
 
 
 def is_text_file(path):
-    """A .txt file or a JSONL of {"text"}, gzipped or not: what only a text objective reads."""
-    name = os.path.basename(path).removesuffix(".gz")
-    return name.endswith((".txt", ".text")) or name.endswith(".jsonl") and "text" in data.first_record(path)
+    """A .txt / .md file or a JSONL of {"text"}, gzipped or not (data.file_kind): what only a text objective reads."""
+    kind = data.file_kind(path)
+    return kind == "text" or kind == "jsonl" and "text" in data.first_record(path)
 
 
 def read_items(path, cfg, text):
@@ -720,7 +749,7 @@ def read_items(path, cfg, text):
     else:
         records = read_records(path, cfg, stats)
         items = list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
-    if stats.get("skipped_bad") or stats.get("unanswerable"):
+    if stats.get("skipped_bad") or stats.get("unanswerable") or stats.get("no_answer"):
         print(f"{path}: {stats}")
     if not items:
         raise SystemExit(f"error: {path!r} holds no usable records ({stats})")

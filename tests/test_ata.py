@@ -213,6 +213,10 @@ def test_training_batch_whose_gold_chunk_is_cut_warns(base_dir):
         warnings.simplefilter("error")
         m.eval()
         m.prepare(data.collate_qa(recs, m.tok, max_context=12, pad_multiple=8))  # evaluation: the row says it
+    m.train()
+    unmarked = [dict(r, relevant=[]) for r in recs[:3]]  # (MS MARCO: no passage selected)
+    with pytest.warns(UserWarning, match="3 example\\(s\\) of this training batch keep no relevant chunk \\(none marked"):
+        m.prepare(data.collate_qa(unmarked, m.tok, pad_multiple=8))
 
 
 def test_probe_runs_in_fp32_under_autocast():

@@ -539,12 +539,14 @@ def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tm
 
 def test_every_record_gets_an_id_of_its_own(tmp_path):
     """eval.py pairs rows by question id: a missing one is named by its place (the reader's), a repeated one gets
-    #2, #3."""
+    #2, #3, ..., past those the file holds itself."""
     qas = [{"question": "q", "answers": [{"text": "A", "answer_start": 0}], **({"id": i} if i is not None else {})}
            for i in ("a", None, "a", "a#2", None)]
     p = tmp_path / "s.json"
     p.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "A b.", "qas": qas}]}]}))
-    assert [r["id"] for r in data.read_dataset(p)] == ["a", "s.json:2", "a#2", "a#2#2", "s.json:5"]
+    assert [r["id"] for r in data.read_dataset(p)] == ["a", "s.json:2", "a#3", "a#2", "s.json:5"]
+    ids = [r["id"] for r in data.unique_ids([{"id": i} for i in ("a#2", "a", "a", "a", "", "a#3", "4")])]
+    assert ids == ["a#2", "a", "a#4", "a#5", "4", "a#3", "4#2"]
 
 
 def test_a_file_of_another_shape_or_kind_is_one_line(tmp_path):
@@ -565,6 +567,72 @@ def test_a_file_of_another_shape_or_kind_is_one_line(tmp_path):
         with pytest.raises(ValueError) as e:
             list(read(tmp_path / name))
         assert str(e.value).endswith(message) and "\n" not in str(e.value), e.value
+
+
+def test_a_record_no_reader_could_score_is_one_line(tmp_path):
+    """Records that parse but cannot be read or scored as their format says: an empty context, question or answer
+    (an empty prediction scores EM 100 against it), SQuAD's answer_start outside the context, HotpotQA sentences
+    that are not strings or no supporting fact, MS MARCO's is_selected other than 0 / 1, JSONL's relevant
+    without chunks. Each: "file:record: what is wrong"."""
+    def squad(context="A b. C d.", question="q", text="A", start=0):
+        qa = {"question": question, "answers": [{"text": text, "answer_start": start}]}
+        return {"data": [{"paragraphs": [{"context": context, "qas": [qa]}]}]}
+    hotpot = {"_id": "h", "question": "q", "answer": "A", "supporting_facts": [["T", 0]], "context": [["T", ["A."]]]}
+    marco = {"query": "q", "answers": ["A"], "passages": [{"passage_text": "A.", "is_selected": "0"}]}
+    jsonl = {"context": "A b.", "question": "q", "answers": ["A"], "relevant": ["A b."]}
+    for name, doc, message in (
+            ("c.json", squad(context=""), "c.json:1: empty context"),  # was an IndexError
+            ("q.json", squad(question=" "), "q.json:1: empty question"),
+            ("a.json", squad(text=""), 'a.json:1: an empty answer in [""]'),
+            ("s.json", squad(start=99), "s.json:1: answer_start [99] should lie in the context's 9 characters"),
+            ("n.json", squad(start=-1), "n.json:1: answer_start [-1]"),
+            ("b.json", squad(start=True), "b.json:1: answer_start [True]"),
+            ("h.json", [{**hotpot, "context": [["T", [1, 2]]]}], "h.json:1: context should be [title, [sentences]] "
+                                                                 "pairs of strings"),  # was a TypeError
+            ("f.json", [{**hotpot, "supporting_facts": []}], "f.json:1: supporting_facts is empty"),
+            ("e.json", [{**hotpot, "answer": ""}], "e.json:1: an empty answer"),
+            ("m.jsonl", [marco], "m.jsonl:1: 'is_selected' should be 0 or 1"),  # "0" was selected
+            ("r.jsonl", [jsonl], "r.jsonl:1: 'relevant' entries must be chunks (give the context's 'chunks' too)"),
+            ("x.jsonl", [{**jsonl, "relevant": None, "answers": ["A", " "]}], "x.jsonl:1: an empty answer")):
+        (tmp_path / name).write_text("\n".join(map(json.dumps, doc)) if name.endswith("l") else json.dumps(doc))
+        with pytest.raises(ValueError) as e:
+            data.read_dataset(tmp_path / name)
+        assert str(e.value).startswith(str(tmp_path)) and message in str(e.value), e.value
+
+
+def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):
+    """A zip failing its checksum, a gzip failing its CRC, JSON nested past the recursion limit, a JSONL with a
+    non-UTF-8 line deep in it (its line, not the decoder chunk's byte), a text file named .md or .TXT (read as text),
+    a .JSONL (read as JSON lines), another name (read as JSON: the error says so)."""
+    good = json.dumps({"context": "A b.", "question": "q", "answers": ["A"]}) + "\n"
+    zipped = tmp_path / "squad.zip"
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("squad.json", json.dumps({"data": [{"paragraphs": [{"context": "A b. " * 200, "qas": []}]}]}))
+    raw = bytearray(zipped.read_bytes())
+    raw[raw.index(b"A b.")] ^= 1  # stored uncompressed: the CRC fails
+    zipped.write_bytes(bytes(raw))
+    gz = bytearray(gzip.compress(good.encode() * 50))
+    gz[-6] ^= 0xFF  # the CRC-32 at the end
+    (tmp_path / "crc.jsonl.gz").write_bytes(bytes(gz))
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "latin.jsonl").write_bytes(good.encode() * 3000 + b'{"context": "caf\xe9"}\n')
+    cfg = train.TrainConfig()
+    for name, message in (("squad.zip", "squad.zip: a cut or corrupt compressed file (Bad CRC-32"),
+                          ("crc.jsonl.gz", "crc.jsonl.gz: a cut or corrupt compressed file (CRC check failed"),
+                          ("deep.json", "deep.json: JSON nested too deeply to read"),
+                          ("latin.jsonl", "latin.jsonl: not UTF-8 text (line 3001)")):
+        with pytest.raises(ValueError) as e:
+            train.read_records(tmp_path / name, cfg)
+        assert str(e.value).startswith(str(tmp_path / name)) and message in str(e.value), e.value
+    for name in ("notes.md", "NOTES.TXT"):
+        (tmp_path / name).write_text("First words.\n\nSecond words.")
+        assert train.is_text_file(tmp_path / name)
+        assert data.read_text(tmp_path / name) == ["First words.", "Second words."]
+    (tmp_path / "UP.JSONL").write_text(good * 2)
+    assert len(data.read_dataset(tmp_path / "UP.JSONL")) == 2
+    (tmp_path / "notes").write_text("plain words")
+    with pytest.raises(ValueError, match="invalid JSON: .* \\(read as JSON by its name; text is .txt or .md"):
+        data.read_dataset(tmp_path / "notes")
 
 
 def test_real_qa_files():

@@ -241,7 +241,8 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""}, "method": {}}))
+    (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": "", "ratio": "4",
+                                                       "eval_examples": 6}, "method": {}}))
     evaluate.main([str(run), "--batch_size", "4"])
     res = json.load(open(run / "metrics.json"))
     ids = [r["id"] for r in evaluate.eval_records(cfg, evaluate.EvalConfig())]
@@ -306,8 +307,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "teacher_rows", lambda *a: calls.append(1) or real(*a))
     for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": ""},
-                                                                 "method": {}}))
+        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": "",
+                                                                           "eval_examples": 4}, "method": {}}))
         evaluate.main([str(tmp_path / name)] + extra)
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")

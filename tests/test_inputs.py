@@ -67,6 +67,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("data line", ["--data", "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
     ("data bytes", ["--data", "latin1.json"], "latin1.json: not UTF-8 text"),
     ("data missing", ["--data", "nothere.json"], "--data"),
+    ("data folder", ["--data", "teacher"], "teacher': a folder, not a file"),
     ("data cut", ["--data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt compressed file"),  # was a traceback
     ("text cut", ["--method=sac", "--pretrain", 1, "--pretrain_data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt"),
     ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),
@@ -199,7 +200,20 @@ def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
     assert [json.loads(line)["step"] for line in open(out / "log.jsonl")] == [1]
 
 
-def test_eval_inputs_are_one_line(files, tmp_path):
+def test_the_training_file_as_eval_data_is_noted(files, tmp_path, capsys):
+    """--eval_data naming --data's file (or a copy): validation and the final evaluation read training questions."""
+    shutil.copy(files / "squad.json", tmp_path / "copy.json")
+    argv = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST]
+    assert in_process(argv + ["--eval_data", tmp_path / "copy.json", "--out_dir", tmp_path / "a"]) == ""
+    assert "note: --eval_data" in capsys.readouterr().err
+    assert in_process(argv + ["--out_dir", tmp_path / "b"]) == ""
+    assert "note: --eval_data" not in capsys.readouterr().err
+    cfg = train.run_config(tmp_path / "b")[0]
+    evaluate.eval_records(cfg, evaluate.EvalConfig(eval_data=str(tmp_path / "copy.json"), n=2))
+    assert "is the file the run trained on" in capsys.readouterr().err
+
+
+def test_eval_inputs_are_one_line(files, tmp_path, monkeypatch):
     run_dir = tmp_path / "mp"
     in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
                 "--out_dir", run_dir])
@@ -223,6 +237,7 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                           ([gone, "--n", 2], f"{gone}'s --eval_data '{tmp_path / 'held.json'}': no such file"),
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
+                          ([run_dir, "--context", tmp_path / "doc.txt", "--question", " "], "--question is empty"),
                           ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
                           ([tmp_path / "nothing", "--n", 2], "is not a run dir"),
                           ([tmp_path / "one.json", "--n", 2], "one.json: not an eval.py --out JSON"),
@@ -233,12 +248,17 @@ def test_eval_inputs_are_one_line(files, tmp_path):
                           ([run_dir, "--n", 2, "--max_new_tokens", 0], "--max_new_tokens 0 must be a positive"),
                           ([run_dir, "--n", 2, "--split", "dev"], "--split 'dev'; choose from"),
                           ([run_dir, "--n", 2, "--eval_data", tmp_path / "none.json"], "--eval_data"),
+                          ([run_dir, "--n", 2, "--eval_data", tmp_path], "a folder, not a file"),
                           ([run_dir, "--n", 2, "--out", tmp_path / "doc.txt" / "x.json"], "is a file, not a folder"),
                           ([run_dir, "--n", 2, "--out", tmp_path], "is a folder; name a file")):
-        line = in_process(argv + (["--question", "Where?"] if "--n" not in argv else []), evaluate.main)
+        line = in_process(argv + (["--question", "Where?"] if not {"--n", "--question"} & set(argv) else []),
+                          evaluate.main)
         assert line.startswith("error: ") and message in line, (argv, line)
     p = run([run_dir, "--memory", files / "squad.json", "--question", "Where?"], script="eval.py", check=False)
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr  # the script itself
+    monkeypatch.setattr(train, "load_run", lambda *a: pytest.fail("a model loaded before the questions were read"))
+    line = in_process([run_dir, "--n", 2, "--eval_data", files / "bad.json"], evaluate.main)
+    assert line.startswith("error: ") and "bad.json:1: invalid JSON" in line, line
 
 
 def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_path):
