@@ -301,7 +301,7 @@ def sibling_teacher_rows(run_dir, key):
             res = json.load(open(path))
         except (OSError, json.JSONDecodeError):
             continue
-        if res.get("teacher_key") == key:
+        if isinstance(res, dict) and res.get("teacher_key") == key and not result_error(res):  # (--out's list)
             return {"teacher": res["teacher"], "no-context": res["no_context"]}
 
 
@@ -327,13 +327,17 @@ def run_label(run_dir, mcfg):
 NUMBER = (int, float)
 
 
+def is_number(v, finite=True):
+    return isinstance(v, NUMBER) and not isinstance(v, bool) and (not finite or math.isfinite(v))
+
+
 def key_error(obj, where, kinds):
-    """"" when the dict obj has each key of kinds {key: type}, of that type; else which does not."""
+    """"" when the dict obj has each key of kinds {key: type}, of that type (NUMBER: a finite one); else which not."""
     for key, kind in kinds.items():
         if key not in obj:
             return f"missing key {where + key!r}"
-        if not isinstance(obj[key], kind):
-            expected = "a number" if kind == NUMBER else kind.__name__
+        if not (is_number(obj[key]) if kind == NUMBER else isinstance(obj[key], kind)):
+            expected = "a finite number" if kind == NUMBER else kind.__name__
             return f"key {where + key!r} is {obj[key]!r:.40}, expected {expected}"
     return ""
 
@@ -352,13 +356,21 @@ def result_error(res):
         if not isinstance(row, dict):
             return f"key {where!r} is {row!r:.40}, expected dict"
         kinds = {"method": str, "em": NUMBER, "f1": NUMBER, "examples_per_s": NUMBER}
-        if why := key_error(row, f"{where}.", kinds | ({"ratio": NUMBER} if where.startswith("rows") else {})):
+        shown = {k: NUMBER for k in ("memory_bytes", *EXTRA) if k in row}  # the table's, claims.py's
+        if why := key_error(row, f"{where}.", kinds | shown | ({"ratio": NUMBER} if where.startswith("rows") else {})):
             return why
-        scores = row.get("scores", {"em": {}, "f1": {}})  # {"em": {id: score}, "f1": ...}: claims.py, compare.py
-        if not (isinstance(scores, dict) and all(isinstance(scores.get(k), dict) and
-                                                 all(isinstance(v, NUMBER) for v in scores[k].values())
-                                                 for k in ("em", "f1"))):
-            return f"key '{where}.scores' is not {{\"em\": {{id: number}}, \"f1\": {{id: number}}}}"
+        for key in ("f1_norm", "em_norm", "em_ci", "f1_ci"):
+            if key not in row:
+                continue
+            v, norm = row[key], key.endswith("norm")  # a norm is nan where the teacher gains nothing
+            if not (is_number(v, finite=False) if norm else isinstance(v, list) and len(v) == 2
+                    and all(map(is_number, v))):
+                return f"key '{where}.{key}' is {v!r:.40}, expected {'a number' if norm else '[low, high]'}"
+        scores = row.get("scores", {"em": {}, "f1": {}})  # {"em": {id: score}, "f1": ..., "nll": ...}: claims, compare
+        if not (isinstance(scores, dict) and {"em", "f1"} <= scores.keys() and all(  # (a diverged run's NLL: nan)
+                isinstance(by_id, dict) and all(is_number(v, finite=k in ("em", "f1")) for v in by_id.values())
+                for k, by_id in scores.items())):
+            return f"key '{where}.scores' is not {{\"em\": {{id: number}}, \"f1\": {{id: number}}, ...}}"
     return ""
 
 
@@ -600,7 +612,7 @@ def one_shot(ecfg, run_dir, device):
     if ecfg.save_memory:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
         memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method}
-        memory.save(ecfg.save_memory)
+        train.atomic_write(ecfg.save_memory, memory.save)
         print(f"saved the compressed context to {ecfg.save_memory}")
 
 
@@ -676,7 +688,7 @@ def main(argv):
     print(table(results))
     if ecfg.out:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.out)), exist_ok=True)
-        Path(ecfg.out).write_text(json.dumps(results, indent=1))
+        train.atomic_write(ecfg.out, lambda p: Path(p).write_text(json.dumps(results, indent=1)))
         png = plot(results, os.path.splitext(ecfg.out)[0] + ".png")
         print(f"wrote {ecfg.out}" + (f" and {png}" if png else ""))
     return results

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -626,10 +627,16 @@ def load_run(run_dir, device="cpu", dtype=torch.float32):
 # checkpoints: safetensors + JSON, written atomically (temp file, fsync, rename)
 
 def atomic_write(path, write):
+    """write(tmp), then rename tmp to path: a failure (a full disk) leaves what path held; OSError naming path."""
     tmp = path + ".tmp"
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, SafetensorError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(f"{path}: could not write it ({e})") from None
     os.replace(tmp, path)
 
 

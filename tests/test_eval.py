@@ -305,6 +305,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     calls = []
     real = evaluate.teacher_rows
     monkeypatch.setattr(evaluate, "teacher_rows", lambda *a: calls.append(1) or real(*a))
+    (tmp_path / "summary").mkdir()  # a folder beside them holding an --out list named metrics.json: not a run's
+    (tmp_path / "summary" / "metrics.json").write_text("[1]")
     for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": "",
@@ -639,12 +641,20 @@ def test_eval_reads_every_results_file_before_any_work(tmp_path, monkeypatch):
     good = json.loads((_fake_run(tmp_path / "good", "meanpool", [4]) / "metrics.json").read_text())
     bad_row = dict(good, rows=[dict(good["rows"][0], f1="high")])
     bad_scores = dict(good, teacher=dict(good["teacher"], scores={"em": {}, "f1": {"q0": None}}))
+    row = lambda **change: dict(good, rows=[dict(good["rows"][0], **change)])  # noqa: E731
     for i, (content, message) in enumerate([
             ([], "([] is not a run's result (an object)); rerun with --recompute"),
             (dict(good, rows=[]), "corrupt metrics file (key 'rows' is empty)"),
             ({k: v for k, v in good.items() if k != "no_context"}, "corrupt metrics file (missing key 'no_context')"),
-            (bad_row, "corrupt metrics file (key 'rows[0].f1' is 'high', expected a number)"),
-            (bad_scores, "key 'teacher.scores' is not {\"em\": {id: number}, \"f1\": {id: number}}")]):
+            (bad_row, "corrupt metrics file (key 'rows[0].f1' is 'high', expected a finite number)"),
+            (bad_scores, "key 'teacher.scores' is not {\"em\": {id: number}, \"f1\": {id: number}, ...}"),
+            (row(ratio=float("nan")), "key 'rows[0].ratio' is nan, expected a finite number"),  # claims: "disagrees"
+            (row(f1=True), "key 'rows[0].f1' is True, expected a finite number"),
+            (row(memory_bytes="8"), "key 'rows[0].memory_bytes' is '8', expected a finite number"),
+            (row(probe_abs_err="x"), "key 'rows[0].probe_abs_err' is 'x'"),  # (a traceback in claims.py)
+            (row(f1_ci=5), "key 'rows[0].f1_ci' is 5, expected [low, high]"),
+            (row(f1_norm="0.5"), "key 'rows[0].f1_norm' is '0.5', expected a number"),
+            (row(scores={"em": {"q0": 1.0}, "f1": {"q0": float("nan")}}), "key 'rows[0].scores' is not")]):
         run = _fake_run(tmp_path / f"bad{i}", "meanpool", [4])
         (run / "metrics.json").write_text(json.dumps(content))
         line = _one_line(evaluate.main, [todo, run])

@@ -4,11 +4,14 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import model
 import train
@@ -129,6 +132,21 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(base_dir, tmp_path,
     assert all(torch.equal(before[k], after[k]) for k in before)
     cfg, mcfg, tok, base, method = train.load_run(str(out))  # and the run loads
     assert cfg.method == "meanpool"
+
+
+def test_a_failed_write_keeps_the_file_and_names_it(tmp_path):
+    """atomic_write on a full disk (a write that fails half way, an OSError or safetensors' own error): the file keeps
+    what it held, no .tmp is left, and the error names the file."""
+    path = str(tmp_path / "metrics.json")
+    Path(path).write_text("earlier results")
+
+    def full_disk(p, error):
+        Path(p).write_text("half")
+        raise error
+    for error in (OSError(28, "No space left on device"), SafetensorError("Error while serializing: IoError")):
+        with pytest.raises(OSError, match=f"^{re.escape(path)}: could not write it"):
+            train.atomic_write(path, lambda p: full_disk(p, error))
+        assert Path(path).read_text() == "earlier results" and os.listdir(tmp_path) == ["metrics.json"]
 
 
 @pytest.mark.slow
