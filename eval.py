@@ -122,6 +122,8 @@ def eval_records(cfg, ecfg):
         print(f"note: --eval_data {ecfg.eval_data} is the file the run trained on", file=sys.stderr)
     if path:
         records = train.read_records(path, cfg)
+        if not records:
+            raise SystemExit(f"error: {path!r} holds no usable questions")
         if not (ecfg.eval_data or cfg.eval_data) and len(records) > 1:
             records, path = train.held_out(records, cfg.seed)[1], f"the held-out questions of {path}"
         if ecfg.n > len(records):  # every question is read, and the rows' n says how many
@@ -410,6 +412,15 @@ def check_evaluable(run_dir, ratio):
     cfg, mcfg, cls = train.run_config(run_dir)
     if not hasattr(cls, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
+    state = read_json(os.path.join(run_dir, "run.json"))
+    files, step = state.get("files"), state.get("step")
+    if not (isinstance(files, dict) and isinstance(files.get("ckpt"), str) and isinstance(step, int)):
+        raise SystemExit(f"error: {run_dir}/run.json: not a run.json written by train.py (needs step, files.ckpt)")
+    if not os.path.isfile(os.path.join(run_dir, files["ckpt"])):
+        raise SystemExit(f"error: {run_dir}: its checkpoint {files['ckpt']} is missing")
+    if step < cfg.max_iters:
+        print(f"note: {run_dir} is at step {step} of its {cfg.max_iters} (still training, or stopped: --resume "
+              "continues it)", file=sys.stderr)
     if not ratio:
         return
     if max(train.ratios_of(ratio)) > cfg.max_context:
@@ -625,8 +636,10 @@ def check_flags(ecfg, given):
     if wrong:
         modes = ("evaluating runs", "one-shot mode (--context, --memory, --question)")
         raise SystemExit(f"error: --{wrong[0]} applies to {modes[not ecfg.one_shot]}, not to {modes[ecfg.one_shot]}")
-    if "question" in given and not ecfg.question.strip():
-        raise SystemExit("error: --question is empty (leave it out to ask what the text is about)")
+    for flag in sorted(given & {"question", "context", "memory"}):  # (an unset shell variable, say)
+        if not getattr(ecfg, flag).strip():
+            raise SystemExit(f"error: --{flag} is empty" + (" (leave it out to ask what the text is about)"
+                                                               if flag == "question" else ""))
     if ecfg.context and ecfg.memory:
         raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
     for flag in ("ratio", "save_memory"):
@@ -638,8 +651,8 @@ def check_flags(ecfg, given):
     for flag in ("batch_size", "max_new_tokens"):
         if getattr(ecfg, flag) < 1:
             raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)} must be a positive integer")
-    if ecfg.n < 0:
-        raise SystemExit(f"error: --n {ecfg.n} must be >= 0 (0: the run's --eval_examples)")
+    if not 0 <= ecfg.n <= 1 << 20:  # (the synthetic benchmark would build every one first)
+        raise SystemExit(f"error: --n {ecfg.n} must lie in 0..2^20 (0: the run's --eval_examples)")
     if ecfg.ratio:
         train.ratios_of(ecfg.ratio)
     if ecfg.split not in tiny.SPLITS:
@@ -669,6 +682,7 @@ def main(argv):
             raise SystemExit(f"error: one-shot mode answers from one run dir; {len(run_dirs)} given: "
                              f"{' '.join(run_dirs)}")
         return one_shot(ecfg, run_dirs[0], device)
+    run_dirs = list({os.path.realpath(p): p for p in run_dirs}.values())  # a run named twice is read once
     # every results file read, every run dir seen and its questions read, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
     records = {}

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -200,10 +201,9 @@ def configure(argv):
 
 
 def ratios_of(spec, flag="ratio"):
-    try:
-        rs = [int(r) for r in str(spec).split(",")]  # "4,,8" and "4," are errors, not 4,8 and 4
-    except ValueError:
+    if not re.fullmatch(r" *[0-9]+ *(, *[0-9]+ *)*", str(spec)):  # "4,,8", "4," and "4_0" are errors (int reads 4_0)
         raise SystemExit(f"error: --{flag} {spec!r} must be an integer or a comma list like 4,8,16")
+    rs = [int(r) for r in str(spec).split(",")]
     if not rs or any(not 0 < r <= 1 << 20 for r in rs):  # (a 64-bit overflow in the pooling above that)
         raise SystemExit(f"error: --{flag} {spec!r}: every ratio must be a positive integer, at most 2^20")
     if len(set(rs)) < len(rs):  # a ratio twice would train (and report) it twice
@@ -607,6 +607,11 @@ def run_config(run_dir):
         unknown = sorted(state[key].keys() - {f.name for f in fields(config)})
         if unknown:  # a run of an older version (ata's prefix is --no_prefix now)
             raise SystemExit(f"error: {path}: {key} keys {unknown} are not {config.__name__} fields; retrain the run")
+        for f in fields(config):  # each value of its field's kind (an edited run.json)
+            value, kind = state[key].get(f.name, f.default), type(f.default)
+            if not (isinstance(value, kind) or kind is float and isinstance(value, int)) or \
+                    isinstance(value, bool) and kind is not bool:
+                raise SystemExit(f"error: {path}: {key}.{f.name} is {value!r:.40}, expected {kind.__name__}")
     cfg = TrainConfig(**state["train"])
     if name == "base":
         cfg.init_from = run_dir

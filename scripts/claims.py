@@ -299,6 +299,9 @@ def main(argv):
     if len(argv) == 1:
         results = evaluate.earlier_results(argv[0])
         return print(table(results) + f"\n\n{CONTROLS}:\n\n" + controls(results))
+    twice = [p for i, p in enumerate(argv) if os.path.realpath(p) in map(os.path.realpath, argv[:i])]
+    if twice:  # (one seed counted twice)
+        raise SystemExit(f"error: {twice[0]} is named twice; name each seed's results once")
     runs = [evaluate.earlier_results(p) for p in argv]
     names = [suite_name(p, res) for p, res in zip(argv, runs)]
     if len(set(names)) < len(names):

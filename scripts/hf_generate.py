@@ -98,8 +98,11 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise SystemExit(f"error: --max_new_tokens {args.max_new_tokens} must be a positive integer")
+    if not args.question.strip():
+        raise SystemExit("error: --question is empty")
     if not os.path.isfile(args.memory):
-        raise SystemExit(f"error: --memory {args.memory!r}: no such file")
+        raise SystemExit(f"error: --memory {args.memory!r}: {train.not_a_file(args.memory)}")
+    evaluate.check_evaluable(args.run, "")  # a compressor's run, whole
     memory = Memory.load(args.memory)
     evaluate.check_origin(memory, args.memory, args.run)
     cfg, mcfg, tok, base, method = train.load_run(args.run)

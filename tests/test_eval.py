@@ -227,6 +227,15 @@ def test_a_method_rows_nll_is_its_qa_training_loss():
         assert abs(row["scores"]["nll_other"][r["id"]] - row["scores"]["nll"][r["id"]]) > 1e-4
 
 
+def _stand_in_run(run, train_config):
+    """A run dir for a stand-in method (train.load_run patched): its run.json and an empty checkpoint."""
+    run.mkdir()
+    (run / "ckpt.safetensors").write_bytes(b"")
+    (run / "run.json").write_text(json.dumps({"train": train_config, "method": {}, "step": 0,
+                                              "files": {"ckpt": "ckpt.safetensors"}}))
+    return run
+
+
 def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     """evaluate_run with a fake base and method (no model, no training): every row of the
     written metrics.json carries {id: score} and the table prints the intervals."""
@@ -239,10 +248,7 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
                                    answer_from_memory=lambda mem, prompts, k: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=6)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": "", "ratio": "4",
-                                                       "eval_examples": 6}, "method": {}}))
+    run = _stand_in_run(tmp_path / "run", {"method": "meanpool", "init_from": "", "ratio": "4", "eval_examples": 6})
     evaluate.main([str(run), "--batch_size", "4"])
     res = json.load(open(run / "metrics.json"))
     ids = [r["id"] for r in evaluate.eval_records(cfg, evaluate.EvalConfig())]
@@ -279,9 +285,7 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
                                               ("c", "5,15", ["--ratio", "51"], [51])):
         cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
         monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "sac", "init_from": ""},
-                                                                 "method": {}}))
+        _stand_in_run(tmp_path / name, {"method": "sac", "init_from": ""})
         read_at.clear()
         evaluate.main([str(tmp_path / name)] + extra)
         rows = json.load(open(tmp_path / name / "metrics.json"))["rows"]
@@ -308,9 +312,7 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     (tmp_path / "summary").mkdir()  # a folder beside them holding an --out list named metrics.json: not a run's
     (tmp_path / "summary" / "metrics.json").write_text("[1]")
     for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"train": {"method": "meanpool", "init_from": "",
-                                                                           "eval_examples": 4}, "method": {}}))
+        _stand_in_run(tmp_path / name, {"method": "meanpool", "init_from": "", "eval_examples": 4})
         evaluate.main([str(tmp_path / name)] + extra)
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
@@ -764,7 +766,8 @@ def test_scripts_bad_input_is_one_line(tmp_path):
             (results_md.main, [tmp_path / "junk.json", "--wall_s", "x"], "argument --wall_s: invalid float value"),
             (hf_generate.main, [tmp_path, "--memory", "m", "--question", "q", "--max_new_tokens", 0],
              "--max_new_tokens 0 must be a positive integer"),
-            (hf_generate.main, [tmp_path, "--memory", "m"], "the following arguments are required: --question")):
+            (hf_generate.main, [tmp_path, "--memory", "m"], "the following arguments are required: --question"),
+            (hf_generate.main, [tmp_path, "--memory", "m", "--question", " "], "--question is empty")):
         assert message in _one_line(main, argv), argv
     assert out.read_text() == "kept\n"
     p = subprocess.run([sys.executable, "scripts/claims.py", "--help"], cwd=ROOT, capture_output=True, text=True)
@@ -775,7 +778,9 @@ def test_scripts_bad_input_is_one_line(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(bad))
     assert "b.json is not an eval.py results JSON (TypeError: row 'm@4': scores.f1 is not {question id: number})" in \
         _one_line(compare.main, [a, tmp_path / "b.json"])
-    for script, args in (("scripts/claims.py", [tmp_path / "broken.json", tmp_path / "broken.json"]),
+    shutil.copy(tmp_path / "broken.json", tmp_path / "broken2.json")
+    assert "two_rows.json is named twice" in _one_line(claims.main, [tmp_path / "two_rows.json"] * 2)
+    for script, args in (("scripts/claims.py", [tmp_path / "broken.json", tmp_path / "broken2.json"]),
                          ("scripts/results_md.py", [tmp_path / "broken.json", "--out", out])):
         p = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode != 0 and p.stderr == f"error: {broken}/run.json:1: invalid JSON: Expecting property name " \

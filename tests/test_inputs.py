@@ -76,6 +76,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("ratio", ["--ratio", "4,99999999999999999999"], "every ratio must be a positive integer, at most 2^20"),
     ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
     ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be an integer"),
+    ("ratio digits", ["--ratio", "4_0"], "--ratio '4_0' must be an integer"),  # (int() reads 40)
     ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
     ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu
@@ -243,7 +244,9 @@ def test_eval_inputs_are_one_line(files, tmp_path, monkeypatch):
                           ([tmp_path / "one.json", "--n", 2], "one.json: not an eval.py --out JSON"),
                           ([files / "latin1.json", "--n", 2], "cannot read it as an eval.py --out JSON"),
                           ([run_dir, "--n", 2, "--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda"),
-                          ([run_dir, "--n", -1], "--n -1 must be >= 0"),
+                          ([run_dir, "--n", -1], "--n -1 must lie in 0..2^20"),
+                          ([run_dir, "--n", 1 << 21], "--n 2097152 must lie in 0..2^20"),  # (synthetic: a hang)
+                          ([run_dir, "--context="], "--context is empty"),  # (was: every run evaluated)
                           ([run_dir, "--n", 2, "--batch_size", 0], "--batch_size 0 must be a positive integer"),
                           ([run_dir, "--n", 2, "--max_new_tokens", 0], "--max_new_tokens 0 must be a positive"),
                           ([run_dir, "--n", 2, "--split", "dev"], "--split 'dev'; choose from"),
@@ -259,6 +262,37 @@ def test_eval_inputs_are_one_line(files, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "load_run", lambda *a: pytest.fail("a model loaded before the questions were read"))
     line = in_process([run_dir, "--n", 2, "--eval_data", files / "bad.json"], evaluate.main)
     assert line.startswith("error: ") and "bad.json:1: invalid JSON" in line, line
+
+
+def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypatch, capsys):
+    """A later run's missing checkpoint, a run.json value of the wrong kind, a file of no questions: one line before
+    any run loads. A run short of its --max_iters is noted; a run named twice is read once."""
+    run_dir = tmp_path / "mp"
+    in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                "--out_dir", run_dir])
+    state = json.loads((run_dir / "run.json").read_text())
+
+    def variant(name, edit):
+        shutil.copytree(run_dir, tmp_path / name)
+        edit(tmp_path / name, json.loads(json.dumps(state)))
+        return tmp_path / name
+    write = lambda d, st: (d / "run.json").write_text(json.dumps(st))  # noqa: E731
+    no_ckpt = variant("no_ckpt", lambda d, st: (d / st["files"]["ckpt"]).unlink())
+    typed = variant("typed", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": "4"}}))
+    short = variant("short", lambda d, st: write(d, {**st, "train": {**st["train"], "max_iters": 1000}}))
+    (tmp_path / "empty.jsonl").write_text("")
+    loaded = []
+    monkeypatch.setattr(train, "load_run", lambda *a: loaded.append(a) or pytest.fail("a run loaded"))
+    for argv, message in (([run_dir, no_ckpt, "--recompute"], f"{no_ckpt}: its checkpoint ckpt-0000001.safetensors "
+                                                                "is missing"),
+                          ([run_dir, typed, "--recompute"], "run.json: train.eval_examples is '4', expected int"),
+                          ([run_dir, "--eval_data", tmp_path / "empty.jsonl"], "empty.jsonl' holds no usable questions")):
+        line = in_process(argv, evaluate.main)
+        assert line.startswith("error: ") and message in line, (argv, line)
+    monkeypatch.undo()
+    results = evaluate.main([str(short), str(run_dir), f"{run_dir}/", "--n", "2"])
+    assert [r["run"] for r in results] == [str(short), f"{run_dir}/"]
+    assert f"note: {short} is at step 1 of its 1000 (still training" in capsys.readouterr().err
 
 
 def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_path):
