@@ -268,6 +268,11 @@ def check_out_dirs(stages):
     """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
     --teacher, --encoder, --decoder. A --method base run writes a base: its own dir is the one it makes."""
     (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
+    for c, _, _ in stages:  # a run starting anew replaces a run of its own method there, never another's
+        there = first_stage(c.out_dir, None)
+        if there and there["train"]["method"] != c.method and not c.resume:
+            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
+                             f"{there['step']}); give this run another dir")
     if cfg.method == "base":
         return
     reads = {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
@@ -1092,39 +1097,51 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
         print(f"{cfg.method} ({cfg.objective}){ratios}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
               f"{cfg.grad_accum} micro-batches), {device} {dtype} -> {cfg.out_dir}; {val_text}")
-    # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps
-    ratios = ratios_of(cfg.ratio)
+    # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps; Ctrl-C (SIGINT)
+    # or SIGTERM stops it at the end of a step, which it saves
+    ratios, saved = ratios_of(cfg.ratio), step
     eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
-    STOP.clear()
-    old_handler = signal.signal(signal.SIGINT, lambda *a: STOP.append(1))
     bar = tqdm(total=cfg.max_iters, initial=step, disable=not master or cfg.quiet, desc=cfg.method, dynamic_ncols=True)
     t0, tokens = time.time(), 0
     method.train()
-    while step < cfg.max_iters and not STOP:
-        lr = lr_at(step, cfg, getattr(method, "lr_schedule", "cosine"))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, metrics, n = train_step(model, batches(step), params, opt, ratios, device, autocast, ddp, world, cfg)
-        step, tokens = step + 1, tokens + n
-        if not master:
-            continue
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens * world / (time.time() - t0):.0f}")
-        record = {"step": step, "loss": loss, "lr": lr, **{k: float(v) for k, v in metrics.items()}}
-        checkpoint = step % eval_every == 0 or step == cfg.max_iters
-        if checkpoint:
-            record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
-            bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
-        with open(log, "w" if step == 1 else "a") as f:  # a new run in a used dir starts its own log (resumed: > 1)
-            f.write(json.dumps(record) + "\n")
-        if checkpoint:
+    STOP.clear()
+    handlers = {sig: signal.signal(sig, lambda *a: STOP.append(1)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while step < cfg.max_iters and not STOP:
+            lr = lr_at(step, cfg, getattr(method, "lr_schedule", "cosine"))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, metrics, n = train_step(model, batches(step), params, opt, ratios, device, autocast, ddp, world, cfg)
+            step, tokens = step + 1, tokens + n
+            if not math.isfinite(loss):  # (the weights are not finite either now: nothing more is saved)
+                kept = f"keeps step {saved}" if saved else "has no checkpoint"
+                raise SystemExit(f"error: step {step}: the training loss is {loss}; stopped ({cfg.out_dir} {kept}). "
+                                 "A lower --lr (or --grad_clip) may keep it finite")
+            if not master:
+                continue
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens * world / (time.time() - t0):.0f}")
+            record = {"step": step, "loss": loss, "lr": lr, **{k: float(v) for k, v in metrics.items()}}
+            checkpoint = step % eval_every == 0 or step == cfg.max_iters
+            if checkpoint:
+                record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
+                bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
+            if step == 1:  # a new run in a used dir starts its own log, and the old run's commit point goes with it
+                for old in ("run.json", "metrics.json"):  # (killed before its first checkpoint: no mixed dir)
+                    if os.path.exists(os.path.join(cfg.out_dir, old)):
+                        os.remove(os.path.join(cfg.out_dir, old))
+            with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
+                f.write(json.dumps(record) + "\n")
+            if checkpoint:
+                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
+                saved = step
+        if master and STOP:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
-    # 4) an interrupted run saves where it stopped
-    bar.close()
-    if master and STOP:
-        save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
-        print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
-    signal.signal(signal.SIGINT, old_handler)
+            print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
+    finally:
+        bar.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     if ddp:  # a next stage (--pretrain) reads what rank 0 saved
         dist.barrier()
     if master and batches.stats:
@@ -1137,16 +1154,20 @@ if __name__ == "__main__":
         out = main(sys.argv[1:])
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C before the loop took it: no step was taken, nothing written
+        raise SystemExit("interrupted before the first step: nothing saved") from None
     finally:
         ddp = dist.is_initialized()
         if ddp:
             dist.destroy_process_group()
-    if out and os.environ.get("RANK", "0") == "0":  # main returns None after --help
+    if out and os.environ.get("RANK", "0") == "0":  # main returns None after --help and when interrupted
         run_cfg = json.load(open(os.path.join(out, "run.json")))["train"]
         if run_cfg["method"] not in ("base", "teacher") and run_cfg["eval_examples"] > 0:
             sys.stdout.flush()  # train.py does not import eval.py: the evaluation replaces this process
             os.execv(sys.executable, [sys.executable, os.path.join(os.path.dirname(__file__), "eval.py"), out])
+    code = 130 if STOP else 0  # interrupted (saved, not finished): a script's `train.py && next` stops there
     if ddp:  # a rank skips Python's shutdown: DDP keeps the gloo group's threads alive past destroy_process_group
         # (torch 2.13), and one that frees a tensor while the interpreter shuts down aborts the rank (SIGABRT)
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    sys.exit(code)

@@ -5,8 +5,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,54 @@ def test_resume_reaches_the_same_parameters(base_dir, tmp_path, monkeypatch):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_a_run_dir_is_never_a_mix_of_two_runs(base_dir, tmp_path, monkeypatch):
+    """A run starting anew in a used dir drops the old run's commit point with its log at step 1: killed before its
+    first checkpoint, it leaves no run.json for --resume to join to the new log. Another method's run there is
+    never replaced."""
+    out = tmp_path / "r"
+    in_process(args(base_dir, out, "--max_iters", 2, "--eval_examples", 0))
+    monkeypatch.setattr(train, "save_checkpoint", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+    with pytest.raises(RuntimeError, match="killed"):
+        in_process(args(base_dir, out, "--max_iters", 4, "--eval_interval", 2, "--lr", "1e-4"))
+    monkeypatch.undo()
+    assert not (out / "run.json").exists() and [json.loads(line)["step"] for line in open(out / "log.jsonl")] == [1, 2]
+    with pytest.raises(SystemExit, match="--resume but .* has no checkpoint"):
+        in_process(args(base_dir, out, "--max_iters", 4, "--resume"))
+    in_process(args(base_dir, out, "--max_iters", 2, "--eval_examples", 0))
+    pic = ["--method", "pic", "--init_from", base_dir, "--out_dir", out, "--max_iters", 1, "--quiet", "--device", "cpu"]
+    with pytest.raises(SystemExit, match=f"--out_dir '{out}' holds a --method meanpool run \\(step 2\\); give this"):
+        in_process(pic)
+    assert json.load(open(out / "run.json"))["train"]["method"] == "meanpool"
+
+
+def test_a_loss_that_is_not_finite_stops_the_run(base_dir, tmp_path):
+    """--lr 1e30: the loss turns nan or inf; the run stops there with one line, keeping its last checkpoint."""
+    out = tmp_path / "r"
+    with pytest.raises(SystemExit) as e:
+        in_process(args(base_dir, out, "--max_iters", 40, "--eval_interval", 1, "--lr", "1e30", "--grad_clip", 0,
+                        "--eval_examples", 0))
+    step = json.load(open(out / "run.json"))["step"]
+    assert re.fullmatch(rf"error: step {step + 1}: the training loss is (nan|inf); stopped \({out} keeps step {step}\)"
+                        r"\. A lower --lr \(or --grad_clip\) may keep it finite", str(e.value)), e.value
+
+
+def test_sigterm_saves_the_step_and_exits_130(base_dir, tmp_path):
+    """SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C: the step in progress ends, is saved, the exit status is 130
+    (a script's `train.py && next` stops); --resume continues it."""
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "train.py", *map(str, args(base_dir, out, "--max_iters", 100000))], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):  # (its first step within 60 s)
+        if (out / "log.jsonl").exists() or p.poll() is not None:
+            break
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    step = json.load(open(out / "run.json"))["step"]
+    assert f"interrupted: saved step {step} to {out}; continue with --resume" in stdout and step >= 1
 
 
 def test_adamw_is_torchs_step_for_step_and_reads_its_state():
