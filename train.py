@@ -266,22 +266,21 @@ def teacher_prompt(teacher):
 
 def check_out_dirs(stages):
     """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
-    --teacher, --encoder, --decoder. A --method base run writes a base: its own dir is the one it makes."""
+    --teacher, --encoder, --decoder (a --method base run writes a base: its own dir is the one it makes); nor
+    replaces a run of another method (one of its own starts anew there)."""
     (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
-    for c, _, _ in stages:  # a run starting anew replaces a run of its own method there, never another's
-        there = first_stage(c.out_dir, None)
-        if there and there["train"]["method"] != c.method and not c.resume:
-            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
-                             f"{there['step']}); give this run another dir")
-    if cfg.method == "base":
-        return
     reads = {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
-             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
+             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}} if cfg.method != "base" else {}
     for flag, path in reads.items():
         read = os.path.realpath(path) if path else None
         if read and any(out == read or out.startswith(read + os.sep) for out in out_dirs):
             raise SystemExit(f"error: --out_dir {stages[-1][0].out_dir!r}: the run would write into the --{flag} "
                              f"it reads ({path}); give the run its own dir")
+    for c, _, _ in stages:
+        there = first_stage(c.out_dir, None)
+        if there and there["train"]["method"] != c.method and not c.resume:
+            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
+                             f"{there['step']}); give this run another dir")
 
 
 def check_writable(path, flag, folder=True):
