@@ -117,8 +117,8 @@ class SAC(nn.Module):
     def check_config(cfg, mcfg):
         if mcfg.anchors not in ANCHORS:
             raise SystemExit(f"error: --anchors {mcfg.anchors!r}; choose from {', '.join(ANCHORS)}")
-        if mcfg.sub_len < 1:
-            raise SystemExit(f"error: --sub_len {mcfg.sub_len} must be a positive number of tokens")
+        if not 1 <= mcfg.sub_len <= max(cfg.max_context, SACConfig.sub_len):  # (a longer one: the whole context)
+            raise SystemExit(f"error: --sub_len {mcfg.sub_len} must lie in 1..--max_context {cfg.max_context} tokens")
         if mcfg.anchor_emb not in ("one", "table"):
             raise SystemExit(f"error: --anchor_emb {mcfg.anchor_emb!r}; choose one (eq. 1) or table (official code)")
         if mcfg.lora_targets != "all" and not set(mcfg.lora_targets.split(",")) <= set(LORA_TARGETS):

@@ -316,6 +316,8 @@ def check_stage(cfg, mcfg, cls):
             raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
         raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
+    if not -(1 << 63) <= cfg.seed < 1 << 63:  # (torch's generator takes 64 bits)
+        raise SystemExit(f"error: --seed {cfg.seed} must lie in -2^63..2^63-1")
     if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
         formats = ", ".join(("auto", "plain", "sac", *data.CHAT_FORMATS))
         raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
@@ -428,7 +430,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     stages in their recipe's proportion (each at least one step); a warmup given in steps (SAC's and ATA's 300)
     scales with its stage's steps (left at 300, it outlasted a stage cut to 200, whose lr never reached the paper's).
     A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
-    the stages after it.
+    the stages after it (a run of the last stage: that stage again, from it).
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
     for flag in ("max_iters", "batch_size", "lr", "pretrain"):  # 0 = the recipe's (--pretrain 0: no first stage)
         value = getattr(cfg, flag)
@@ -438,8 +440,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             explicit.discard(flag)
     if cfg.grad_accum < 1:
         raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
-    unread = sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data"})
-    if cfg.method == "base" and unread:  # (--data reached the first batch, --teacher was ignored)
+    unread = sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "max_context",
+                                "max_answer", "prompt"})
+    if cfg.method == "base" and unread:  # (--data reached the first batch, the others were ignored)
         raise SystemExit(f"error: --{unread[0]} does not apply to --method base: it trains a tiny base from scratch on "
                          "tiny.py's synthetic set (--resume continues one)")
     if cfg.micro_batch < 0:
@@ -464,10 +467,10 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
                                 [s.paper.get("max_iters", 1) for s in stages])
             stages = [replace(s, paper={**s.paper, **scale, "max_iters": n}) for s, n in zip(stages, steps)]
     done = first_stage(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
-    if done:  # that stage: its objective and (sentence_gist's three are all `lm`) its --stage
+    if done:  # that stage: its objective and (sentence_gist's three are all `lm`) its --stage; the last: it again
         ran = [s.objective == done["train"]["objective"] and s.paper.get("stage", 0) == done["method"].get("stage", 0)
-               for s in stages[:-1]]
-        stages = stages[ran.index(True) + 1:] if any(ran) else stages
+               for s in stages]
+        stages = stages[min(ran.index(True) + 1, len(stages) - 1):] if any(ran) else stages
     if "objective" in explicit:  # its stages (sentence_gist: all three), else the last one with this objective
         stages = [s for s in stages if s.objective == cfg.objective] or [replace(stages[-1], objective=cfg.objective)]
     if "stage" in explicit:  # sentence_gist: one of its paper's stages

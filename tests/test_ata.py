@@ -266,6 +266,8 @@ def test_bad_input_one_line_error(base_dir, tmp_path, args, msg):
 
 @pytest.mark.parametrize("args, msg", [(["--k_max", "0"], "--k_max"), (["--rel_ratios", "5,x"], "--rel_ratios"),
                                        (["--rel_ratios", "5,0"], "--rel_ratios"),
+                                       (["--rel_ratios", "5,5"], "distinct integers in 1..2^20"),
+                                       (["--rel_ratios", "1" + "0" * 20], "distinct integers in 1..2^20"),  # overflow
                                        (["--objective", "kd"], "--objective"),
                                        (["--no_aac", "--fixed_k", "9", "--max_iters", "1"], "--fixed_k"),
                                        (["--no_aac", "--k_max", "4", "--max_iters", "1"], "--fixed_k"),

@@ -83,6 +83,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("cuda graphs accum", ["--cuda_graphs", "--compile", "--batch_size", 4, "--grad_accum", 2],
      "--cuda_graphs with 2 micro-batches a step"),
     ("device", ["--device", "tpu"], "--device 'tpu' is not a device"),
+    ("seed", ["--seed", 1 << 64], "--seed 18446744073709551616 must lie in -2^63..2^63-1"),
     ("out_dir", ["--out_dir", "bad.json"], "bad.json is a file, not a folder"),
     ("out_dir below", ["--out_dir", "bad.json/run"], "bad.json is a file, not a folder"),
     ("out_dir read", ["--out_dir", "hf"], "the run would write into the --init_from it reads"),  # (it wrote there)

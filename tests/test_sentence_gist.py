@@ -293,8 +293,8 @@ def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_
 
 def test_init_from_a_stage_runs_the_stages_after_it(tmp_path):
     """--init_from a stage's run dir runs the paper's stages after that one (all three are `lm`: stage 2's dir ran
-    stage 2 again, then 3)."""
-    for done, after in ((1, [2, 3]), (2, [3])):
+    stage 2 again, then 3); the last stage's, that stage again (it ran all three)."""
+    for done, after in ((1, [2, 3]), (2, [3]), (3, [3])):
         stage_dir = tmp_path / f"stage{done}"
         stage_dir.mkdir()
         (stage_dir / "run.json").write_text(json.dumps({"train": {"method": "sentence_gist", "objective": "lm",

@@ -301,6 +301,7 @@ def test_every_method_runs_on_gemma2(tmp_path):
     *(([*"--method base".split(), f"--{flag}", "x.json"], f"--{flag} does not apply to --method base: it trains")
       for flag in ("data", "teacher")),  # (--data: a KeyError at the first batch; --teacher: ignored)
     (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
+    (["--method", "base", "--max_context", "8"], "--max_context does not apply to --method base"),  # (ignored)
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
     (["--micro_batch", "2", "--grad_accum", "2"], "--micro_batch 2 sets --grad_accum: give one of them"),
     (["--method", "ata", "--hotpot_distractors"], "--hotpot_distractors applies to reading a --data file"),  # (ignored)
