@@ -82,6 +82,12 @@ class MeanPool(nn.Module):
     def recipe(mcfg):  # the stages on a real checkpoint (train.resolve; the tiny base: TINY over the last)
         return [dict(objective="kd", cite="Table 6; R of §5.1", paper={**TABLE6, "ratio": "4,8,16,32,64,128"})]
 
+    @staticmethod
+    def check_config(cfg, mcfg):
+        if mcfg.ratio_sampling and len(cfg.ratio.split(",")) < 2:
+            raise SystemExit(f"error: --ratio_sampling draws one of several --ratio values per example; --ratio "
+                             f"{cfg.ratio} is one")
+
     TINY = dict(lr=2e-3, max_iters=700, batch_size=8, ratio="4,8,16", lora_r=64, lora_alpha=64)  # rank 16 kept less
     aid = None  # tiny.AttentionDistillation, set by train.py on the tiny base
 

@@ -162,7 +162,7 @@ class SentenceGist(nn.Module):
         if mcfg.max_sentence_len < 1:
             raise SystemExit(f"error: --max_sentence_len {mcfg.max_sentence_len} must be >= 1")
         for flag, ratio in (("ratio", cfg.ratio), ("eval_ratio", cfg.eval_ratio or "1")):
-            if ratio != "1":
+            if {int(r) for r in ratio.split(",")} != {1}:  # ("01" is 1)
                 raise SystemExit(f"error: --{flag} {ratio} does not apply to --method sentence_gist: its ratio "
                                  "is achieved (context tokens / kept slots); choose --gists 1, 2, 4 or 8")
 

@@ -67,11 +67,11 @@ class TrainConfig:
     pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it
     pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = --data's
     # --- optimisation (0 = the method's recipe: the paper's values on real checkpoints, TINY on the tiny base)
-    max_iters: int = 0         # steps; several stages share them in the recipe's proportion (--pretrain aside)
-    batch_size: int = 0        # the global batch: examples a step over all ranks and --grad_accum micro-batches
+    max_iters: int = 0         # steps (0: the recipe's); stages share them in the recipe's proportion (--pretrain aside)
+    batch_size: int = 0        # the global batch (0: the recipe's): examples a step over ranks and micro-batches
     grad_accum: int = 1        # micro-batches a step per rank: its examples sorted by context length (less padding)
     micro_batch: int = 0       # at most N examples a micro-batch per rank: sets each stage's --grad_accum by its batch
-    lr: float = 0.0
+    lr: float = 0.0            # the peak learning rate (0: the recipe's)
     min_lr_frac: float = 0.1   # cosine decays to lr * min_lr_frac
     warmup_frac: float = 0.05
     warmup_iters: int = 0      # linear warmup steps where a paper gives a count; 0 = warmup_frac * max_iters
@@ -435,9 +435,12 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     for flag in ("max_iters", "batch_size", "lr", "pretrain"):  # 0 = the recipe's (--pretrain 0: no first stage)
         value = getattr(cfg, flag)
         if not (math.isfinite(value) and value >= 0):
-            raise SystemExit(f"error: --{flag} {value} must be a finite number >= 0 (0: the recipe's)")
+            zero = "0: no first stage" if flag == "pretrain" else "0: the recipe's"
+            raise SystemExit(f"error: --{flag} {value} must be a finite number >= 0 ({zero})")
         if flag != "pretrain" and value == 0:
             explicit.discard(flag)
+    if not cfg.objective:  # as if not given: every stage
+        explicit.discard("objective")
     if cfg.grad_accum < 1:
         raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
     unread = sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "max_context",

@@ -291,6 +291,17 @@ def test_table3_presets_per_stage(tmp_path, stage, iters, lr, warmup, clip, end_
     assert cfg.grad_clip == 0.5  # a flag wins over the preset
 
 
+def test_ratio_one_in_any_spelling_and_an_empty_objective_are_the_defaults():
+    """--ratio 01 is 1 (it was refused); --objective "" is every stage, as its help says (it was refused)."""
+    def stages(*flags):
+        cfg, mcfg, explicit, cls = train.configure(["--method", "sentence_gist", *flags])
+        resolved = train.resolve(cfg, mcfg, explicit, cls)
+        for c, m, _ in resolved:
+            train.check_stage(c, m, cls)
+        return [(c.objective, train.ratios_of(c.ratio), m.stage) for c, m, _ in resolved]
+    assert stages("--ratio", "01") == stages("--objective", "") == stages()
+
+
 def test_init_from_a_stage_runs_the_stages_after_it(tmp_path):
     """--init_from a stage's run dir runs the paper's stages after that one (all three are `lm`: stage 2's dir ran
     stage 2 again, then 3); the last stage's, that stage again (it ran all three)."""

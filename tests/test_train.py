@@ -302,6 +302,9 @@ def test_every_method_runs_on_gemma2(tmp_path):
       for flag in ("data", "teacher")),  # (--data: a KeyError at the first batch; --teacher: ignored)
     (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
     (["--method", "base", "--max_context", "8"], "--max_context does not apply to --method base"),  # (ignored)
+    (["--method", "meanpool", "--ratio_sampling", "--ratio", "4"], "--ratio_sampling draws one of several"),
+    (["--method", "pic", "--max_mem", "-1", "--mem", "single", "--mask", "causal"], "--max_mem -1 must be >= 1"),
+    (["--pretrain", "-1"], "--pretrain -1 must be a finite number >= 0 (0: no first stage)"),
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
     (["--micro_batch", "2", "--grad_accum", "2"], "--micro_batch 2 sets --grad_accum: give one of them"),
     (["--method", "ata", "--hotpot_distractors"], "--hotpot_distractors applies to reading a --data file"),  # (ignored)
