@@ -568,6 +568,8 @@ def memory_mismatch(memory, decoder, method):
     wants = {"kv": "K/V", "embeds": "embeddings"}[method.memory_kind]
     if kind != wants:
         return f"it holds {kind}; this run's method answers from {wants}"
+    if len(memory.mask) != 1:  # (--save_memory writes one)
+        return f"it holds {len(memory.mask)} contexts; one is answered from"
     if memory.kv and (len(memory.kv), *memory.kv[0][0].shape[1::2]) != (cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                                         cfg.head_dim):
         k = memory.kv[0][0]

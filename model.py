@@ -207,8 +207,8 @@ class Memory:
     @classmethod
     def load(cls, path, device="cpu"):
         t = read_tensors(path, device)
-        if "mask" not in t or "next_pos" not in t:
-            raise ValueError(f"{path}: not a saved Memory (no mask / next_pos tensors)")
+        if why := saved_memory_error(t):
+            raise ValueError(f"{path}: not a saved Memory: {why}")
         kv = [(t[f"k.{i}"], t[f"v.{i}"]) for i in range(sum(k.startswith("k.") for k in t))] or None
         with safe_open(path, "pt") as f:
             origin = f.metadata()
@@ -222,6 +222,27 @@ class Memory:
         """The memories of examples idx ((B',) long), in that order."""
         kv = [(k[idx], v[idx]) for k, v in self.kv] if self.kv else None
         return Memory(None if self.embeds is None else self.embeds[idx], kv, self.mask[idx], self.next_pos[idx])
+
+
+def saved_memory_error(t):
+    """What makes the tensors of a file no Memory.save wrote ("" when nothing): a file of another kind, edited or
+    cut, fails here with one line, not deep in a forward pass."""
+    if "mask" not in t or "next_pos" not in t:
+        return "no mask / next_pos tensors"
+    n = sum(k.startswith("k.") for k in t)
+    if (n > 0) == ("embeds" in t) or any(f"{x}.{i}" not in t for x in "kv" for i in range(n)):
+        return "it should hold embeds or K/V (k.0, v.0, ... a pair per layer), one of them"
+    mask, next_pos = t["mask"], t["next_pos"]
+    if mask.dtype != torch.bool or mask.dim() != 2 or next_pos.shape != mask.shape[:1] or next_pos.is_floating_point():
+        return f"mask {list(mask.shape)} and next_pos {list(next_pos.shape)} should be (B, C) bool and (B,) integer"
+    memory = [t["embeds"]] if n == 0 else [t[f"{x}.{i}"] for i in range(n) for x in "kv"]  # (B, C, d) / (B, Hkv, C, hd)
+    if any(x.dim() != (3 if n == 0 else 4) or x.shape != memory[0].shape or (x.shape[0], x.shape[-2]) != mask.shape
+           for x in memory):
+        return (f"{'embeds (B, C, d)' if n == 0 else 'K/V (B, Hkv, C, hd), alike in every layer,'} should match its "
+                f"mask (B, C) = {tuple(mask.shape)}")
+    if not all(torch.isfinite(x).all() for x in memory):
+        return "it holds values that are not finite"
+    return ""
 
 
 class KVCache:

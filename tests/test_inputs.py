@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import eval as evaluate
 import train
@@ -234,8 +235,12 @@ def test_eval_inputs_are_one_line(files, tmp_path, monkeypatch):
     bare = Memory.load(str(tmp_path / "doc.mem"))
     bare.origin = None  # as saved before memories named their run: the tensors' kind is what tells
     bare.save(str(tmp_path / "bare.mem"))
+    twice = lambda x: torch.cat([x, x])  # noqa: E731  (two contexts in one file: one-shot answers one)
+    Memory(kv=[(twice(k), twice(v)) for k, v in bare.kv], mask=twice(bare.mask), next_pos=twice(bare.next_pos)).save(
+        str(tmp_path / "two.mem"))
     for argv, message in (([run_dir, "--memory", tmp_path / "doc.mem"], "was saved by a --method sac run"),
                           ([run_dir, "--memory", tmp_path / "bare.mem"], "it holds K/V; this run's method answers from"),
+                          ([sac, "--memory", tmp_path / "two.mem"], "it holds 2 contexts; one is answered from"),
                           ([gone, "--n", 2], f"{gone}'s --eval_data '{tmp_path / 'held.json'}': no such file"),
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),

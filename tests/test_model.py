@@ -212,6 +212,30 @@ def test_embeds_input_equals_ids(llama):
         close(llama.lm_head(h), full)
 
 
+def test_a_saved_memory_of_the_wrong_shape_is_one_line(tmp_path):
+    """Memory.load of a file Memory.save did not write as it is (edited, cut, another kind): one line naming the file
+    and what is wrong, not an error deep in a forward pass; a saved one round-trips."""
+    kv = [(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)) for _ in range(2)]
+    good = Memory(kv=kv).tensors()
+    Memory(kv=kv).save(str(tmp_path / "good.mem"))
+    assert torch.equal(Memory.load(str(tmp_path / "good.mem")).kv[1][0], kv[1][0])
+    for name, change, message in (
+            ("no_v", lambda t: t.pop("v.1"), "embeds or K/V (k.0, v.0, ... a pair per layer), one of them"),
+            ("both", lambda t: t.update(embeds=torch.randn(1, 3, 8)), "one of them"),
+            ("float_mask", lambda t: t.update(mask=torch.ones(1, 3)), "mask [1, 3] and next_pos [1] should be"),
+            ("long_mask", lambda t: t.update(mask=torch.ones(1, 5, dtype=torch.bool)), "should match its mask (B, C)"),
+            ("layer", lambda t: t.update({"k.1": torch.randn(1, 2, 2, 4)}), "alike in every layer"),
+            ("narrow_v", lambda t: t.update({"v.0": torch.randn(1, 2, 3, 2)}), "alike in every layer"),
+            ("nan", lambda t: t["k.0"].view(-1)[0].fill_(float("nan")), "values that are not finite")):
+        t = {k: v.clone() for k, v in good.items()}
+        change(t)
+        save_file(t, str(tmp_path / f"{name}.mem"))
+        with pytest.raises(ValueError) as e:
+            Memory.load(str(tmp_path / f"{name}.mem"))
+        assert str(e.value).startswith(f"{tmp_path / name}.mem: not a saved Memory: ") and message in str(e.value), \
+            (name, e.value)
+
+
 def test_memory_embeds_equals_one_pass(decoder):
     llama = decoder
     ids = ids_like(2, 30)
