@@ -706,7 +706,7 @@ def main(argv):
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.out)), exist_ok=True)
         train.atomic_write(ecfg.out, lambda p: Path(p).write_text(json.dumps(results, indent=1)))
         png = plot(results, os.path.splitext(ecfg.out)[0] + ".png")
-        print(f"wrote {ecfg.out}" + (f" and {png}" if png else ""))
+        print(f"wrote {ecfg.out}" + (f" and {png}" if png else " (no .png: matplotlib is not installed)"))
     return results
 
 

@@ -167,7 +167,14 @@ def main(argv):
     if args.section:
         if not os.path.isfile(args.body):
             raise SystemExit(f"error: --body {args.body!r}: file not found")
-        put_section(args.out, args.section, read(args.body))
+        try:
+            body = open(args.body, encoding="utf-8").read()
+        except UnicodeDecodeError:
+            raise SystemExit(f"error: --body {args.body}: not UTF-8 text") from None
+        if not body.strip() or "<!-- section:" in body or "<!-- end section -->" in body:
+            raise SystemExit(f"error: --body {args.body}: " + ("empty" if not body.strip() else "it holds a section "
+                             "marker (<!-- section: ... -->): give the section's text alone"))
+        put_section(args.out, args.section, body)
         return print(f"wrote section {args.section!r} of {args.out}")
     results = evaluate.earlier_results(args.results)
     if args.base and not os.path.exists(os.path.join(args.base, "config.json")):

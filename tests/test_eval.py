@@ -756,6 +756,9 @@ def test_scripts_bad_input_is_one_line(tmp_path):
     (tmp_path / "broken.json").write_text(json.dumps([dict(results[0], run=str(broken), rows=results[0]["rows"][:1])]))
     out = tmp_path / "RESULTS.md"
     out.write_text("kept\n")
+    (tmp_path / "empty.md").write_text("\n")
+    (tmp_path / "marked.md").write_text("text\n<!-- end section -->\n")
+    (tmp_path / "latin.md").write_bytes(b"caf\xe9\n")
     for main, argv, message in (
             (claims.main, [tmp_path / "junk.json"], "junk.json: not an eval.py --out JSON: run 0: missing key"),
             (claims.main, [tmp_path / "two_rows.json"], "run out/suite/gist-8 has 2 rows and a claim names it alone"),
@@ -763,6 +766,9 @@ def test_scripts_bad_input_is_one_line(tmp_path):
             (results_md.main, [tmp_path / "junk.json", "--out", out], "junk.json: not an eval.py --out JSON: run 0"),
             (results_md.main, [tmp_path / "junk.json", "--out", tmp_path], "is a folder; name a file"),
             (results_md.main, ["--section", "S", "--body", tmp_path, "--out", out], "--body"),
+            (results_md.main, ["--section", "S", "--body", tmp_path / "empty.md", "--out", out], "empty.md: empty"),
+            (results_md.main, ["--section", "S", "--body", tmp_path / "marked.md", "--out", out], "a section marker"),
+            (results_md.main, ["--section", "S", "--body", tmp_path / "latin.md", "--out", out], "not UTF-8 text"),
             (results_md.main, [tmp_path / "junk.json", "--wall_s", "x"], "argument --wall_s: invalid float value"),
             (hf_generate.main, [tmp_path, "--memory", "m", "--question", "q", "--max_new_tokens", 0],
              "--max_new_tokens 0 must be a positive integer"),
