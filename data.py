@@ -500,7 +500,7 @@ def _parsed(path, items, parse, skip_bad, stats):
 
 def _open_text(path):
     """UTF-8 text, gzipped or not; a byte-order mark (Windows editors write one) is dropped."""
-    if not str(path).endswith(".gz"):
+    if not str(path).lower().endswith(".gz"):
         return open(path, encoding="utf-8-sig")
     with open(path, "rb") as f:
         if f.read(2) != b"\x1f\x8b":

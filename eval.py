@@ -121,9 +121,12 @@ def eval_records(cfg, ecfg):
     if ecfg.eval_data and cfg.data and os.path.isfile(cfg.data) and train.same_file(ecfg.eval_data, cfg.data):
         print(f"note: --eval_data {ecfg.eval_data} is the file the run trained on", file=sys.stderr)
     if path:
-        records = train.read_records(path, cfg)
+        stats = {}
+        records = train.read_records(path, cfg, stats)
         if not records:
-            raise SystemExit(f"error: {path!r} holds no usable questions")
+            raise SystemExit(f"error: {path!r} holds no usable questions ({stats})")
+        if stats.keys() - {"records"}:  # unanswerable (SQuAD v2), skipped (--skip_bad), no answer (MS MARCO)
+            print(f"note: {path}: {stats}", file=sys.stderr)
         if not (ecfg.eval_data or cfg.eval_data) and len(records) > 1:
             records, path = train.held_out(records, cfg.seed)[1], f"the held-out questions of {path}"
         if ecfg.n > len(records):  # every question is read, and the rows' n says how many
@@ -300,8 +303,8 @@ def sibling_teacher_rows(run_dir, key):
     or None: the runs of one suite share them, so each is computed once (not per run)."""
     for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(run_dir)), "*", "metrics.json")):
         try:
-            res = json.load(open(path))
-        except (OSError, json.JSONDecodeError):
+            res = read_json(path)
+        except (OSError, ValueError):
             continue
         if isinstance(res, dict) and res.get("teacher_key") == key and not result_error(res):  # (--out's list)
             return {"teacher": res["teacher"], "no-context": res["no_context"]}
@@ -312,7 +315,7 @@ def run_label(run_dir, mcfg):
     the first stage's objective for a second stage, else a --pretrain given (pic's qa alone, whose default chains
     ae+lm first), and an objective other than the method's main one (its first): "pic (ratio=16, mask=causal)",
     "ata (after rel)", "pic (pretrain=0)", "pic (objective=ae+lm)" (a first stage read as it is: out/pic/pretrain)."""
-    state = json.load(open(os.path.join(run_dir, "run.json")))
+    state = read_json(os.path.join(run_dir, "run.json"))
     given, method, objective = state.get("flags", []), state["train"]["method"], state["train"].get("objective")
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
     if objective and objective != train.method_registry()[method].objectives[0]:
@@ -397,7 +400,7 @@ def cached_result(run_dir, ecfg):
     if ecfg.recompute or not os.path.exists(cached):
         return None
     try:
-        res = json.load(open(cached))
+        res = read_json(cached)
     except ValueError as e:
         raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     if why := result_error(res):
@@ -413,14 +416,12 @@ def check_evaluable(run_dir, ratio):
     if not hasattr(cls, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
     state = read_json(os.path.join(run_dir, "run.json"))
-    files, step = state.get("files"), state.get("step")
-    if not (isinstance(files, dict) and isinstance(files.get("ckpt"), str) and isinstance(step, int)):
+    files = state.get("files")
+    if not (isinstance(files, dict) and isinstance(files.get("ckpt"), str) and type(state.get("step")) is int):
         raise SystemExit(f"error: {run_dir}/run.json: not a run.json written by train.py (needs step, files.ckpt)")
     if not os.path.isfile(os.path.join(run_dir, files["ckpt"])):
         raise SystemExit(f"error: {run_dir}: its checkpoint {files['ckpt']} is missing")
-    if step < cfg.max_iters:
-        print(f"note: {run_dir} is at step {step} of its {cfg.max_iters} (still training, or stopped: --resume "
-              "continues it)", file=sys.stderr)
+    note_unfinished(run_dir)
     if not ratio:
         return
     if max(train.ratios_of(ratio)) > cfg.max_context:
@@ -432,6 +433,15 @@ def check_evaluable(run_dir, ratio):
     except SystemExit as e:
         raise SystemExit(f"error: --ratio {ratio} on {run_dir} (as its --eval_ratio): "
                          f"{str(e).removeprefix('error: ')}") from None
+
+
+def note_unfinished(run_dir):
+    """A note when the run's checkpoint is short of its --max_iters: still training, or stopped."""
+    state = read_json(os.path.join(run_dir, "run.json"))
+    step, steps = state.get("step"), (state.get("train") or {}).get("max_iters")
+    if type(step) is int and type(steps) is int and step < steps:
+        print(f"note: {run_dir} is at step {step} of its {steps} (still training, or stopped: --resume continues "
+              "it)", file=sys.stderr)
 
 
 def check_run(run_dir, decoder, max_new_tokens):
@@ -482,7 +492,7 @@ def earlier_results(path):
     """The runs of an earlier --out JSON (a suite's first part, scripts/real_suite.sh PRIOR; scripts/claims.py's and
     results_md.py's input), as they are."""
     try:
-        results = json.load(open(path))
+        results = read_json(path)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {path}: cannot read it as an eval.py --out JSON ({e})")
     if not isinstance(results, list) or not results:
@@ -689,6 +699,8 @@ def main(argv):
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
     records = {}
     for r in run_dirs:
+        if read[r] is not None and not r.endswith(".json"):  # its cached metrics.json
+            note_unfinished(r)
         if read[r] is None:  # to be evaluated
             check_evaluable(r, ecfg.ratio)
             what = asked(r, ecfg)
@@ -699,6 +711,8 @@ def main(argv):
             if path and "split" in given:  # (ignored before)
                 raise SystemExit(f"error: --split picks synthetic questions; {r} is read on its {flag} {path}")
             records[r] = eval_records(train.run_config(r)[0], ecfg)
+            if not records[r]:
+                raise SystemExit(f"error: {r}: no evaluation examples (--n / --eval_examples must be > 0)")
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device, records[r])])]
     print(table(results))
@@ -715,3 +729,6 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:  # each run's metrics.json is written whole when it is done
+        print("interrupted: the runs evaluated before it keep their metrics.json", file=sys.stderr)
+        sys.exit(130)

@@ -57,6 +57,8 @@ def read_json(path):
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
 
 
 def read_tensors(path, device="cpu"):
@@ -233,8 +235,9 @@ def saved_memory_error(t):
     if (n > 0) == ("embeds" in t) or any(f"{x}.{i}" not in t for x in "kv" for i in range(n)):
         return "it should hold embeds or K/V (k.0, v.0, ... a pair per layer), one of them"
     mask, next_pos = t["mask"], t["next_pos"]
-    if mask.dtype != torch.bool or mask.dim() != 2 or next_pos.shape != mask.shape[:1] or next_pos.is_floating_point():
-        return f"mask {list(mask.shape)} and next_pos {list(next_pos.shape)} should be (B, C) bool and (B,) integer"
+    if mask.dtype != torch.bool or mask.dim() != 2 or next_pos.shape != mask.shape[:1] or next_pos.is_floating_point() \
+            or (next_pos < 0).any():
+        return f"mask {list(mask.shape)} and next_pos {list(next_pos.shape)} should be (B, C) bool and (B,) integers >= 0"
     memory = [t["embeds"]] if n == 0 else [t[f"{x}.{i}"] for i in range(n) for x in "kv"]  # (B, C, d) / (B, Hkv, C, hd)
     if any(x.dim() != (3 if n == 0 else 4) or x.shape != memory[0].shape or (x.shape[0], x.shape[-2]) != mask.shape
            for x in memory):

@@ -64,7 +64,7 @@ class TrainConfig:
     prompt: str = "auto"       # auto (the checkpoint's template, else plain) | plain | chatml | llama3 | gemma | sac
     out_dir: str = ""          # "" = out/<method>
     no_aids: bool = False      # tiny base only: no aids (tiny.py), the papers' recipes at its steps, batch, lr, ratios
-    pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); 0 skips it
+    pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); given 0: none
     pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = --data's
     # --- optimisation (0 = the method's recipe: the paper's values on real checkpoints, TINY on the tiny base)
     max_iters: int = 0         # steps (0: the recipe's); stages share them in the recipe's proportion (--pretrain aside)
@@ -443,8 +443,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         explicit.discard("objective")
     if cfg.grad_accum < 1:
         raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
-    unread = sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "max_context",
-                                "max_answer", "prompt"})
+    unread = sorted(f for f in explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "max_context",
+                                           "max_answer", "prompt"} if getattr(cfg, f) != getattr(TrainConfig, f))
     if cfg.method == "base" and unread:  # (--data reached the first batch, the others were ignored)
         raise SystemExit(f"error: --{unread[0]} does not apply to --method base: it trains a tiny base from scratch on "
                          "tiny.py's synthetic set (--resume continues one)")
@@ -742,7 +742,7 @@ def read_file(path, read):
 
 def first_non_utf8_line(path):
     """The number of the first line of a file (gzipped or not) that is not UTF-8 (a decoder counts from its chunk)."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+    with (gzip.open if str(path).lower().endswith(".gz") else open)(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:
                 line.decode("utf-8")
@@ -981,6 +981,14 @@ class AdamW:
                       for i, s in state["state"].items()}
 
 
+def diverged(loss, which, step, saved, out_dir):
+    """One line, and the run stops, when a loss is nan or inf: the weights that gave it are not saved."""
+    if not math.isfinite(loss):
+        kept = f"keeps step {saved}" if saved else "has no checkpoint"
+        raise SystemExit(f"error: step {step}: the {which} loss is {loss}; stopped ({out_dir} {kept}). A lower --lr "
+                         "(or --grad_clip) may keep it finite")
+
+
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
     """One optimizer step over this rank's micro-batches; returns (loss per token, metrics,
     tokens seen). Gradients are sums over tokens, scaled by the global token count (DDP
@@ -1118,10 +1126,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
                 g["lr"] = lr
             loss, metrics, n = train_step(model, batches(step), params, opt, ratios, device, autocast, ddp, world, cfg)
             step, tokens = step + 1, tokens + n
-            if not math.isfinite(loss):  # (the weights are not finite either now: nothing more is saved)
-                kept = f"keeps step {saved}" if saved else "has no checkpoint"
-                raise SystemExit(f"error: step {step}: the training loss is {loss}; stopped ({cfg.out_dir} {kept}). "
-                                 "A lower --lr (or --grad_clip) may keep it finite")
+            diverged(loss, "training", step, saved, cfg.out_dir)
             if not master:
                 continue
             bar.update(1)
@@ -1131,6 +1136,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             if checkpoint:
                 record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
                 bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
+                diverged(record["val_loss"], "validation", step, saved, cfg.out_dir)  # (weights not finite: unsaved)
             if step == 1:  # a new run in a used dir starts its own log, and the old run's commit point goes with it
                 for old in ("run.json", "metrics.json"):  # (killed before its first checkpoint: no mixed dir)
                     if os.path.exists(os.path.join(cfg.out_dir, old)):
@@ -1140,6 +1146,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             if checkpoint:
                 save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
                 saved = step
+        if STOP and step == cfg.max_iters:  # a signal in the last step: the run is whole
+            STOP.clear()
         if master and STOP:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")

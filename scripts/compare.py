@@ -8,23 +8,23 @@ Rows pair up by requested ratio (or the one row each of --row_a / --row_b picks:
 when below, else "cannot tell". --metric em or nll (the teacher-forced answer NLL, lower is better) instead of F1.
 """
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import eval as evaluate  # noqa: E402
+from model import read_json  # noqa: E402
 
 
 def rows_of(path):
     """{name: row} of a metrics.json or a combined --out JSON; a method row is named "method@ratio"."""
     try:
-        results = json.load(open(path))
+        results = read_json(path)
         rows = {}
         for res in results if isinstance(results, list) else [results]:
             for r in [res["teacher"], res["no_context"]] + res["rows"]:
                 name = r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else "")
-                if "scores" in r and not all(isinstance(v, (int, float)) for v in r["scores"]["f1"].values()):
+                if "scores" in r and not all(map(evaluate.is_number, r["scores"]["f1"].values())):  # (nan, True)
                     raise TypeError(f"row {name!r}: scores.f1 is not {{question id: number}}")
                 if rows.setdefault(name, r).get("scores") != r.get("scores"):  # two runs' rows of one name
                     raise SystemExit(f"error: {path}: two different rows named {name!r}: compare the runs' own "

@@ -629,7 +629,8 @@ def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):
         assert train.is_text_file(tmp_path / name)
         assert data.read_text(tmp_path / name) == ["First words.", "Second words."]
     (tmp_path / "UP.JSONL").write_text(good * 2)
-    assert len(data.read_dataset(tmp_path / "UP.JSONL")) == 2
+    (tmp_path / "UP.JSONL.GZ").write_bytes(gzip.compress(good.encode() * 2))
+    assert len(data.read_dataset(tmp_path / "UP.JSONL")) == len(train.read_records(tmp_path / "UP.JSONL.GZ", cfg)) == 2
     (tmp_path / "notes").write_text("plain words")
     with pytest.raises(ValueError, match="invalid JSON: .* \\(read as JSON by its name; text is .txt or .md"):
         data.read_dataset(tmp_path / "notes")

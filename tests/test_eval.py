@@ -784,6 +784,12 @@ def test_scripts_bad_input_is_one_line(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(bad))
     assert "b.json is not an eval.py results JSON (TypeError: row 'm@4': scores.f1 is not {question id: number})" in \
         _one_line(compare.main, [a, tmp_path / "b.json"])
+    bad["rows"][0]["scores"]["f1"] = {"q0": float("nan")}  # (its verdict looked like any other)
+    (tmp_path / "nan.json").write_text(json.dumps(bad))
+    assert "scores.f1 is not {question id: number}" in _one_line(compare.main, [a, tmp_path / "nan.json"])
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # (a RecursionError traceback)
+    for main, n in ((compare.main, 2), (claims.main, 1)):
+        assert "deep.json: JSON nested too deeply to read" in _one_line(main, [tmp_path / "deep.json"] * n)
     shutil.copy(tmp_path / "broken.json", tmp_path / "broken2.json")
     assert "two_rows.json is named twice" in _one_line(claims.main, [tmp_path / "two_rows.json"] * 2)
     for script, args in (("scripts/claims.py", [tmp_path / "broken.json", tmp_path / "broken2.json"]),

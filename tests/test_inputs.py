@@ -4,6 +4,8 @@ is lost; --resume continues the log where its checkpoint was taken."""
 import gzip
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 import eval as evaluate
 import train
-from common import hf_checkpoint, run, squad_file
+from common import ROOT, hf_checkpoint, run, squad_file
 from model import Memory
 
 FAST = ["--max_iters", 1, "--batch_size", 2, "--eval_examples", 0, "--quiet", "--device", "cpu", "--lora_r", 4]
@@ -286,19 +288,34 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
     no_ckpt = variant("no_ckpt", lambda d, st: (d / st["files"]["ckpt"]).unlink())
     typed = variant("typed", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": "4"}}))
     short = variant("short", lambda d, st: write(d, {**st, "train": {**st["train"], "max_iters": 1000}}))
+    four = variant("four", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": 4}}))
     (tmp_path / "empty.jsonl").write_text("")
     loaded = []
     monkeypatch.setattr(train, "load_run", lambda *a: loaded.append(a) or pytest.fail("a run loaded"))
-    for argv, message in (([run_dir, no_ckpt, "--recompute"], f"{no_ckpt}: its checkpoint ckpt-0000001.safetensors "
-                                                                "is missing"),
-                          ([run_dir, typed, "--recompute"], "run.json: train.eval_examples is '4', expected int"),
-                          ([run_dir, "--eval_data", tmp_path / "empty.jsonl"], "empty.jsonl' holds no usable questions")):
+    for argv, message in (([run_dir, no_ckpt, "--n", 2], f"{no_ckpt}: its checkpoint ckpt-0000001.safetensors is "
+                                                           "missing"),
+                          ([run_dir, typed, "--n", 2], "run.json: train.eval_examples is '4', expected int"),
+                          ([four, run_dir], f"{run_dir}: no evaluation examples"),  # (its --eval_examples 0)
+                          ([run_dir, "--eval_data", tmp_path / "empty.jsonl"], "empty.jsonl' holds no usable")):
         line = in_process(argv, evaluate.main)
         assert line.startswith("error: ") and message in line, (argv, line)
     monkeypatch.undo()
-    results = evaluate.main([str(short), str(run_dir), f"{run_dir}/", "--n", "2"])
-    assert [r["run"] for r in results] == [str(short), f"{run_dir}/"]
-    assert f"note: {short} is at step 1 of its 1000 (still training" in capsys.readouterr().err
+    for _ in range(2):  # evaluated, then read back from its metrics.json: noted both times
+        results = evaluate.main([str(short), str(run_dir), f"{run_dir}/", "--n", "2"])
+        assert [r["run"] for r in results] == [str(short), f"{run_dir}/"]
+        assert f"note: {short} is at step 1 of its 1000 (still training" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_an_evaluation_is_one_line_and_130(tmp_path):
+    """Ctrl-C while eval.py evaluates (after train.py handed it the run, say): one line, status 130, no traceback."""
+    run_dir = tmp_path / "mp"
+    assert in_process(["--method", "meanpool", "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0, "--quiet",
+                       "--device", "cpu", "--out_dir", run_dir]) == ""
+    p = subprocess.run(["timeout", "--preserve-status", "-s", "INT", "10", sys.executable, "eval.py", str(run_dir),
+                        "--n", "20000"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 130 and p.stderr.strip() == "interrupted: the runs evaluated before it keep their " \
+        "metrics.json", p.stderr[-2000:]
+    assert not (run_dir / "metrics.json").exists()
 
 
 def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_path):

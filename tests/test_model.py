@@ -223,6 +223,7 @@ def test_a_saved_memory_of_the_wrong_shape_is_one_line(tmp_path):
             ("no_v", lambda t: t.pop("v.1"), "embeds or K/V (k.0, v.0, ... a pair per layer), one of them"),
             ("both", lambda t: t.update(embeds=torch.randn(1, 3, 8)), "one of them"),
             ("float_mask", lambda t: t.update(mask=torch.ones(1, 3)), "mask [1, 3] and next_pos [1] should be"),
+            ("position", lambda t: t.update(next_pos=torch.tensor([-5])), "(B,) integers >= 0"),
             ("long_mask", lambda t: t.update(mask=torch.ones(1, 5, dtype=torch.bool)), "should match its mask (B, C)"),
             ("layer", lambda t: t.update({"k.1": torch.randn(1, 2, 2, 4)}), "alike in every layer"),
             ("narrow_v", lambda t: t.update({"v.0": torch.randn(1, 2, 3, 2)}), "alike in every layer"),

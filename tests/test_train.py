@@ -92,9 +92,27 @@ def test_a_loss_that_is_not_finite_stops_the_run(base_dir, tmp_path):
     with pytest.raises(SystemExit) as e:
         in_process(args(base_dir, out, "--max_iters", 40, "--eval_interval", 1, "--lr", "1e30", "--grad_clip", 0,
                         "--eval_examples", 0))
-    step = json.load(open(out / "run.json"))["step"]
-    assert re.fullmatch(rf"error: step {step + 1}: the training loss is (nan|inf); stopped \({out} keeps step {step}\)"
-                        r"\. A lower --lr \(or --grad_clip\) may keep it finite", str(e.value)), e.value
+    m = re.fullmatch(rf"error: step (\d+): the (training|validation) loss is (nan|inf); stopped \({out} (keeps step "
+                     r"(\d+)|has no checkpoint)\)\. A lower --lr \(or --grad_clip\) may keep it finite", str(e.value))
+    assert m, e.value
+    if m[5]:  # what is kept is finite: the weights of a non-finite validation loss are not saved
+        assert json.load(open(out / "run.json"))["step"] == int(m[5]) < int(m[1])
+        assert all(torch.isfinite(t).all() for t in read_params(out).values())
+    else:
+        assert not (out / "run.json").exists()
+
+
+def test_a_signal_in_the_last_step_leaves_a_finished_run(base_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the last step: the run is whole (no "interrupted", its final evaluation follows)."""
+    real_call = train.Batches.__call__
+
+    def stop_in_the_last(self, step):
+        if step == 2:
+            train.STOP.append(1)
+        return real_call(self, step)
+    monkeypatch.setattr(train.Batches, "__call__", stop_in_the_last)
+    assert train.main([str(a) for a in args(base_dir, tmp_path / "r", "--max_iters", 3)]) == str(tmp_path / "r")
+    assert json.load(open(tmp_path / "r" / "run.json"))["step"] == 3 and not train.STOP
 
 
 def test_sigterm_saves_the_step_and_exits_130(base_dir, tmp_path):
@@ -302,6 +320,7 @@ def test_every_method_runs_on_gemma2(tmp_path):
       for flag in ("data", "teacher")),  # (--data: a KeyError at the first batch; --teacher: ignored)
     (["--method", "base", "--init_from", "tiny_base"], "--init_from does not apply to --method base"),
     (["--method", "base", "--max_context", "8"], "--max_context does not apply to --method base"),  # (ignored)
+    (["--method", "base", "--prompt", "auto", "--max_answer", "9"], "--max_answer does not apply"),  # (auto: default)
     (["--method", "meanpool", "--ratio_sampling", "--ratio", "4"], "--ratio_sampling draws one of several"),
     (["--method", "pic", "--max_mem", "-1", "--mem", "single", "--mask", "causal"], "--max_mem -1 must be >= 1"),
     (["--pretrain", "-1"], "--pretrain -1 must be a finite number >= 0 (0: no first stage)"),
