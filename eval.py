@@ -311,15 +311,17 @@ def sibling_teacher_rows(run_dir, key):
 
 
 def run_label(run_dir, mcfg):
-    """Method name plus the flags given on its command line (the trained ratios, the method's own) and
-    the first stage's objective for a second stage, else a --pretrain given (pic's qa alone, whose default chains
-    ae+lm first), and an objective other than the method's main one (its first): "pic (ratio=16, mask=causal)",
-    "ata (after rel)", "pic (pretrain=0)", "pic (objective=ae+lm)" (a first stage read as it is: out/pic/pretrain)."""
+    """Method name plus the flags given on its command line (the trained ratios, the objective, those of what it
+    trains on: --no_aids, --prompt, --hotpot_distractors; the method's own) and the first stage's objective for a
+    second stage, else a --pretrain given (pic's qa alone, whose default chains ae+lm first), and an objective other
+    than the method's main one (its first): "pic (ratio=16, mask=causal)", "ata (after rel)", "pic (pretrain=0)",
+    "pic (objective=ae+lm)" (a first stage read as it is: out/pic/pretrain)."""
     state = read_json(os.path.join(run_dir, "run.json"))
     given, method, objective = state.get("flags", []), state["train"]["method"], state["train"].get("objective")
     flags = [f"ratio={state['train']['ratio']}"] if "ratio" in given else []
-    if objective and objective != train.method_registry()[method].objectives[0]:
+    if objective and (objective != train.method_registry()[method].objectives[0] or "objective" in given):
         flags.append(f"objective={objective}")
+    flags += [f"{k}={state['train'][k]}" for k in ("no_aids", "prompt", "hotpot_distractors") if k in given]
     flags += [f"{k}={getattr(mcfg, k)}" for k in given if hasattr(mcfg, k)]
     first = train.first_stage(state["train"]["init_from"], method)
     if first:

@@ -121,6 +121,8 @@ class SAC(nn.Module):
             raise SystemExit(f"error: --sub_len {mcfg.sub_len} must lie in 1..--max_context {cfg.max_context} tokens")
         if mcfg.anchor_emb not in ("one", "table"):
             raise SystemExit(f"error: --anchor_emb {mcfg.anchor_emb!r}; choose one (eq. 1) or table (official code)")
+        if mcfg.no_anchor_embedding and mcfg.anchor_emb != "one":
+            raise SystemExit("error: --anchor_emb table and --no_anchor_embedding: the ablation has no anchor embedding")
         if mcfg.lora_targets != "all" and not set(mcfg.lora_targets.split(",")) <= set(LORA_TARGETS):
             raise SystemExit(f"error: --lora_targets {mcfg.lora_targets!r}: all, or a comma list of "
                              f"{', '.join(LORA_TARGETS)}")

@@ -405,6 +405,9 @@ def first_stage(init_from, method):
     return state if method in (None, state["train"]["method"]) else None
 
 
+RESUME_KEEPS = ("objective", "ratio", "init_from", "teacher", "prompt", "no_aids")  # --resume takes the run's
+
+
 def inherit_method_config(state, what, mcfg, explicit, skip=()):
     """A run that continues `state` (the run.json of its first stage, or of the run --resume continues) keeps the
     method config that shaped and trained its tensors (a pic memory table of --max_mem rows, an encoder pretrained
@@ -480,8 +483,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         stages = [s for s in stages if s.paper.get("stage") == mcfg.stage] or stages[-1:]
     if "pretrain" in explicit:
         if cfg.pretrain and len(stages) < 2:
-            raise SystemExit(f"error: --pretrain runs a pretraining stage before the last; --method {cfg.method} "
-                             f"--objective {stages[-1].objective} has none")
+            raise SystemExit(f"error: --pretrain runs a pretraining stage before the last; this --method {cfg.method} "
+                             f"run has one stage ({stages[-1].objective})")
         stages = stages[1:] if cfg.pretrain == 0 and len(stages) > 1 else stages
     recipe_steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
     steps, fixed = list(recipe_steps), 1 if "pretrain" in explicit and cfg.pretrain else 0
@@ -538,6 +541,12 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             if not state:
                 raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
             inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
+            for key in RESUME_KEEPS:  # what shaped its tensors and its loss
+                saved = state["train"].get(key, getattr(c, key))
+                if key in explicit and getattr(c, key) != saved:
+                    raise SystemExit(f"error: --{key} {getattr(c, key)!r} conflicts with the run --resume continues, "
+                                     f"{c.out_dir} ({key}={saved!r}); drop the flag to inherit it")
+                setattr(c, key, saved)
         resolved.append((c, m, sources))
         init_from = c.out_dir
     if cfg.resume and not any(c.resume for c, _, _ in resolved):
@@ -703,6 +712,11 @@ def load_checkpoint(out_dir, method, opt=None):
     if unknown:
         raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters "
                          "(names or shapes)")
+    missing = [n for n, p in method.named_parameters() if p.requires_grad and n not in tensors]
+    if opt is not None and missing:  # --resume would load the optimizer's state onto the wrong tensors (a first
+        # stage, whose checkpoint starts the next, may train fewer: sentence_gist's stage 1, the gist rows alone)
+        raise SystemExit(f"error: {out_dir}: its checkpoint lacks this method's trainable {missing[:5]}: a run of "
+                         "other flags")
     with torch.no_grad():
         for k, v in tensors.items():
             params[k].copy_(v)

@@ -18,6 +18,7 @@ import torch
 import data
 import eval as evaluate
 import meanpool
+import sac
 import tiny
 import train
 from common import load_script
@@ -290,6 +291,16 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
         evaluate.main([str(tmp_path / name)] + extra)
         rows = json.load(open(tmp_path / name / "metrics.json"))["rows"]
         assert [r["ratio_requested"] for r in rows] == expected and sorted(set(read_at)) == expected, name
+
+
+def test_a_row_label_names_what_the_run_trained_on(tmp_path):
+    """--objective given, --no_aids, --prompt, --hotpot_distractors: a row says them (two runs read alike)."""
+    state = {"train": {"method": "sac", "objective": "qa", "ratio": "5", "init_from": "", "no_aids": True,
+                       "prompt": "sac", "hotpot_distractors": False, "pretrain": 0},
+             "method": {}, "flags": ["objective", "no_aids", "prompt", "causal"]}
+    (tmp_path / "run.json").write_text(json.dumps(state))
+    label = evaluate.run_label(tmp_path, sac.SACConfig(causal=True))
+    assert label == "sac (objective=qa, no_aids=True, prompt=sac, causal=True)"
 
 
 def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):

@@ -325,7 +325,7 @@ def test_two_stage_recipe_starts_qa_from_ae_lm(base_dir, tmp_path):
     assert "ae" in pt and "ae" not in ft and torch.allclose(pt["mem_embed"], ft["mem_embed"], atol=1e-6)
     # a table names a first stage read as it is by its objective (it said "pic")
     assert evaluate.run_label(tmp_path / "pt", pic.PICConfig()).startswith("pic (objective=ae+lm, mask=")
-    assert evaluate.run_label(tmp_path / "ft", pic.PICConfig()) == "pic (after ae+lm)"
+    assert evaluate.run_label(tmp_path / "ft", pic.PICConfig()) == "pic (objective=qa, after ae+lm)"  # (given)
     method = json.load(open(tmp_path / "ft" / "run.json"))["method"]  # the second stage inherits the first's config
     assert (method["mask"], method["max_mem"]) == ("causal", 48)
     with pytest.raises(SystemExit, match="--mask 'blockwise' conflicts with the first stage"):

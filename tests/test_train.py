@@ -132,6 +132,26 @@ def test_sigterm_saves_the_step_and_exits_130(base_dir, tmp_path):
     assert f"interrupted: saved step {step} to {out}; continue with --resume" in stdout and step >= 1
 
 
+def test_resume_takes_the_runs_objective_ratio_and_aids(base_dir, tmp_path):
+    """--resume continues the run it finds: a flag that shaped its tensors or its loss, given with another value, is
+    one line (--objective qa trained a kd run on qa in silence; --prompt sac added a parameter: a traceback); left
+    out, the run's value holds. A checkpoint that lacks a trainable tensor is one line too."""
+    out = tmp_path / "r"
+    in_process(args(base_dir, out, "--max_iters", 2, "--eval_examples", 0))  # meanpool kd at 4,8
+    for flags in (["--objective", "qa"], ["--ratio", "4"], ["--no_aids"]):
+        with pytest.raises(SystemExit, match=f"--{flags[0][2:]} .* conflicts with the run --resume continues"):
+            in_process(args(base_dir, out, "--max_iters", 3, "--resume", *flags))
+    in_process(["--method", "meanpool", "--init_from", base_dir, "--out_dir", out, "--max_iters", 3, "--resume",
+                "--quiet", "--device", "cpu", "--eval_examples", 0])
+    assert json.load(open(out / "run.json"))["train"]["ratio"] == "4,8"  # (the recipe's is 4,8,16)
+    cfg, mcfg, tok, base, method = train.load_run(str(out))
+    method.extra = torch.nn.Parameter(torch.zeros(2))
+    opt = train.AdamW([{"params": [p for p in method.parameters() if p.requires_grad], "weight_decay": 0.0}], 1.0,
+                      (0.9, 0.95))
+    with pytest.raises(SystemExit, match=r"its checkpoint lacks this method's trainable \['extra'\]"):
+        train.load_checkpoint(str(out), method, opt)
+
+
 def test_adamw_is_torchs_step_for_step_and_reads_its_state():
     """train.AdamW against torch.optim.AdamW: decay and no-decay groups, a parameter without a gradient for a
     step, the lr changed between steps, and each optimizer resumed from the other's state_dict."""
@@ -304,7 +324,7 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--frobnicate", "1"], "unrecognized arguments: --frobnicate"),
     (["--method", "meanpool", "--objective", "ae+lm"], "does not apply to --method meanpool"),
     (["--method", "base", "--no_linear"], "--no_linear does not apply to --method base"),
-    (["--method", "meanpool", "--pretrain", "5"], "--method meanpool --objective kd has none"),
+    (["--method", "meanpool", "--pretrain", "5"], "this --method meanpool run has one stage (kd)"),
     (["--method", "sentence_gist", "--lora_r", "-1"], "--lora_r -1 must be >= 0 (0: full finetuning, no LoRA)"),
     (["--method", "sac", "--lora_r", "0"], "--lora_r 0 must be >= 1"),
     (["--method", "ata", "--lora_dropout", "1"], "--lora_dropout 1.0 must lie in [0, 1)"),
