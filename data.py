@@ -455,9 +455,9 @@ def _record(id, context, question, answers, relevant=None, chunks=None):
         raise ValueError("empty context: nothing to compress")
     if not question.strip():
         raise ValueError("empty question")
-    if not all(a.strip() for a in answers):  # (an empty prediction would score EM 100 against it)
-        raise ValueError(f"an empty answer in {json.dumps(answers)[:60]}")
-    return {"id": str(id or ""), "context": context, "question": question, "answers": list(answers),
+    if answers and not any(a.strip() for a in answers):  # (an empty prediction would score EM 100 against it)
+        raise ValueError(f"an empty answer: {json.dumps(answers)[:60]}")
+    return {"id": str(id or ""), "context": context, "question": question, "answers": [a for a in answers if a.strip()],
             "relevant": relevant, "chunks": chunks}
 
 
@@ -508,12 +508,14 @@ def _open_text(path):
     return gzip.open(path, "rt", encoding="utf-8-sig")
 
 
+FILE_KINDS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".zip": "zip"}
+
+
 def file_kind(path):
     """How a data file is read, by its name (case aside, a .gz dropped): "text" (.txt, .text, .md), "jsonl" (.jsonl,
     .ndjson), "zip", else "json"."""
-    name = Path(path).name.lower().removesuffix(".gz")
-    return ("text" if name.endswith((".txt", ".text", ".md")) else "jsonl" if name.endswith((".jsonl", ".ndjson"))
-            else "zip" if name.endswith(".zip") else "json")
+    return FILE_KINDS.get(Path(Path(path).name.lower().removesuffix(".gz")).suffix, "json")
+
 
 
 def _load_json(path):

@@ -366,13 +366,12 @@ def result_error(res):
         shown = {k: NUMBER for k in ("memory_bytes", *EXTRA) if k in row}  # the table's, claims.py's
         if why := key_error(row, f"{where}.", kinds | shown | ({"ratio": NUMBER} if where.startswith("rows") else {})):
             return why
-        for key in ("f1_norm", "em_norm", "em_ci", "f1_ci"):
-            if key not in row:
-                continue
-            v, norm = row[key], key.endswith("norm")  # a norm is nan where the teacher gains nothing
-            if not (is_number(v, finite=False) if norm else isinstance(v, list) and len(v) == 2
-                    and all(map(is_number, v))):
-                return f"key '{where}.{key}' is {v!r:.40}, expected {'a number' if norm else '[low, high]'}"
+        for key in ("f1_norm", "em_norm"):  # nan where the teacher gains nothing
+            if key in row and not is_number(row[key], finite=False):
+                return f"key '{where}.{key}' is {row[key]!r:.40}, expected a number"
+        for key in ("em_ci", "f1_ci"):
+            if key in row and not (isinstance(row[key], list) and len(row[key]) == 2 and all(map(is_number, row[key]))):
+                return f"key '{where}.{key}' is {row[key]!r:.40}, expected [low, high]"
         scores = row.get("scores", {"em": {}, "f1": {}})  # {"em": {id: score}, "f1": ..., "nll": ...}: claims, compare
         if not (isinstance(scores, dict) and {"em", "f1"} <= scores.keys() and all(  # (a diverged run's NLL: nan)
                 isinstance(by_id, dict) and all(is_number(v, finite=k in ("em", "f1")) for v in by_id.values())
@@ -454,14 +453,11 @@ def check_run(run_dir, decoder, max_new_tokens):
                          f"positions of {run_dir}'s decoder")
 
 
-def evaluate_run(run_dir, ecfg, device, records=None):
+def evaluate_run(run_dir, ecfg, device, records):
     """Compute and write <run>/metrics.json. records: eval_records's, read before any model loads (main)."""
     cached = os.path.join(run_dir, "metrics.json")
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
-    records = eval_records(cfg, ecfg) if records is None else records
-    if not records:
-        raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
     key = teacher_key(cfg, ecfg, records, device, getattr(mcfg, "decoder", ""))
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4), against the base

@@ -237,7 +237,7 @@ def saved_memory_error(t):
     mask, next_pos = t["mask"], t["next_pos"]
     if mask.dtype != torch.bool or mask.dim() != 2 or next_pos.shape != mask.shape[:1] or next_pos.is_floating_point() \
             or (next_pos < 0).any():
-        return f"mask {list(mask.shape)} and next_pos {list(next_pos.shape)} should be (B, C) bool and (B,) integers >= 0"
+        return f"mask {list(mask.shape)} and next_pos {list(next_pos.shape)} should be (B, C) bool, (B,) integers >= 0"
     memory = [t["embeds"]] if n == 0 else [t[f"{x}.{i}"] for i in range(n) for x in "kv"]  # (B, C, d) / (B, Hkv, C, hd)
     if any(x.dim() != (3 if n == 0 else 4) or x.shape != memory[0].shape or (x.shape[0], x.shape[-2]) != mask.shape
            for x in memory):

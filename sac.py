@@ -117,12 +117,13 @@ class SAC(nn.Module):
     def check_config(cfg, mcfg):
         if mcfg.anchors not in ANCHORS:
             raise SystemExit(f"error: --anchors {mcfg.anchors!r}; choose from {', '.join(ANCHORS)}")
-        if not 1 <= mcfg.sub_len <= max(cfg.max_context, SACConfig.sub_len):  # (a longer one: the whole context)
-            raise SystemExit(f"error: --sub_len {mcfg.sub_len} must lie in 1..--max_context {cfg.max_context} tokens")
+        longest = max(cfg.max_context, SACConfig.sub_len)  # (a longer one: the whole context)
+        if not 1 <= mcfg.sub_len <= longest:
+            raise SystemExit(f"error: --sub_len {mcfg.sub_len} must lie in 1..{longest} tokens (--max_context)")
         if mcfg.anchor_emb not in ("one", "table"):
             raise SystemExit(f"error: --anchor_emb {mcfg.anchor_emb!r}; choose one (eq. 1) or table (official code)")
         if mcfg.no_anchor_embedding and mcfg.anchor_emb != "one":
-            raise SystemExit("error: --anchor_emb table and --no_anchor_embedding: the ablation has no anchor embedding")
+            raise SystemExit("error: --anchor_emb table and --no_anchor_embedding: the ablation has no anchor rows")
         if mcfg.lora_targets != "all" and not set(mcfg.lora_targets.split(",")) <= set(LORA_TARGETS):
             raise SystemExit(f"error: --lora_targets {mcfg.lora_targets!r}: all, or a comma list of "
                              f"{', '.join(LORA_TARGETS)}")

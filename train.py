@@ -32,6 +32,7 @@ import zipfile
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class TrainConfig:
     pretrain: int = 0          # steps of the recipe's first stage (pic ae+lm, sac lm, ata rel, gist 1); given 0: none
     pretrain_data: str = ""    # text for the text pretraining stages (pic ae+lm, sac lm, gist lm); "" = --data's
     # --- optimisation (0 = the method's recipe: the paper's values on real checkpoints, TINY on the tiny base)
-    max_iters: int = 0         # steps (0: the recipe's); stages share them in the recipe's proportion (--pretrain aside)
+    max_iters: int = 0         # steps (0: the recipe's); stages share them in the recipe's proportion (not --pretrain)
     batch_size: int = 0        # the global batch (0: the recipe's): examples a step over ranks and micro-batches
     grad_accum: int = 1        # micro-batches a step per rank: its examples sorted by context length (less padding)
     micro_batch: int = 0       # at most N examples a micro-batch per rank: sets each stage's --grad_accum by its batch
@@ -269,8 +270,8 @@ def check_out_dirs(stages):
     --teacher, --encoder, --decoder (a --method base run writes a base: its own dir is the one it makes); nor
     replaces a run of another method (one of its own starts anew there)."""
     (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
-    reads = {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
-             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}} if cfg.method != "base" else {}
+    reads = {} if cfg.method == "base" else {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
+                                             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
     for flag, path in reads.items():
         read = os.path.realpath(path) if path else None
         if read and any(out == read or out.startswith(read + os.sep) for out in out_dirs):
@@ -278,9 +279,12 @@ def check_out_dirs(stages):
                              f"it reads ({path}); give the run its own dir")
     for c, _, _ in stages:
         there = first_stage(c.out_dir, None)
-        if there and there["train"]["method"] != c.method and not c.resume:
+        if there and there["train"]["method"] != c.method:  # (--resume of it: resolve said so)
             raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
                              f"{there['step']}); give this run another dir")
+        if there and not c.resume:
+            print(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts anew and "
+                  "replaces it (--resume continues it)", file=sys.stderr)
 
 
 def check_writable(path, flag, folder=True):
@@ -405,7 +409,15 @@ def first_stage(init_from, method):
     return state if method in (None, state["train"]["method"]) else None
 
 
-RESUME_KEEPS = ("objective", "ratio", "init_from", "teacher", "prompt", "no_aids")  # --resume takes the run's
+RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
+RESUME_KEEPS = ("ratio", "teacher", "prompt")  # --resume takes the run's
+
+
+def as_compared(key, value):
+    """A flag's value as --resume compares it: ratios as numbers, paths as real paths."""
+    if key == "ratio":
+        return ratios_of(value)
+    return os.path.realpath(value) if key in ("init_from", "teacher") and value else value
 
 
 def inherit_method_config(state, what, mcfg, explicit, skip=()):
@@ -476,7 +488,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     if done:  # that stage: its objective and (sentence_gist's three are all `lm`) its --stage; the last: it again
         ran = [s.objective == done["train"]["objective"] and s.paper.get("stage", 0) == done["method"].get("stage", 0)
                for s in stages]
-        stages = stages[min(ran.index(True) + 1, len(stages) - 1):] if any(ran) else stages
+        at = ran.index(True) if any(ran) else -1
+        stages = stages[at + 1:] or stages[-1:]  # the stages after it; after the last: it again
     if "objective" in explicit:  # its stages (sentence_gist: all three), else the last one with this objective
         stages = [s for s in stages if s.objective == cfg.objective] or [replace(stages[-1], objective=cfg.objective)]
     if "stage" in explicit:  # sentence_gist: one of its paper's stages
@@ -541,11 +554,16 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             if not state:
                 raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
             inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
-            for key in RESUME_KEEPS:  # what shaped its tensors and its loss
-                saved = state["train"].get(key, getattr(c, key))
-                if key in explicit and getattr(c, key) != saved:
-                    raise SystemExit(f"error: --{key} {getattr(c, key)!r} conflicts with the run --resume continues, "
-                                     f"{c.out_dir} ({key}={saved!r}); drop the flag to inherit it")
+            for key in RESUME_SAME + RESUME_KEEPS:  # what shaped its tensors and its loss
+                now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
+                if as_compared(key, now) == as_compared(key, saved):
+                    continue
+                if key in explicit:
+                    raise SystemExit(f"error: --{key} {now!r} conflicts with the run --resume continues, {c.out_dir} "
+                                     f"({key}={saved!r}); drop the flag to inherit it")
+                if key in RESUME_SAME:  # (the stages and their values were resolved from it)
+                    raise SystemExit(f"error: --resume: {c.out_dir} was trained with {key}={saved!r}, this command "
+                                     f"gives {now!r}: give --{key} as the run's")
                 setattr(c, key, saved)
         resolved.append((c, m, sources))
         init_from = c.out_dir
@@ -628,8 +646,7 @@ def run_config(run_dir):
             raise SystemExit(f"error: {path}: {key} keys {unknown} are not {config.__name__} fields; retrain the run")
         for f in fields(config):  # each value of its field's kind (an edited run.json)
             value, kind = state[key].get(f.name, f.default), type(f.default)
-            if not (isinstance(value, kind) or kind is float and isinstance(value, int)) or \
-                    isinstance(value, bool) and kind is not bool:
+            if type(value) is not kind and not (kind is float and type(value) is int):
                 raise SystemExit(f"error: {path}: {key}.{f.name} is {value!r:.40}, expected {kind.__name__}")
     cfg = TrainConfig(**state["train"])
     if name == "base":
@@ -785,8 +802,8 @@ def read_items(path, cfg, text):
     else:
         records = read_records(path, cfg, stats)
         items = list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
-    if stats.get("skipped_bad") or stats.get("unanswerable") or stats.get("no_answer"):
-        print(f"{path}: {stats}")
+    if stats.keys() - {"records"}:  # unanswerable (SQuAD v2), skipped (--skip_bad), no answer (MS MARCO)
+        print(f"note: {path}: {stats}", file=sys.stderr)
     if not items:
         raise SystemExit(f"error: {path!r} holds no usable records ({stats})")
     return items
@@ -1141,20 +1158,21 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             loss, metrics, n = train_step(model, batches(step), params, opt, ratios, device, autocast, ddp, world, cfg)
             step, tokens = step + 1, tokens + n
             diverged(loss, "training", step, saved, cfg.out_dir)
+            checkpoint = step % eval_every == 0 or step == cfg.max_iters
+            val_loss = validation_loss(method, val, device, autocast, ratios) if checkpoint else None
+            if checkpoint:  # (every rank: one that stopped alone would leave the others waiting)
+                diverged(val_loss, "validation", step, saved, cfg.out_dir)  # (its weights are not saved)
             if not master:
                 continue
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens * world / (time.time() - t0):.0f}")
             record = {"step": step, "loss": loss, "lr": lr, **{k: float(v) for k, v in metrics.items()}}
-            checkpoint = step % eval_every == 0 or step == cfg.max_iters
             if checkpoint:
-                record["val_loss"] = validation_loss(method, val, device, autocast, ratios)
-                bar.write(f"step {step}: loss {loss:.4f} val {record['val_loss']:.4f}")
-                diverged(record["val_loss"], "validation", step, saved, cfg.out_dir)  # (weights not finite: unsaved)
+                record["val_loss"] = val_loss
+                bar.write(f"step {step}: loss {loss:.4f} val {val_loss:.4f}")
             if step == 1:  # a new run in a used dir starts its own log, and the old run's commit point goes with it
                 for old in ("run.json", "metrics.json"):  # (killed before its first checkpoint: no mixed dir)
-                    if os.path.exists(os.path.join(cfg.out_dir, old)):
-                        os.remove(os.path.join(cfg.out_dir, old))
+                    Path(cfg.out_dir, old).unlink(missing_ok=True)
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
@@ -1181,8 +1199,9 @@ if __name__ == "__main__":
         out = main(sys.argv[1:])
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C before the loop took it: no step was taken, nothing written
-        raise SystemExit("interrupted before the first step: nothing saved") from None
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes it there and saves)
+        print("interrupted outside a training step: the checkpoints already written stand", file=sys.stderr)
+        sys.exit(130)
     finally:
         ddp = dist.is_initialized()
         if ddp:

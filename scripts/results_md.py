@@ -171,9 +171,10 @@ def main(argv):
             body = open(args.body, encoding="utf-8").read()
         except UnicodeDecodeError:
             raise SystemExit(f"error: --body {args.body}: not UTF-8 text") from None
-        if not body.strip() or "<!-- section:" in body or "<!-- end section -->" in body:
-            raise SystemExit(f"error: --body {args.body}: " + ("empty" if not body.strip() else "it holds a section "
-                             "marker (<!-- section: ... -->): give the section's text alone"))
+        if not body.strip():
+            raise SystemExit(f"error: --body {args.body}: empty")
+        if "<!-- section:" in body or "<!-- end section -->" in body:
+            raise SystemExit(f"error: --body {args.body}: it holds a section marker: give the section's text alone")
         put_section(args.out, args.section, body)
         return print(f"wrote section {args.section!r} of {args.out}")
     results = evaluate.earlier_results(args.results)

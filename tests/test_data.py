@@ -583,7 +583,7 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
     for name, doc, message in (
             ("c.json", squad(context=""), "c.json:1: empty context"),  # was an IndexError
             ("q.json", squad(question=" "), "q.json:1: empty question"),
-            ("a.json", squad(text=""), 'a.json:1: an empty answer in [""]'),
+            ("a.json", squad(text=""), 'a.json:1: an empty answer: [""]'),
             ("s.json", squad(start=99), "s.json:1: answer_start [99] should lie in the context's 9 characters"),
             ("n.json", squad(start=-1), "n.json:1: answer_start [-1]"),
             ("b.json", squad(start=True), "b.json:1: answer_start [True]"),
@@ -593,11 +593,13 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
             ("e.json", [{**hotpot, "answer": ""}], "e.json:1: an empty answer"),
             ("m.jsonl", [marco], "m.jsonl:1: 'is_selected' should be 0 or 1"),  # "0" was selected
             ("r.jsonl", [jsonl], "r.jsonl:1: 'relevant' entries must be chunks (give the context's 'chunks' too)"),
-            ("x.jsonl", [{**jsonl, "relevant": None, "answers": ["A", " "]}], "x.jsonl:1: an empty answer")):
+            ("x.jsonl", [{**jsonl, "relevant": None, "answers": [" "]}], "x.jsonl:1: an empty answer")):
         (tmp_path / name).write_text("\n".join(map(json.dumps, doc)) if name.endswith("l") else json.dumps(doc))
         with pytest.raises(ValueError) as e:
             data.read_dataset(tmp_path / name)
         assert str(e.value).startswith(str(tmp_path)) and message in str(e.value), e.value
+    (tmp_path / "y.jsonl").write_text(json.dumps({**jsonl, "relevant": None, "answers": ["A", " "]}))
+    assert data.read_dataset(tmp_path / "y.jsonl")[0]["answers"] == ["A"]  # a blank alternative beside one: dropped
 
 
 def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):

@@ -144,6 +144,11 @@ def test_resume_takes_the_runs_objective_ratio_and_aids(base_dir, tmp_path):
     in_process(["--method", "meanpool", "--init_from", base_dir, "--out_dir", out, "--max_iters", 3, "--resume",
                 "--quiet", "--device", "cpu", "--eval_examples", 0])
     assert json.load(open(out / "run.json"))["train"]["ratio"] == "4,8"  # (the recipe's is 4,8,16)
+    in_process(args(base_dir, tmp_path / "qa", "--max_iters", 2, "--eval_examples", 0, "--objective", "qa"))
+    with pytest.raises(SystemExit, match=f"--resume: {tmp_path / 'qa'} was trained with objective='qa', this command "
+                                         "gives 'kd': give --objective as the run's"):
+        in_process(args(base_dir, tmp_path / "qa", "--max_iters", 3, "--resume"))
+    in_process(args(base_dir, out, "--max_iters", 4, "--resume", "--ratio", "4, 8"))  # (the same ratios)
     cfg, mcfg, tok, base, method = train.load_run(str(out))
     method.extra = torch.nn.Parameter(torch.zeros(2))
     opt = train.AdamW([{"params": [p for p in method.parameters() if p.requires_grad], "weight_decay": 0.0}], 1.0,
