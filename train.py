@@ -18,6 +18,7 @@ exactly where a run stopped.
 import argparse
 import copy
 import filecmp
+import glob
 import gzip
 import inspect
 import json
@@ -410,12 +411,12 @@ def first_stage(init_from, method):
 
 
 RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
-RESUME_KEEPS = ("ratio", "teacher", "prompt")  # --resume takes the run's
+RESUME_KEEPS = ("ratio", "eval_ratio", "teacher", "prompt")  # --resume takes the run's
 
 
 def as_compared(key, value):
     """A flag's value as --resume compares it: ratios as numbers, paths as real paths."""
-    if key == "ratio":
+    if key in ("ratio", "eval_ratio") and value:
         return ratios_of(value)
     return os.path.realpath(value) if key in ("init_from", "teacher") and value else value
 
@@ -568,7 +569,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         resolved.append((c, m, sources))
         init_from = c.out_dir
     if cfg.resume and not any(c.resume for c, _, _ in resolved):
-        raise SystemExit(f"error: --resume but {out_dir} has no checkpoint")
+        below = sorted(glob.glob(os.path.join(out_dir, "*", "run.json")))  # a first stage's, say
+        raise SystemExit(f"error: --resume but {out_dir} has no checkpoint" + (
+            f" ({os.path.dirname(below[0])} has: give the flags its run was started with)" if below else ""))
     for target, value in zip((cfg, mcfg), resolved[-1][:2]):
         target.__dict__.update(value.__dict__)
     cfg.pretrain = sum(c.max_iters for c, _, _ in resolved[:-1])  # the steps before the last stage
@@ -698,6 +701,8 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None
         atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_file(hf, p, metadata={"format": "pt"}))
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
+    before = first_stage(out_dir, None) if cfg.resume else None  # a resumed run keeps the flags its rows name
+    flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1])}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
@@ -1178,11 +1183,11 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             if checkpoint:
                 save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
                 saved = step
-        if STOP and step == cfg.max_iters:  # a signal in the last step: the run is whole
-            STOP.clear()
-        if master and STOP:
+        if master and STOP and step < cfg.max_iters:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
+        elif master and STOP:  # a signal in its last step: the stage is whole, and the run stops here
+            print(f"interrupted: {cfg.out_dir} finished its {step} steps; the run stops here")
     finally:
         bar.close()
         for sig, handler in handlers.items():

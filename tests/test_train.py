@@ -102,17 +102,25 @@ def test_a_loss_that_is_not_finite_stops_the_run(base_dir, tmp_path):
         assert not (out / "run.json").exists()
 
 
-def test_a_signal_in_the_last_step_leaves_a_finished_run(base_dir, tmp_path, monkeypatch):
-    """Ctrl-C during the last step: the run is whole (no "interrupted", its final evaluation follows)."""
+def test_a_signal_in_a_stages_last_step_stops_the_run_with_the_stage_whole(base_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a stage's last step: the stage is saved whole, and the run stops there (a first stage's next
+    stage does not start; main returns None: exit status 130, no evaluation)."""
     real_call = train.Batches.__call__
 
     def stop_in_the_last(self, step):
-        if step == 2:
+        if step == 1:
             train.STOP.append(1)
         return real_call(self, step)
     monkeypatch.setattr(train.Batches, "__call__", stop_in_the_last)
-    assert train.main([str(a) for a in args(base_dir, tmp_path / "r", "--max_iters", 3)]) == str(tmp_path / "r")
-    assert json.load(open(tmp_path / "r" / "run.json"))["step"] == 3 and not train.STOP
+    argv = ["--method", "pic", "--init_from", base_dir, "--out_dir", tmp_path / "r", "--max_iters", 4, "--pretrain", 2,
+            "--batch_size", 2, "--max_context", 128, "--quiet", "--device", "cpu"]
+    try:
+        assert train.main([str(a) for a in argv]) is None
+    finally:
+        train.STOP.clear()
+    assert json.load(open(tmp_path / "r" / "pretrain" / "run.json"))["step"] == 2
+    assert not (tmp_path / "r" / "run.json").exists()
+    assert f"interrupted: {tmp_path / 'r' / 'pretrain'} finished its 2 steps; the run stops here" in capsys.readouterr().out
 
 
 def test_sigterm_saves_the_step_and_exits_130(base_dir, tmp_path):
@@ -143,7 +151,12 @@ def test_resume_takes_the_runs_objective_ratio_and_aids(base_dir, tmp_path):
             in_process(args(base_dir, out, "--max_iters", 3, "--resume", *flags))
     in_process(["--method", "meanpool", "--init_from", base_dir, "--out_dir", out, "--max_iters", 3, "--resume",
                 "--quiet", "--device", "cpu", "--eval_examples", 0])
-    assert json.load(open(out / "run.json"))["train"]["ratio"] == "4,8"  # (the recipe's is 4,8,16)
+    state = json.load(open(out / "run.json"))
+    assert state["train"]["ratio"] == "4,8" and "ratio" in state["flags"]  # (the recipe's is 4,8,16; the row's label)
+    (tmp_path / "cut" / "pretrain").mkdir(parents=True)  # a run stopped in its first stage, resumed without its flags
+    (tmp_path / "cut" / "pretrain" / "run.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"has no checkpoint \(.*/cut/pretrain has: give the flags its run was"):
+        in_process(args(base_dir, tmp_path / "cut", "--max_iters", 3, "--resume"))
     in_process(args(base_dir, tmp_path / "qa", "--max_iters", 2, "--eval_examples", 0, "--objective", "qa"))
     with pytest.raises(SystemExit, match=f"--resume: {tmp_path / 'qa'} was trained with objective='qa', this command "
                                          "gives 'kd': give --objective as the run's"):
