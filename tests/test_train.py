@@ -120,7 +120,8 @@ def test_a_signal_in_a_stages_last_step_stops_the_run_with_the_stage_whole(base_
         train.STOP.clear()
     assert json.load(open(tmp_path / "r" / "pretrain" / "run.json"))["step"] == 2
     assert not (tmp_path / "r" / "run.json").exists()
-    assert f"interrupted: {tmp_path / 'r' / 'pretrain'} finished its 2 steps; the run stops here" in capsys.readouterr().out
+    stage = tmp_path / "r" / "pretrain"
+    assert f"interrupted: {stage} finished its 2 steps; the run stops here" in capsys.readouterr().out
 
 
 def test_sigterm_saves_the_step_and_exits_130(base_dir, tmp_path):
