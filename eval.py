@@ -121,12 +121,7 @@ def eval_records(cfg, ecfg):
     if ecfg.eval_data and cfg.data and os.path.isfile(cfg.data) and train.same_file(ecfg.eval_data, cfg.data):
         print(f"note: --eval_data {ecfg.eval_data} is the file the run trained on", file=sys.stderr)
     if path:
-        stats = {}
-        records = train.read_records(path, cfg, stats)
-        if not records:
-            raise SystemExit(f"error: {path!r} holds no usable questions ({stats})")
-        if stats.keys() - {"records"}:  # unanswerable (SQuAD v2), skipped (--skip_bad), no answer (MS MARCO)
-            print(f"note: {path}: {stats}", file=sys.stderr)
+        records = train.read_records(path, cfg)
         if not (ecfg.eval_data or cfg.eval_data) and len(records) > 1:
             records, path = train.held_out(records, cfg.seed)[1], f"the held-out questions of {path}"
         if ecfg.n > len(records):  # every question is read, and the rows' n says how many
@@ -422,7 +417,7 @@ def check_evaluable(run_dir, ratio):
         raise SystemExit(f"error: {run_dir}/run.json: not a run.json written by train.py (needs step, files.ckpt)")
     if not os.path.isfile(os.path.join(run_dir, files["ckpt"])):
         raise SystemExit(f"error: {run_dir}: its checkpoint {files['ckpt']} is missing")
-    note_unfinished(run_dir)
+    note_unfinished(run_dir, state)
     if not ratio:
         return
     if max(train.ratios_of(ratio)) > cfg.max_context:
@@ -436,9 +431,8 @@ def check_evaluable(run_dir, ratio):
                          f"{str(e).removeprefix('error: ')}") from None
 
 
-def note_unfinished(run_dir):
-    """A note when the run's checkpoint is short of its --max_iters: still training, or stopped."""
-    state = read_json(os.path.join(run_dir, "run.json"))
+def note_unfinished(run_dir, state):
+    """A note when the run's checkpoint (state: its run.json) is short of its --max_iters: still training or stopped."""
     step, steps = state.get("step"), (state.get("train") or {}).get("max_iters")
     if type(step) is int and type(steps) is int and step < steps:
         print(f"note: {run_dir} is at step {step} of its {steps} (still training, or stopped: --resume continues "
@@ -698,7 +692,7 @@ def main(argv):
     records = {}
     for r in run_dirs:
         if read[r] is not None and not r.endswith(".json"):  # its cached metrics.json
-            note_unfinished(r)
+            note_unfinished(r, read_json(os.path.join(r, "run.json")))
         if read[r] is None:  # to be evaluated
             check_evaluable(r, ecfg.ratio)
             what = asked(r, ecfg)

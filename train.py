@@ -786,10 +786,17 @@ def first_non_utf8_line(path):
                 return n
 
 
-def read_records(path, cfg, stats=None):
-    """The records of a QA file, as a list."""
-    return read_file(path, lambda p: data.read_dataset(p, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad,
-                                                       stats=stats))
+def read_records(path, cfg):
+    """The records of a QA file, as a list; those the readers skip (unanswerable in SQuAD v2, malformed under
+    --skip_bad, MS MARCO's no answer) a note; none at all a one-line error."""
+    stats = {}
+    records = read_file(path, lambda p: data.read_dataset(p, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad,
+                                                          stats=stats))
+    if stats.keys() - {"records"}:
+        print(f"note: {path}: {stats}", file=sys.stderr)
+    if not records:
+        raise SystemExit(f"error: {path!r} holds no usable records ({stats})")
+    return records
 
 
 def is_text_file(path):
@@ -801,16 +808,12 @@ def is_text_file(path):
 def read_items(path, cfg, text):
     """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, gzipped or
     not, else the contexts of a QA file). A file with none is a one-line error."""
-    stats = {}
-    if text and is_text_file(path):
-        items = read_file(path, data.read_text)
-    else:
-        records = read_records(path, cfg, stats)
-        items = list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
-    if stats.keys() - {"records"}:  # unanswerable (SQuAD v2), skipped (--skip_bad), no answer (MS MARCO)
-        print(f"note: {path}: {stats}", file=sys.stderr)
+    if not (text and is_text_file(path)):
+        records = read_records(path, cfg)
+        return list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
+    items = read_file(path, data.read_text)
     if not items:
-        raise SystemExit(f"error: {path!r} holds no usable records ({stats})")
+        raise SystemExit(f"error: {path!r} holds no text")
     return items
 
 
