@@ -40,7 +40,7 @@ PAD, TOKEN, GIST, SINK = -1, 0, 1, 2  # token kinds
 class SentenceGistConfig:
     gists: int = 4              # N_g gist tokens after every sentence: 1, 2, 4 or 8 (Tables 1-2)
     max_sentence_len: int = 64  # guard (not in the paper): gists after this many tokens without . ! ?
-    stage: int = 2              # 1 gist rows only | 2 gist rows + the base (LoRA or all) | 3 as 2, lr linearly to 0
+    stage: int = 2              # 1 gist rows only | 2 gist rows + the base (LoRA or all) | 3 as 2, lr linearly down (Table 3: to 0)
     lora_r: int = 16            # LoRA `gist` on the shared base; 0 = every weight trains in stages 2-3 (§3.5)
     lora_alpha: int = 32        # LoRA scale alpha / r
 
@@ -151,7 +151,7 @@ class SentenceGist(nn.Module):
             base.add_adapter("gist", cfg.lora_r, cfg.lora_alpha)
         for name, p in base.named_parameters():  # stage 1: the gist rows alone; then the adapter, or every weight
             p.requires_grad_(cfg.stage >= 2 and (self.trains_base or ".lora_" in name))
-        self.lr_schedule = "linear" if cfg.stage == 3 else "cosine"  # for train.py: stage 3 decays to 0
+        self.lr_schedule = "linear" if cfg.stage == 3 else "cosine"  # for train.py: stage 3 decays linearly
 
     @staticmethod
     def check_config(cfg, mcfg):

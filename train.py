@@ -913,14 +913,13 @@ def to_device(batch, device):
 # the loop
 
 def lr_at(step, cfg, schedule="cosine"):
-    """Linear warmup, then cosine decay to lr * min_lr_frac (or, schedule "linear", linearly to 0)."""
+    """Linear warmup, then cosine (or, schedule "linear", linear) decay to lr * min_lr_frac."""
     warmup = cfg.warmup_iters or max(1, int(cfg.warmup_frac * cfg.max_iters))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, cfg.max_iters - warmup))
-    if schedule == "linear":
-        return cfg.lr * (1 - t)
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+    decay = 1 - t if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * t))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * decay)
 
 
 def pick_device(name, flag="--device"):

@@ -424,7 +424,9 @@ def test_lr_schedules():
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
     assert train.lr_at(100, cfg) == pytest.approx(0.1)  # cosine ends at lr * min_lr_frac
     assert train.lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean
-    assert train.lr_at(55, cfg, "linear") == pytest.approx(0.5) and train.lr_at(100, cfg, "linear") == 0.0
+    assert train.lr_at(55, cfg, "linear") == pytest.approx(0.1 + 0.9 * 0.5)  # linear: to lr * min_lr_frac too
+    assert train.lr_at(100, cfg, "linear") == pytest.approx(0.1) and train.lr_at(77, cfg, "linear") > train.lr_at(77, cfg)
+    assert train.lr_at(100, train.TrainConfig(lr=1.0, max_iters=100, min_lr_frac=0.0), "linear") == 0.0
 
 
 def test_new_inputs_start_at_the_scale_the_model_reads(tmp_path):
