@@ -139,6 +139,9 @@ class PIC(nn.Module):
         if mcfg.mem == "single" and mcfg.mask == "blockwise":
             raise SystemExit("error: --mem single is meanpool §5.1's compression tokens: add --mask causal (the "
                              "conventional mask) or --mask bidir (§5.1's), not PIC's blockwise")
+        if mcfg.lora_r == 0 and mcfg.mem == "single":  # (its decoder's adapter takes the same rank)
+            raise SystemExit("error: --lora_r 0 with --mem single: meanpool §5.1's baseline trains rank --lora_r "
+                             "adapters (Table 6: 16) in its encoder and decoder")
         if mcfg.lora_r == 0 and not mcfg.encoder:
             raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
                              "the frozen decoder shares the base weights")
@@ -178,7 +181,7 @@ class PIC(nn.Module):
         self.mem_embed = nn.Parameter(torch.randn(1 if cfg.mem == "single" else cfg.max_mem, d_enc) * std_enc)
         self.dec_adapter = "decoder" if cfg.mem == "single" else None  # meanpool §5.1's baseline trains its decoder
         if self.dec_adapter:
-            dec.add_adapter("decoder", cfg.lora_r or 16, cfg.lora_alpha)
+            dec.add_adapter("decoder", cfg.lora_r, cfg.lora_alpha)
             self.converter = nn.Sequential(nn.Linear(d_enc, d_dec, bias=False))  # meanpool's W
             if d_enc == d_dec:
                 nn.init.eye_(self.converter[0].weight)

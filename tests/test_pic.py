@@ -354,7 +354,8 @@ def test_pretrain_in_one_command_equals_the_two_commands(base_dir, tmp_path):
 def test_check_config_errors():
     cfg = train.TrainConfig(ratio="1", max_context=600)
     for kw, message in ((dict(), "--max_mem 256"), (dict(mask="diag"), "--mask"), (dict(mem="two"), "--mem"),
-                        (dict(mem_pos="end"), "--mem_pos"), (dict(lora_r=0, max_mem=600), "needs a separate --encoder")):
+                        (dict(mem_pos="end"), "--mem_pos"), (dict(lora_r=0, max_mem=600), "needs a separate --encoder"),
+                        (dict(lora_r=0, mem="single", mask="bidir", encoder="E"), "--lora_r 0 with --mem single")):
         with pytest.raises(SystemExit, match=message):
             pic.PIC.check_config(cfg, pic.PICConfig(**kw))
     pic.PIC.check_config(cfg, pic.PICConfig(mem="single", mask="bidir"))  # one token repeated: no table to outgrow
