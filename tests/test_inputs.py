@@ -306,12 +306,14 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
         assert f"note: {short} is at step 1 of its 1000 (still training" in capsys.readouterr().err
 
 
-def test_ctrl_c_during_an_evaluation_is_one_line_and_130(tmp_path):
-    """Ctrl-C while eval.py evaluates (after train.py handed it the run, say): one line, status 130, no traceback."""
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_ctrl_c_during_an_evaluation_is_one_line_and_130(tmp_path, sig):
+    """Ctrl-C or SIGTERM while eval.py evaluates (after train.py handed it the run, say): one line, status 130, no
+    traceback."""
     run_dir = tmp_path / "mp"
     assert in_process(["--method", "meanpool", "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0, "--quiet",
                        "--device", "cpu", "--out_dir", run_dir]) == ""
-    p = subprocess.run(["timeout", "--preserve-status", "-s", "INT", "10", sys.executable, "eval.py", str(run_dir),
+    p = subprocess.run(["timeout", "--preserve-status", "-s", sig, "10", sys.executable, "eval.py", str(run_dir),
                         "--n", "20000"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 130 and p.stderr.strip() == "interrupted: the runs evaluated before it keep their " \
         "metrics.json", p.stderr[-2000:]
