@@ -522,6 +522,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if c.warmup_iters and "warmup_iters" not in explicit and n != n_recipe:  # a count keeps its share of the stage
             c.warmup_iters = max(1, round(c.warmup_iters * n / n_recipe))
             sources["warmup_iters"] = f"{sources.get('warmup_iters', 'default')}, x {n}/{n_recipe} steps"
+        if "warmup_iters" in explicit and c.warmup_iters > n:  # (a stage's lr then never reaches --lr)
+            print(f"note: --warmup_iters {c.warmup_iters} outlasts the {n} steps of the {stage.objective} stage: its lr "
+                  f"peaks at {n / c.warmup_iters:.2g} of --lr", file=sys.stderr)
         sources["objective"] = "flag" if "objective" in explicit else stage_source
         if fixed and i == 0:
             sources["max_iters"] = "flag (--pretrain)"

@@ -76,7 +76,7 @@ def test_the_tiny_base_keeps_its_own_recipe_and_no_aids_is_the_papers_at_its_sca
     assert [(c.objective, c.max_iters) for c, _, _ in pic_stages] == [("ae+lm", 100), ("qa", 1100)]
 
 
-def test_stage_flags_and_the_one_steps_rule(base_dir):
+def test_stage_flags_and_the_one_steps_rule(base_dir, capsys):
     real = ["--init_from", base_dir]
     assert [c.max_iters for c, _, _ in resolved(["--method", "sac", "--max_iters", 1000, *real])] == [500, 500]
     assert [c.max_iters for c, _, _ in resolved(["--method", "ata", "--max_iters", 1000, *real])] == [750, 250]
@@ -87,6 +87,9 @@ def test_stage_flags_and_the_one_steps_rule(base_dir):
     assert [c.warmup_iters for c, _, _ in resolved(["--method", "sac", *real])] == [300, 300]  # the recipe's steps
     assert [c.warmup_iters for c, _, _ in resolved(["--method", "sac", "--max_iters", 1000, "--warmup_iters", 50,
                                                     *real])] == [50, 50]
+    assert capsys.readouterr().err == ""
+    resolved(["--method", "sac", "--max_iters", 120, "--warmup_iters", 80, *real])  # steps 60 + 60: lr at 0.75 of --lr
+    assert capsys.readouterr().err.count("note: --warmup_iters 80 outlasts the 60 steps of the") == 2
     _, _, sources = resolved(["--method", "ata", "--max_iters", 1000, *real])[1]
     assert sources["warmup_iters"] == "paper (§3.5, Table 5), x 250/17500 steps"
     assert [c.max_iters for c, _, _ in resolved(["--method", "sac", "--pretrain", 7, "--max_iters", 30, *real])] == [7, 30]
