@@ -383,13 +383,15 @@ def split_steps(total, weights):
     return steps
 
 
-def tiny_stages(cls, mcfg, pretrain=None):
-    """The tiny base's recipe: TINY's values over the paper's last stage (TINY's objective may change it), and the
-    paper's first stage before it for `pretrain` steps (a --pretrain flag, else TINY's: pic ae+lm 100, then qa)."""
+def tiny_stages(cls, mcfg, pretrain=None, stage=None):
+    """The tiny base's recipe: TINY's values over the paper's last stage (TINY's objective may change it; sentence_gist
+    TINY's stage, or a --stage flag's), and the paper's first stage before it for `pretrain` steps (a --pretrain flag,
+    else TINY's: pic ae+lm 100, then qa)."""
     paper, small = paper_stages(cls, mcfg), dict(cls.TINY)
     objective, tiny_pretrain = small.pop("objective", None), small.pop("pretrain", 0)
     pretrain = tiny_pretrain if pretrain is None else pretrain
-    if "stage" in small:  # sentence_gist: one of its paper's stages
+    if "stage" in small:  # sentence_gist: one of its paper's stages (its lr's end: Table 3's)
+        small["stage"] = stage or small["stage"]
         last = next(s for s in paper if s.paper.get("stage") == small["stage"])
     else:
         last = next((s for s in paper if s.objective == objective), paper[-1])
@@ -476,7 +478,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         cfg.prompt = taught
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
-        stages, source = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None), "tiny"
+        stages = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None,
+                             getattr(mcfg, "stage", None) if "stage" in explicit else None)
+        source = "tiny"
     else:
         stages, source = paper_stages(cls, mcfg), "paper"
         if small:  # --no_aids: the paper's recipe at the tiny base's scale

@@ -352,6 +352,17 @@ def test_ddp_matches_one_process(base_dir, tmp_path):
         assert torch.allclose(a[k], b[k], atol=DDP_ATOL), k
 
 
+def test_a_stage_flag_on_the_tiny_base_takes_that_stages_lr_end():
+    """--stage 3 on the tiny base: TINY's values over Table 3's stage 3, whose lr decays linearly to 0."""
+    for stage, end in ((None, 0.5), (3, 0.0)):
+        argv = ["--method", "sentence_gist", "--max_iters", 10] + (["--stage", stage] if stage else [])
+        cfg, mcfg, explicit, cls = train.configure([str(a) for a in argv])
+        (c, m, sources), = train.resolve(cfg, mcfg, explicit, cls)
+        assert (m.stage, c.min_lr_frac, c.lr, sources["min_lr_frac"]) == (stage or 2, end, sg.SentenceGist.TINY["lr"],
+                                                                           "tiny")
+        assert train.lr_at(10, c, "linear" if m.stage == 3 else "cosine") == pytest.approx(c.lr * end)
+
+
 @pytest.mark.slow
 def test_memory_round_trip_one_shot_and_stage_chain(base_dir, tmp_path):
     s1, s3 = tmp_path / "stage1", tmp_path / "stage3"
