@@ -50,7 +50,7 @@ class MeanPoolConfig:
 
 
 def mean_pool(h, lengths, r):
-    """h (B, L, d), lengths (B,), r an int or (B,) ratios -> (z (B, C, d), mask (B, C)),
+    """h (B, L, d), lengths (B,), r an int or (B,) ratios -> (z (B, C, d) fp32, mask (B, C)),
     C = ceil(max L / min r); window k of example b averages its real tokens k*r_b .. ."""
     B, L, d = h.shape
     r = torch.as_tensor(r, device=h.device).expand(B)
@@ -58,7 +58,8 @@ def mean_pool(h, lengths, r):
     real = torch.arange(L, device=h.device)[None] < lengths[:, None]  # (B, L)
     C = int(((lengths + r - 1) // r).max())
     window = torch.where(real, window, C)  # padding goes to a dropped extra window
-    sums = h.new_zeros(B, C + 1, d).scatter_add_(1, window[..., None].expand(B, L, d), h * real[..., None])
+    summand = (h * real[..., None]).float()  # summed in fp32: bf16 adds (CUDA's atomic, unordered) round each time
+    sums = torch.zeros(B, C + 1, d, device=h.device).scatter_add_(1, window[..., None].expand(B, L, d), summand)
     counts = torch.zeros(B, C + 1, device=h.device).scatter_add_(1, window, real.float())
     z = sums[:, :C] / counts[:, :C].clamp(min=1)[..., None]
     return z, counts[:, :C] > 0

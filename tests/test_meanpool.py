@@ -18,6 +18,16 @@ def test_mean_pool_by_hand_partial_last_window():
     assert mask.tolist() == [[True, True, True]]
 
 
+def test_mean_pool_sums_bf16_states_in_fp32():
+    """A bf16 encoder's states (real checkpoints on CUDA) are averaged in fp32: no bf16 rounding of the sums."""
+    h = torch.randn(2, 1024, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+    z, _ = meanpool.mean_pool(h, torch.tensor([1024, 700]), 128)
+    exact = torch.stack([h[0].double().view(8, 128, 8).mean(1), h[1].double().view(8, 128, 8).mean(1)])
+    exact[1, 5] = h[1, 640:700].double().mean(0)  # example 1's last window: its 60 real tokens
+    assert z.dtype == torch.float32 and torch.allclose(z[:, :6].double(), exact[:, :6], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(z[0].double(), exact[0], rtol=1e-5, atol=1e-6)
+
+
 def test_mean_pool_padding_and_per_example_ratio():
     h = torch.randn(2, 9, 4)
     lengths = torch.tensor([9, 5])
