@@ -87,7 +87,7 @@ class TrainConfig:
     eval_ratio: str = ""       # ratios the evaluation reads ("" = --ratio): a model trained at 5 can be read at 5,15
     # --- system
     device: str = ""           # "" = cuda if available else cpu
-    dtype: str = ""            # float32 | bfloat16 ("" = bfloat16 autocast on CUDA, float32 on CPU)
+    dtype: str = ""            # float32 | bfloat16 (autocast; a real base's weights bf16 on CUDA); "": bf16 on CUDA
     compile: bool = False      # torch.compile each decoder layer (model.compile_layers; attention: flex)
     cuda_graphs: bool = False  # with --compile on CUDA: the compiled layers replay as CUDA graphs (reduce-overhead)
     grad_ckpt: bool = False    # activation checkpointing per decoder layer: large models fit, ~1/3 more compute
@@ -527,8 +527,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             c.warmup_iters = max(1, round(c.warmup_iters * n / n_recipe))
             sources["warmup_iters"] = f"{sources.get('warmup_iters', 'default')}, x {n}/{n_recipe} steps"
         if "warmup_iters" in explicit and c.warmup_iters > n:  # (a stage's lr then never reaches --lr)
-            print(f"note: --warmup_iters {c.warmup_iters} outlasts the {n} steps of the {stage.objective} stage: its lr "
-                  f"peaks at {n / c.warmup_iters:.2g} of --lr", file=sys.stderr)
+            print(f"note: --warmup_iters {c.warmup_iters} outlasts the {n} steps of the {stage.objective} stage: "
+                  f"its lr peaks at {n / c.warmup_iters:.2g} of --lr", file=sys.stderr)
         sources["objective"] = "flag" if "objective" in explicit else stage_source
         if fixed and i == 0:
             sources["max_iters"] = "flag (--pretrain)"
@@ -1111,17 +1111,25 @@ def main(argv):
     return out
 
 
+def run_dtypes(cfg, device):
+    """(autocast dtype name, the base's weight dtype): --dtype, by default bfloat16 on CUDA and float32 elsewhere; a
+    real checkpoint's frozen weights stay bf16 under bf16 on CUDA (fp32 copies would double their memory), the
+    trained parameters fp32 (build)."""
+    dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    bf16 = dtype == "bfloat16" and device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base"
+    return dtype, torch.bfloat16 if bf16 else torch.float32
+
+
 def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
     """One stage: build its method, train it for cfg.max_iters steps into cfg.out_dir; returns cfg.out_dir."""
     master = rank == 0
-    dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype, weights = run_dtypes(cfg, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     prepare_base(cfg, mcfg, master, ddp)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    # 1) the method (real checkpoints stay bf16 on CUDA), its optimizer, the resumed state
-    bf16_weights = device.type == "cuda" and not tiny.is_tiny(cfg.init_from) and cfg.method != "base"
-    tok, base, method = build(cfg, mcfg, device, torch.bfloat16 if bf16_weights else torch.float32)
+    # 1) the method, its optimizer, the resumed state
+    tok, base, method = build(cfg, mcfg, device, weights)
     if tiny.aided(cfg) and tiny.distills_attention(method):
         method.aid = tiny.AttentionDistillation(method, tiny.ATTN_KD, cfg.max_iters)
     if cfg.method == "base":

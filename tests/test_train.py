@@ -520,3 +520,16 @@ def test_readme_commands_parse_and_resolve(base_dir, tmp_path):
     for argv in eval_lines:
         (ecfg,), given = train.parse_args([swap(w) for w in argv], evaluate.EvalConfig, positional="runs")
         evaluate.check_flags(ecfg, given)
+
+
+def test_dtype_flag_sets_autocast_and_a_real_bases_weights(base_dir):
+    """--dtype float32 on CUDA keeps a real checkpoint's weights fp32 (they were bf16 whatever the flag said); by
+    default, bf16 there; the tiny base and CPU runs keep fp32 weights."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    real = dict(init_from=str(base_dir), method="meanpool")  # (a copy of the tiny base outside tiny_base/: real)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cases = [(dict(real), cuda, ("bfloat16", bf16)), (dict(real, dtype="float32"), cuda, ("float32", fp32)),
+             (dict(real), cpu, ("float32", fp32)), (dict(real, dtype="bfloat16"), cpu, ("bfloat16", fp32)),
+             (dict(method="meanpool"), cuda, ("bfloat16", fp32)), (dict(method="base"), cuda, ("bfloat16", fp32))]
+    for kw, device, expected in cases:
+        assert train.run_dtypes(train.TrainConfig(**kw), device) == expected, (kw, device)
