@@ -305,3 +305,22 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                            text=True, env=env)
         assert p.returncode == 1 and p.stderr == f"error: {want}\n" and not (tmp_path / "out").exists(), p.stderr
+
+
+@pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
+def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tmp_path):
+    """The GPU sampler (nvidia-smi -l 1) ends with the suite: left running after the teacher failed, it held the
+    pipe device_suite.sh reads through `tee`, and the device call waited out its whole time limit."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in\n  *"-l 1"*) i=0; while [ $i -lt 90 ]; do echo "5, 100";'
+                                      ' echo sampling >&2; sleep 1; i=$((i+1)); done ;;\n  *) echo 143771 ;;\nesac\n')
+    (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *"--method teacher"*) exit 5 ;;\nesac\n'
+                                  f'exec {sys.executable} "$@"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool",
+               PATH=f"{stubs}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", "-c", "bash scripts/real_suite.sh --smoke 2>&1 | cat"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)  # (the sampler alone would run 90 s)
+    assert "error: the teacher did not finish (rc 5)" in p.stdout and "sampling" not in p.stdout, p.stdout[-2000:]
