@@ -254,9 +254,8 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None, flex=False):
     flex: a CUDA call of >= 128 queries takes FlexAttention (compiled layers, train.py --compile). Flex compiles
     a kernel and a block mask per length bucket, mask and batch size, seconds each: a long compiled run pays that
     back; an eager run or generation takes SDPA with the dense mask and compiles nothing."""
-    gqa = q.shape[1] != k.shape[1]
     if mask is None and score_mod is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, is_causal=True, scale=scale)
     if mask is None:
         mask = Mask(causal, q.shape[0], q.shape[2], k.shape[2], q.device)
     if BACKEND == "flex" or (not BACKEND and flex and mask.device.type == "cuda" and mask.Q >= 128):
@@ -265,13 +264,20 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None, flex=False):
     if score_mod is not None:
         out = scored_attention(q, k, v, dense, scale, score_mod)
     else:
-        # CUDA SDPA runs GQA only in flash (no mask) or math (fp32 scores, B x H x Q x S): from 128 queries, K/V
-        # repeated go memory-efficient; a decode step's few queries stay in math, not copying the cache per layer
-        if gqa and q.is_cuda and mask.Q >= 128:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-            gqa = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bias(q.dtype), scale=scale, enable_gqa=gqa)
+        out = sdpa(q, k, v, attn_mask=mask.bias(q.dtype), scale=scale)
     return out.masked_fill(blind, 0.0)  # a query row that sees no key (padding) gives 0, as flex does
+
+
+def sdpa(q, k, v, attn_mask=None, **kw):
+    """SDPA with GQA. CUDA runs GQA only in flash (bf16 / fp16, no mask) or math (fp32 scores, B x H x Q x S): from
+    128 queries, K/V repeated go memory-efficient; a decode step's few queries stay in math, not copying the cache
+    per layer."""
+    gqa = q.shape[1] != k.shape[1]
+    flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+    if gqa and q.is_cuda and q.shape[2] >= 128 and not flash:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa, **kw)
 
 
 def scored_attention(q, k, v, dense, scale, score_mod):

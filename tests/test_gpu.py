@@ -90,6 +90,20 @@ def test_dense_attention_takes_the_memory_efficient_kernel():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+def test_fp32_causal_attention_takes_the_memory_efficient_kernel():
+    """eval.py's fp32 passes without a mask (the teacher's full context) on SmolLM2's GQA heads: flash takes no fp32,
+    so K/V go repeated to the memory-efficient kernel (it raises where it cannot), not to math's fp32 scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, H, Hkv, L, hd = 2, 9, 3, 257, 64
+    q = torch.randn(B, H, L, hd, device=CUDA)
+    k, v = (torch.randn(B, Hkv, L, hd, device=CUDA) for _ in range(2))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = kernels.attention(q, k, v)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("row", [bench.ROWS[0], bench.ROWS[2]], ids=["meanpool-kd", "pic-qa"])
 def test_compile_loss_equals_eager(tok, row):
     _, method, objective, ratio = row
