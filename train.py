@@ -692,7 +692,7 @@ def atomic_write(path, write):
 
 
 def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None):
-    """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch RNG), then run.json
+    """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
     os.makedirs(out_dir, exist_ok=True)
@@ -700,6 +700,8 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None
     opt_state = opt.state_dict()  # its param_groups and state name the parameters 0, 1, ... in group order
     optim = {f"{i}::{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()}
     optim["rng::torch"] = torch.get_rng_state()
+    if torch.cuda.is_initialized():  # LoRA dropout on CUDA draws from the device's generator
+        optim["rng::cuda"] = torch.cuda.get_rng_state()
     files = {"ckpt": f"ckpt-{step:07d}.safetensors", "optim": f"optim-{step:07d}.safetensors"}
     atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
     atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(optim, p))
@@ -754,7 +756,10 @@ def load_checkpoint(out_dir, method, opt=None):
         for key, v in read_tensors(os.path.join(out_dir, state["files"]["optim"])).items():
             i, _, slot = key.partition("::")
             optim.setdefault(i, {})[slot] = v
-        torch.set_rng_state(optim.pop("rng")["torch"])
+        rng = optim.pop("rng")
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
         if not all(i.isdigit() for i in optim):  # older runs keyed it by parameter name
             raise SystemExit(f"error: {out_dir}: optimizer state in an older format; --resume needs a newer checkpoint")
         opt.load_state_dict({"state": {int(i): s for i, s in optim.items()}, "param_groups": state["param_groups"]})

@@ -8,10 +8,13 @@
   eager loss and gradients;
 - generation from a Memory equals generation with the memory spelled out, on the dense and flex paths;
 - generation with CUDA graphs (captured prefill and decode steps) equals eager generation;
-- a 1-process torchrun training run over NCCL.
+- a 1-process torchrun training run over NCCL; --resume restores the device's generator (LoRA dropout);
+- SDPA's GQA calls take the memory-efficient kernel where flash cannot (masked; fp32).
 Shapes are tiny (bench.py's "tiny" shape, bench.build_row's batches, >= 128 queries so
 the flex path is the one a compiled run takes).
 """
+import json
+
 import pytest
 import torch
 
@@ -88,6 +91,36 @@ def test_dense_attention_takes_the_memory_efficient_kernel():
         out.float().square().sum().backward()
     assert torch.isfinite(out).all() and out[3].abs().max() == 0
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_resume_on_cuda_draws_the_dropout_masks_of_an_uncut_run(base_dir, tmp_path, monkeypatch):
+    """--resume restores the CUDA generator too: ata's LoRA dropout (Table 4: 0.2) draws on the device, so a run cut
+    after step 4 and resumed starts step 5 from the generator state of the run that was not cut."""
+    states, real_step, real_call = [], train.train_step, train.Batches.__call__
+
+    def recording_step(*a, **k):  # the device generator as each step starts
+        states.append(torch.cuda.get_rng_state())
+        return real_step(*a, **k)
+    monkeypatch.setattr(train, "train_step", recording_step)
+
+    def run(out, *more):
+        train.main(["--method", "ata", "--objective", "qa", "--init_from", str(base_dir), "--lora_dropout", "0.2",
+                    "--device", "cuda", "--max_iters", "8", "--eval_interval", "4", "--eval_examples", "0",
+                    "--batch_size", "4", "--quiet", "--out_dir", str(out), *more])
+    run(tmp_path / "full")
+    full = states[:]
+
+    def stop_at_4(self, step):  # Ctrl-C during step 4: the loop saves after it and exits
+        if step == 3:
+            train.STOP.append(1)
+        return real_call(self, step)
+    monkeypatch.setattr(train.Batches, "__call__", stop_at_4)
+    run(tmp_path / "cut")
+    monkeypatch.setattr(train.Batches, "__call__", real_call)
+    del states[:]
+    run(tmp_path / "cut", "--resume")
+    assert len(full) == 8 and len(states) == 4 and not torch.equal(full[4], full[0])  # dropout drew on the device
+    assert all(torch.equal(a, b) for a, b in zip(states, full[4:]))
 
 
 def test_fp32_causal_attention_takes_the_memory_efficient_kernel():
