@@ -40,7 +40,7 @@ PAD, TOKEN, GIST, SINK = -1, 0, 1, 2  # token kinds
 class SentenceGistConfig:
     gists: int = 4              # N_g gist tokens after every sentence: 1, 2, 4 or 8 (Tables 1-2)
     max_sentence_len: int = 64  # guard (not in the paper): gists after this many tokens without . ! ?
-    stage: int = 2              # 1 gist rows only | 2 gist rows + the base (LoRA or all) | 3 as 2, lr linearly down (Table 3: to 0)
+    stage: int = 2              # 1 gist rows only | 2 gist rows + the base (LoRA or all) | 3 as 2, lr linearly down
     lora_r: int = 16            # LoRA `gist` on the shared base; 0 = every weight trains in stages 2-3 (§3.5)
     lora_alpha: int = 32        # LoRA scale alpha / r
 
