@@ -213,10 +213,17 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
         p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), *args], cwd=ROOT, env=env,
                            capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.startswith("usage:") and not list(tmp_path.iterdir()), args
+    smi = tmp_path / "bin" / "nvidia-smi"  # part1 on an 80 GB GPU: the 8B training rows at half the batch
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
     for part in ("part1", "part2", "part3", "part4"):
-        p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), part, "--smoke"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
+        path = f"{smi.parent}:{env['PATH']}" if part == "part1" else env["PATH"]
+        p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), part, "--smoke"], cwd=ROOT,
+                           env={**env, "PATH": path}, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
+        half = "train rows at --train_batch 4: this GPU has 79 GiB"
+        assert (half in (tmp_path / "device.txt").read_text()) == (part == "part1"), part
     steps = (tmp_path / "steps.txt").read_text().splitlines()
     assert [s.split(":")[0] for s in steps] == ["gpu_tests", "train", "attention", "ttft", "twins", "gpu_graph_tests",
                                                 "train_graphs"]
