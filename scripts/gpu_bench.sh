@@ -49,7 +49,7 @@ if [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 102400 ]; then  # (--tiny keeps its own
 fi
 case "${1:-}" in
   part1)
-    step gpu_tests 150 python -m pytest -v -p no:cacheprovider -m gpu ${SMOKE:+--co} \
+    step gpu_tests 180 python -m pytest -v -p no:cacheprovider -m gpu ${SMOKE:+--co} \
       -n "$([ -n "$SMOKE" ] && echo 0 || echo 4)" -k "not cuda_graph" tests/test_gpu.py  # -v: each test as it ends
       # (a step its timeout stops prints no summary); the CUDA-graph tests: part4, in a step of their own
     step train 160 python benchmarks/bench.py train $SHAPE --methods "$ROWS" --iters "$ITERS"
