@@ -6,14 +6,16 @@
 #   (another kind starts a bare machine), nvidia-h200 where lent: on an H100 the suite runs three at a time, not six
 #   run(command="bash scripts/device_suite.sh part1", carry=[".device_suite/gguf.part1"])  # and a GPU test (10 s):
 #       # if it fails, the suite's attention would fall back to SDPA's math kernel: halve JOBS and MICRO
-#   run(command="LIMIT=600 bash scripts/device_suite.sh part2", carry=[".device_suite/gguf.part2",
-#       ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip", ".device_suite/gguf.sha256"], timeout_s=600)
+#   run(command="COMMIT=<git rev-parse --short HEAD here> LIMIT=600 bash scripts/device_suite.sh part2",
+#       carry=[".device_suite/gguf.part2", ".device_suite/wheels", ".device_suite/dev-v1.1.json.zip",
+#       ".device_suite/gguf.sha256"], timeout_s=600)  # (COMMIT: the device gets no .git)
 #       # joins, converts, runs the suite; results in $OUT. LIMIT: the call's timeout_s (or the device time left,
 #       # if less): the suite's runs end (DEADLINE) 90 s before it, so its table, claims and logs come back
 #       # whatever did not finish; a run stopped while training saves its step
-#   run(command="LIMIT=<device time left - 20> bash scripts/device_suite.sh part3", timeout_s=<the same>,
-#       carry=[".device_suite/dev-v1.1.json.zip"])  # the suite again on part2's files: stopped runs continue
-#       # from their saved step, finished ones are read back; its table and claims cover both calls
+#   run(command="COMMIT=<the same> LIMIT=<device time left - 20> bash scripts/device_suite.sh part3",
+#       timeout_s=<the same>, carry=[".device_suite/dev-v1.1.json.zip"])  # the suite again on part2's files:
+#       # stopped runs continue from their saved step, finished ones are read back; its table, claims, run times
+#       # and GPU samples cover both calls
 #   then here, with part3's files: python scripts/results_md.py --section "SmolLM2-135M-Instruct on SQuAD: every
 #       method on one GPU" --body <files_at>/section.md --out RESULTS.md   # the real-model section, whole
 #   on another machine, a later part (the runs a first one did not finish): copy its results.json to
@@ -30,6 +32,7 @@ run_suite() {  # the suite on $STATE's GGUF and SQuAD, in $STATE/real; exits wit
   export PYTHONPATH="$STATE/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   local results=${OUT:-$STATE/results} status=0  # the device tool's $OUT comes back: keep it to a few small files
   mkdir -p "$results"
+  rm -f "$STATE/real/results.json" "$STATE/real/section.md"  # an earlier call's: not returned as this one's
   local deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 90 ))}  # then up to 30 s to stop, the table, the copies
   echo "suite runs end ${deadline} s after they start"
   DEADLINE=$deadline GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
@@ -54,7 +57,8 @@ case "${1:-}" in
   part1)
     mkdir -p "$STATE" && cp "$DIR/gguf.part1" "$STATE/" && ls -l "$STATE/gguf.part1"
     # the runs' masked attention on this GPU's memory-efficient SDPA kernel (else: math, fp32 scores per layer)
-    python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k memory_efficient  # skipped without a GPU
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k memory_efficient  # (the suite's allocator)
     ;;
   part2)
     source scripts/checks.sh && whole_numbers LIMIT DEADLINE  # a typo costs no device time

@@ -39,6 +39,7 @@ PRIOR=${PRIOR:-}                 # an earlier part's results.json: its runs head
 SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
 OUT=${OUT:-out/real}
 RESULTS=${RESULTS:-RESULTS.md}
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2> /dev/null || echo none)}  # the section's; give it where no .git is
 SECTION="SmolLM2-135M-Instruct on SQuAD: every method on one GPU"
 if [ "$JOBS" = auto ]; then  # six runs at MICRO=16 hold about 107 GiB (BENCHMARKS.md): an H200's 139, not an H100's 80
   JOBS=6                     # (the first three 65)
@@ -102,7 +103,7 @@ COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODE
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 trap 'kill $(jobs -p) 2> /dev/null || true' EXIT  # an early exit leaves no run or sampler holding a caller's pipe
 if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu.csv" 2> /dev/null &
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 >> "$OUT/gpu.csv" 2> /dev/null &
   smi=$!
 fi
 wait_for_a_slot() {  # at most JOBS runs at a time (nvidia-smi's sampler aside)
@@ -114,7 +115,10 @@ limited() {  # SIGNAL COMMAND...: runs it; with DEADLINE, sent SIGNAL then (exit
   [ -n "$DEADLINE" ] || { "$@"; return; }
   local left=$(( DEADLINE - ($(date +%s) - start) ))
   [ "$left" -gt 0 ] || return 124
-  timeout -s "$signal" -k 30 "$left" "$@"
+  local rc=0
+  timeout -s "$signal" -k 30 "$left" "$@" || rc=$?
+  [ "$rc" != 137 ] || [ $(( $(date +%s) - start )) -lt "$DEADLINE" ] || rc=124  # killed 30 s after it: stopped too
+  return $rc
 }
 train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log; a run (or its first stage) already there resumes
   local name=$1 resume=(); shift
@@ -132,28 +136,33 @@ evaluate() {  # RUN_DIR: its rows in RUN_DIR/metrics.json. The first run to get 
   while [ ! -e "$OUT/.teacher-rows/done" ]; do sleep 1; done
   limited TERM python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1
 }
+took() {  # NAME LINE: the seconds a run took in the command that finished it (times.txt spans the commands)
+  sed -i "/^   $1: /d" "$OUT/times.txt" && echo "$2" | tee -a "$OUT/times.txt"
+}
 run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline stopped it. A metrics.json there:
   # trained and evaluated by an earlier command (a new checkpoint deletes it), so eval.py only reads it back
-  local name=$1 t=$SECONDS rc=0; shift
+  local name=$1 t=$SECONDS rc=0 done=""; shift
   echo "== $name: $*"
-  [ -f "$OUT/$name/metrics.json" ] || train_one "$name" "$@" || rc=$?
+  [ ! -f "$OUT/$name/metrics.json" ] || done=1
+  [ -n "$done" ] || train_one "$name" "$@" || rc=$?
   local trained=$(( SECONDS - t ))
   [ "$rc" != 0 ] || evaluate "$OUT/$name" || rc=$?
   case $rc in
-    0) echo "   $name: train $trained s, eval $(( SECONDS - t - trained )) s" | tee -a "$OUT/times.txt" ;;
+    0) if [ -n "$done" ]; then echo "   $name: finished by an earlier command"
+       else took "$name" "   $name: train $trained s, eval $(( SECONDS - t - trained )) s"; fi ;;
     124) echo "   $name: stopped at the deadline after $(( SECONDS - t )) s" ;;
     *) echo "error: $name failed; see $OUT/$name.log and $OUT/$name.eval.log" >&2 ;;
   esac
   return $rc
 }
 rm -rf "$OUT/.teacher-rows"
-: > "$OUT/times.txt"  # each finished run's seconds in this command, for the section
+touch "$OUT/times.txt"
 # 2) the teacher (meanpool_multi_ratio §5.1: finetuned, then frozen; Table 6), then the compressors from it
 echo "== teacher: --method teacher --max_iters $TEACHER_STEPS"
-t=$SECONDS
+t=$SECONDS trained=$(grep -c "" "$OUT/teacher/log.jsonl" 2> /dev/null || true)
 train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --micro_batch 32 ||
   { echo "error: the teacher did not finish (rc $?); see $OUT/teacher.log" >&2; exit 1; }
-echo "   teacher: train $(( SECONDS - t )) s" | tee -a "$OUT/times.txt"
+[ "${trained:-0}" = "$TEACHER_STEPS" ] || took teacher "   teacher: train $(( SECONDS - t )) s"
 pids=() names=()
 for spec in "${RUNS[@]}"; do
   read -r -a words <<< "$spec"
@@ -177,13 +186,13 @@ python eval.py ${PRIOR:+"$PRIOR"} "${finished[@]}" --n "$EXAMPLES" --batch_size 
 python scripts/claims.py "$OUT/results.json" > "$OUT/claims.md"
 wall=$(( $(date +%s) - start ))
 resumed=$(grep -l "^resuming " "$OUT"/*.log 2> /dev/null | xargs -r -n 1 basename | sed 's/\.log$//' | paste -sd ' ' || true)
-gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
+gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {printf "mean GPU utilisation %.0f %%, peak memory %d MiB (sampled over every command into OUT)", u / NR, m}' "$OUT/gpu.csv" || echo "no GPU")
 {
-  echo "- command: \`$CMD\`; commit \`$(git rev-parse --short HEAD 2>/dev/null || echo none)\`"
+  echo "- command: \`$CMD\`; commit \`$COMMIT\`"
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row (its paragraphs in a seeded order over the articles)"
   echo "- each run: its paper's recipe for $STEPS steps (a pretraining stage $HALF of them, then QA; sentence_gist's stages in Table 3's proportions; the teacher: $TEACHER_STEPS); wall time $wall s for this command${resumed:+ (which resumed runs an earlier one began: $resumed)}"
-  echo "- seconds each run took in this command, train + eval (JOBS=$JOBS at a time): $(sed 's/^ *//; s/: train /: /; s/ s, eval / + /; s/ s$//' "$OUT/times.txt" | paste -sd ';' | sed 's/;/; /g')"
+  echo "- seconds each run took in the command that finished it, train + eval (JOBS=$JOBS at a time): $(sed 's/^ *//; s/: train /: /; s/ s, eval / + /; s/ s$//' "$OUT/times.txt" | paste -sd ';' | sed 's/;/; /g')"
   [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"
   [ "${#stopped[@]}" = 0 ] || echo "- not finished by the deadline ($DEADLINE s), so not in the table (the same command again continues them): ${stopped[*]}"
   [ "${#failed[@]}" = 0 ] || echo "- failed, so not in the table: ${failed[*]}"

@@ -113,7 +113,8 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     assert "| pic_blockwise_causal T4 |" in report and "ppl" in report
     assert "not finished by the deadline" in report and ": meanpool-single16\n" in report
     assert "- failed, so not in the table: meanpool-single4\n" in report
-    assert re.search(r"^- seconds each run took in this command, train \+ eval \(JOBS=2 at a time\): teacher: \d+; "
+    assert re.search(r"^- seconds each run took in the command that finished it, train \+ eval \(JOBS=2 at a time\): "
+                     r"teacher: \d+; "
                      r".*meanpool: \d+ \+ \d+", report, re.M), report  # in the order they finished
     single = [line for line in report.splitlines() if "multi-ratio ~ single-ratio" in line]
     assert len(single) == 2 and all("**no data**" in line for line in single)
@@ -158,9 +159,12 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, step + 3))
     assert [os.path.basename(r["run"]) for r in json.load(open(out / "results.json"))] == ["meanpool"]
     assert "(which resumed runs an earlier one began: meanpool teacher)" in (out / "RESULTS.md").read_text()
+    times = (out / "times.txt").read_text()  # the teacher's from the first command, meanpool's from the second
+    assert re.fullmatch(r"   teacher: train \d+ s\n   meanpool: train \d+ s, eval \d+ s\n", times), times
     before = log.read_text()  # once more: the finished run is read back, not loaded to train
     p = suite({**env, "STEPS": str(step + 2), "DEADLINE": ""})
     assert p.returncode == 0 and log.read_text() == before, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "   meanpool: finished by an earlier command" in p.stdout and (out / "times.txt").read_text() == times
 
 
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
@@ -195,6 +199,9 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     (tmp_path / "state" / "real" / "model" / "model.safetensors").write_bytes(b"")
     p = sh("part3")
     assert p.returncode == 0 and re.search(r"ran by 1[0-1]\d$", p.stdout, re.M), p.stdout + p.stderr
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "part3"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, SUITE="false", OUT=str(tmp_path / "back3")))  # a suite writing nothing
+    assert p.returncode == 1 and sorted(f.name for f in (tmp_path / "back3").iterdir()) == ["runs.log", "suite.log"]
     p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "part3"], cwd=ROOT, capture_output=True,
                        text=True, env={k: v for k, v in env.items() if k != "LIMIT"})
     assert p.returncode == 1 and p.stderr.startswith("error: part3 needs LIMIT="), p.stderr
@@ -331,3 +338,20 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
     p = subprocess.run(["bash", "-c", "bash scripts/real_suite.sh --smoke 2>&1 | cat"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)  # (the sampler alone would run 90 s)
     assert "error: the teacher did not finish (rc 5)" in p.stdout and "sampling" not in p.stdout, p.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
+def test_real_suite_counts_a_run_killed_after_the_deadline_as_stopped(tmp_path):
+    """A run still going 30 s after the deadline's signal is killed (`timeout -k`, 137): stopped, as one that saved
+    its step, not failed (the same command again continues it from its last checkpoint)."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/bash\ncase "$*" in\n  *"/meanpool "*) trap "" INT; sleep 100 ;;\nesac\n'
+                    f'exec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", DEADLINE="15",
+               PATH=f"{stub.parent}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert "   meanpool: stopped at the deadline" in p.stdout and "failed" not in p.stderr, p.stdout + p.stderr
