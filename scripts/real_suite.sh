@@ -136,8 +136,10 @@ evaluate() {  # RUN_DIR: its rows in RUN_DIR/metrics.json. The first run to get 
   while [ ! -e "$OUT/.teacher-rows/done" ]; do sleep 1; done
   limited TERM python eval.py "$1" --n "$EXAMPLES" --batch_size "$EVAL_BATCH" > "$1.eval.log" 2>&1
 }
-took() {  # NAME LINE: the seconds a run took in the command that finished it (times.txt spans the commands)
-  sed -i "/^   $1: /d" "$OUT/times.txt" && echo "$2" | tee -a "$OUT/times.txt"
+took() {  # NAME LINE: the seconds a run took in the command that finished it (times.txt spans the commands; a
+  # run trained again replaces its line: a rewrite, rare, where runs in parallel only append)
+  ! grep -q "^   $1: " "$OUT/times.txt" || sed -i "/^   $1: /d" "$OUT/times.txt"
+  echo "$2" | tee -a "$OUT/times.txt"
 }
 run_one() {  # NAME FLAGS...: train, then evaluate; exit 124 when the deadline stopped it. A metrics.json there:
   # trained and evaluated by an earlier command (a new checkpoint deletes it), so eval.py only reads it back
