@@ -269,11 +269,12 @@ def attention(q, k, v, mask=None, scale=None, score_mod=None, flex=False):
 
 
 def sdpa(q, k, v, attn_mask=None, **kw):
-    """SDPA with GQA. CUDA runs GQA only in flash (bf16 / fp16, no mask) or math (fp32 scores, B x H x Q x S): from
+    """SDPA with GQA. CUDA runs GQA only in flash (bf16 / fp16 or autocast, no mask) or math (fp32 scores): from
     128 queries, K/V repeated go memory-efficient; a decode step's few queries stay in math, not copying the cache
     per layer."""
     gqa = q.shape[1] != k.shape[1]
-    flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+    half = q.dtype in (torch.float16, torch.bfloat16) or q.is_cuda and torch.is_autocast_enabled("cuda")
+    flash = attn_mask is None and half
     if gqa and q.is_cuda and q.shape[2] >= 128 and not flash:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         gqa = False

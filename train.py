@@ -700,8 +700,9 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None
     opt_state = opt.state_dict()  # its param_groups and state name the parameters 0, 1, ... in group order
     optim = {f"{i}::{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()}
     optim["rng::torch"] = torch.get_rng_state()
-    if torch.cuda.is_initialized():  # LoRA dropout on CUDA draws from the device's generator
-        optim["rng::cuda"] = torch.cuda.get_rng_state()
+    device = next(method.parameters()).device
+    if device.type == "cuda":  # LoRA dropout there draws from the device's generator (DDP: rank 0's, for every rank)
+        optim["rng::cuda"] = torch.cuda.get_rng_state(device)
     files = {"ckpt": f"ckpt-{step:07d}.safetensors", "optim": f"optim-{step:07d}.safetensors"}
     atomic_write(os.path.join(out_dir, files["ckpt"]), lambda p: save_file(params, p))
     atomic_write(os.path.join(out_dir, files["optim"]), lambda p: save_file(optim, p))
@@ -758,8 +759,9 @@ def load_checkpoint(out_dir, method, opt=None):
             optim.setdefault(i, {})[slot] = v
         rng = optim.pop("rng")
         torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        device = next(method.parameters()).device
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
         if not all(i.isdigit() for i in optim):  # older runs keyed it by parameter name
             raise SystemExit(f"error: {out_dir}: optimizer state in an older format; --resume needs a newer checkpoint")
         opt.load_state_dict({"state": {int(i): s for i, s in optim.items()}, "param_groups": state["param_groups"]})

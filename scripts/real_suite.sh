@@ -101,10 +101,11 @@ COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODE
 # 139 (BENCHMARKS.md). The teacher runs alone at 32 (20 GiB); the compressors at MICRO = 16, about 107 GiB. Each
 # process keeps its allocator's peak; expandable segments keep that near what it holds (less fragmentation).
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-trap 'kill $(jobs -p) 2> /dev/null || true' EXIT  # an early exit leaves no run or sampler holding a caller's pipe
-if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report
+if command -v nvidia-smi > /dev/null; then  # GPU utilisation, once a second, for the report; it ends with the suite
+  # (left by an early exit, it held a caller's pipe and went on sampling into the next command's gpu.csv)
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 >> "$OUT/gpu.csv" 2> /dev/null &
   smi=$!
+  trap 'kill "$smi" 2> /dev/null || true' EXIT
 fi
 wait_for_a_slot() {  # at most JOBS runs at a time (nvidia-smi's sampler aside)
   while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -327,8 +328,10 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
     pipe device_suite.sh reads through `tee`, and the device call waited out its whole time limit."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in\n  *"-l 1"*) i=0; while [ $i -lt 90 ]; do echo "5, 100";'
-                                      ' echo sampling >&2; sleep 1; i=$((i+1)); done ;;\n  *) echo 143771 ;;\nesac\n')
+    pid = tmp_path / "sampler.pid"
+    (stubs / "nvidia-smi").write_text(f'#!/bin/sh\ncase "$*" in\n  *"-l 1"*) echo $$ > {pid}; i=0;'
+                                      ' while [ $i -lt 90 ]; do echo "5, 100"; echo sampling >&2; sleep 1;'
+                                      ' i=$((i+1)); done ;;\n  *) echo 143771 ;;\nesac\n')
     (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *"--method teacher"*) exit 5 ;;\nesac\n'
                                   f'exec {sys.executable} "$@"\n')
     for stub in stubs.iterdir():
@@ -338,6 +341,10 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
     p = subprocess.run(["bash", "-c", "bash scripts/real_suite.sh --smoke 2>&1 | cat"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)  # (the sampler alone would run 90 s)
     assert "error: the teacher did not finish (rc 5)" in p.stdout and "sampling" not in p.stdout, p.stdout[-2000:]
+    time.sleep(0.5)
+    status = f"/proc/{pid.read_text().strip()}/status"
+    alive = os.path.exists(status) and "\nState:\tZ" not in open(status).read()  # (a zombie has ended)
+    assert not alive, "the sampler outlived the suite"
 
 
 @pytest.mark.slow
