@@ -109,8 +109,10 @@ def header(results, args):
 
 LEGEND = """Columns: ratio = context tokens / memory slots (achieved, mean over examples); EM and
 F1 with their 95% bootstrap interval over questions; F1/teacher = (F1 - no-context F1) /
-(teacher F1 - no-context F1); memory bytes = the Memory's tensors per context; examples/s
-= compress + answer for methods, answer with the full context for the teacher."""
+(teacher F1 - no-context F1); memory bytes = the Memory's tensors per context (the teacher's:
+its full context's K/V); TTFT ms = a batch's first answer token, from the cached Memory (the
+teacher: after reading the full contexts), the median batch; examples/s = compress + answer
+for methods, answer with the full context for the teacher."""
 
 
 SECTION = re.compile(r"^<!-- section: (?P<title>.+?) -->\n.*?^<!-- end section -->$", re.M | re.S)

@@ -80,6 +80,9 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     assert json.load(open(tmp_path / "all.json"))[1]["rows"][0]["method"] == "pic"
     results[1]["rows"][0]["f1_norm"] = float("nan")  # a teacher that gains nothing over no context: no share of it
     assert evaluate.table(results).splitlines()[-1].split(" | ")[4] == "-"  # (was "nan")
+    results[0]["teacher"].update(context_bytes=4096.0, ttft_ms=12.34)  # SPEC §4: a Memory against the full context
+    teacher = evaluate.table(results).splitlines()[2].split(" | ")
+    assert lines[0].split(" | ")[5:7] == ["memory bytes", "TTFT ms"] and teacher[5:7] == ["4096", "12.3"]
 
 
 def test_run_dirs_with_spaces_and_a_glob_of_runs_beside_their_logs(tmp_path):
