@@ -12,7 +12,7 @@ per-question scores and 95% bootstrap intervals of EM, F1 and, in the JSON, the 
 (`nll`; `nll_other`: after the memory of another question's context, the control that tells whether a memory
 carries its own). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1);
 the JSON's em_norm is the same of EM.
-Results go to <run>/metrics.json; --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
+Results go to <run>/metrics.json (a row per ratio read); --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
 """
 import collections
 import glob
@@ -359,7 +359,7 @@ def result_error(res):
         if not isinstance(row, dict):
             return f"key {where!r} is {row!r:.40}, expected dict"
         kinds = {"method": str, "em": NUMBER, "f1": NUMBER, "examples_per_s": NUMBER}
-        shown = {k: NUMBER for k in ("memory_bytes", *EXTRA) if k in row}  # the table's, claims.py's
+        shown = {k: NUMBER for k in ("memory_bytes", "context_bytes", "ttft_ms", *EXTRA) if k in row}  # the table's
         if why := key_error(row, f"{where}.", kinds | shown | ({"ratio": NUMBER} if where.startswith("rows") else {})):
             return why
         for key in ("f1_norm", "em_norm"):  # nan where the teacher gains nothing
@@ -402,7 +402,22 @@ def cached_result(run_dir, ecfg):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     if why := result_error(res):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({why}); rerun with --recompute")
-    return res if res.get("asked") == asked(run_dir, ecfg) else None
+    return rows_at(res, asked(run_dir, ecfg))
+
+
+def same_but_ratio(a, b):
+    return {k: v for k, v in a.items() if k != "ratio"} == {k: v for k, v in b.items() if k != "ratio"}
+
+
+def rows_at(res, want):
+    """A cached result's rows at the ratios `want` asks (its other settings the same), or None if one is missing.
+    metrics.json keeps a row per ratio ever read of its checkpoint (a new checkpoint deletes it): reading a run at
+    another --ratio adds rows, it does not drop the run's own."""
+    if not want["ratio"] or not same_but_ratio(res.get("asked") or {}, want):
+        return res if res.get("asked") == want else None
+    by_ratio = {row.get("ratio_requested"): row for row in res["rows"]}
+    ratios = train.ratios_of(want["ratio"])
+    return {**res, "asked": want, "rows": [by_ratio[r] for r in ratios]} if set(ratios) <= by_ratio.keys() else None
 
 
 def check_evaluable(run_dir, ratio):
@@ -471,8 +486,26 @@ def evaluate_run(run_dir, ecfg, device, records):
         row.update(method=label, run=run_dir, **extra, **teacher_normalised(row, teacher, noctx))
     result = {"run": run_dir, "asked": asked(run_dir, ecfg), "teacher_key": key, "teacher": teacher,
               "no_context": noctx, "rows": rows}
-    train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
+    saved = with_other_ratios(cached, result)
+    train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(saved, indent=1)))
     return result
+
+
+def with_other_ratios(path, result):
+    """result and the rows of other ratios that path (the run's metrics.json) holds for the same questions, settings
+    and teacher: what metrics.json saves (rows_at serves them)."""
+    try:
+        old = read_json(path) if os.path.exists(path) else None
+    except ValueError:  # (a corrupt file: --recompute replaces it)
+        return result
+    if not (old and not result_error(old) and result["asked"]["ratio"] and old.get("teacher_key") ==
+            result["teacher_key"] and same_but_ratio(old.get("asked") or {}, result["asked"])):
+        return result
+    new = {row["ratio_requested"] for row in result["rows"]}
+    rows = sorted([row for row in old["rows"] if type(row.get("ratio_requested")) is int and
+                   row["ratio_requested"] not in new] + result["rows"], key=lambda row: row["ratio_requested"])
+    return {**result, "rows": rows, "asked": {**result["asked"], "ratio": ",".join(str(row["ratio_requested"])
+                                                                                  for row in rows)}}
 
 
 def teacher_normalised(row, teacher, noctx):

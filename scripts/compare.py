@@ -5,7 +5,8 @@
 
 Rows pair up by requested ratio (or the one row each of --row_a / --row_b picks: a name or part of one,
 "@16", "teacher"; "" = the method rows). A verdict per pair: "A > B" when the interval is above 0, "B > A"
-when below, else "cannot tell". --metric em or nll (the teacher-forced answer NLL, lower is better) instead of F1.
+when below, else "cannot tell". --metric em or nll (the teacher-forced answer NLL, lower is better: its verdict
+says which side is better) instead of F1.
 """
 import argparse
 import os
@@ -21,11 +22,11 @@ def rows_of(path):
     try:
         results = read_json(path)
         rows = {}
-        for res in results if isinstance(results, list) else [results]:
+        for res in results if isinstance(results, list) and results else [results]:
+            if why := evaluate.result_error(res):
+                raise SystemExit(f"error: {path} is not an eval.py results JSON: {why}")
             for r in [res["teacher"], res["no_context"]] + res["rows"]:
                 name = r["method"] + (f"@{r['ratio_requested']}" if "ratio_requested" in r else "")
-                if "scores" in r and not all(map(evaluate.is_number, r["scores"]["f1"].values())):  # (nan, True)
-                    raise TypeError(f"row {name!r}: scores.f1 is not {{question id: number}}")
                 if rows.setdefault(name, r).get("scores") != r.get("scores"):  # two runs' rows of one name
                     raise SystemExit(f"error: {path}: two different rows named {name!r}: compare the runs' own "
                                      f"metrics.json files")
@@ -62,6 +63,8 @@ def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
             raise SystemExit(f"error: {e}")
         lo, hi = c["ci"]
         verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
+        if metric == "nll" and verdict != "cannot tell":  # lower is better
+            verdict += " (B better)" if lo > 0 else " (A better)"
         lines.append(f"A {x} {label} {c['a']:.{d}f} vs B {y} {label} {c['b']:.{d}f} on {c['n']} questions: "
                      f"A - B {c['diff']:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}] -> {verdict}")
     print("\n".join(lines))

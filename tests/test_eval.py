@@ -289,11 +289,19 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
                                               ("c", "5,15", ["--ratio", "51"], [51])):
         cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
         monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
-        _stand_in_run(tmp_path / name, {"method": "sac", "init_from": ""})
+        _stand_in_run(tmp_path / name, {"method": "sac", "init_from": "", "ratio": "5", "eval_ratio": eval_ratio})
         read_at.clear()
         evaluate.main([str(tmp_path / name)] + extra)
         rows = json.load(open(tmp_path / name / "metrics.json"))["rows"]
         assert [r["ratio_requested"] for r in rows] == expected and sorted(set(read_at)) == expected, name
+    # another --ratio adds its row to metrics.json (it replaced the run's own rows); one read before is not computed
+    for extra, computed, shown, kept in ((["--ratio", "51"], [51], [51], [5, 15, 51]), (["--ratio", "15"], [], [15],
+                                         [5, 15, 51]), ([], [], [5, 15], [5, 15, 51])):
+        read_at.clear()
+        res = evaluate.main([str(tmp_path / "b")] + extra)[0]
+        rows = json.load(open(tmp_path / "b" / "metrics.json"))["rows"]
+        assert sorted(set(read_at)) == computed and [r["ratio_requested"] for r in res["rows"]] == shown, extra
+        assert [r["ratio_requested"] for r in rows] == kept, extra
 
 
 def test_a_row_label_names_what_the_run_trained_on(tmp_path):
@@ -309,7 +317,7 @@ def test_a_row_label_names_what_the_run_trained_on(tmp_path):
 def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     """Runs beside each other with the same base and questions compute the teacher rows
     once; other questions (--n) or --recompute compute them again. A run's own metrics.json serves only
-    what it answered (questions, ratios, answer length)."""
+    what it answered (questions, ratios, answer length); another ratio adds its row."""
     tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
     say = lambda prompts: [tok.encode("Paris") for _ in prompts]
     base = FakeBase(say)
@@ -326,7 +334,7 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     (tmp_path / "summary").mkdir()  # a folder beside them holding an --out list named metrics.json: not a run's
     (tmp_path / "summary" / "metrics.json").write_text("[1]")
     for name, extra in (("a", []), ("b", []), ("c", ["--n", "3"]), ("d", ["--recompute"])):
-        _stand_in_run(tmp_path / name, {"method": "meanpool", "init_from": "", "eval_examples": 4})
+        _stand_in_run(tmp_path / name, {"method": "meanpool", "init_from": "", "eval_examples": 4, "ratio": "4"})
         evaluate.main([str(tmp_path / name)] + extra)
         assert len(calls) == {"a": 1, "b": 1, "c": 2, "d": 3}[name]
     a, b = (json.load(open(tmp_path / n / "metrics.json")) for n in "ab")
@@ -334,9 +342,9 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     c = json.load(open(tmp_path / "c" / "metrics.json"))  # 3 questions: its F1/teacher is against its own rows
     methods = [line.split(" | ")[0] for line in evaluate.table([a, b, c]).splitlines()[2:]]
     assert methods == ["| teacher", "| no-context", "| meanpool", "| meanpool", "| teacher", "| no-context", "| meanpool"]
-    for extra, computed in (([], False), (["--n", 3], True), (["--n", 3], False), ([], True), (["--ratio", 4], True),
-                            (["--ratio", 4, "--max_new_tokens", 5], True), (["--batch_size", 2], True),
-                            ([], True)):  # a cached metrics.json: what it was asked
+    for extra, computed in (([], False), (["--n", 3], True), (["--n", 3], False), ([], True), (["--ratio", 8], True),
+                            (["--ratio", "4,8"], False), (["--ratio", 4, "--max_new_tokens", 5], True),
+                            (["--batch_size", 2], True), ([], True)):  # a cached metrics.json: what it was asked
         before = len(compressed)
         evaluate.main([str(tmp_path / "a")] + [str(x) for x in extra])
         assert (len(compressed) > before) is computed, extra
@@ -348,8 +356,8 @@ def _scores_file(path, f1_by_ratio, teacher=None):
                                  "scores": {"em": {q: 0.0 for q in s}, "f1": s}, **kw}
     teacher = teacher or {"q0": 100.0}
     rows = [row("m", s, ratio_requested=r, ratio=float(r)) for r, s in f1_by_ratio.items()]
-    path.write_text(json.dumps({"teacher": row("teacher", teacher, ratio=1.0), "no_context": row("no-context", teacher),
-                                "rows": rows}))
+    path.write_text(json.dumps({"run": str(path.parent), "teacher": row("teacher", teacher, ratio=1.0),
+                                "no_context": row("no-context", teacher), "rows": rows}))
     return str(path)
 
 
@@ -378,7 +386,7 @@ def test_compare_cli_prints_verdicts(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps(res))
     lines = compare.main([str(tmp_path / "c.json")] * 2 + ["--row_b", "no-context", "--metric", "nll"])
     assert lines[0].startswith("A m@4 NLL 1.50 vs B no-context NLL 3.00 on 60 questions: A - B -1.50 [-1.6")
-    assert lines[0].endswith("-> B > A")
+    assert lines[0].endswith("-> B > A (A better)")  # (the verdict of a lower-is-better metric read backwards)
     assert lines[1].startswith("A m@16 vs B no-context: NLL not in both rows (an older eval.py")
 
 
@@ -393,9 +401,11 @@ def test_compare_bad_input_is_one_line(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1 and re.match(f"error: .*{expected}", p.stderr), p.stderr
     with pytest.raises(SystemExit, match="no rows to pair; pick them with --row_a/--row_b from A: teacher, no-context"):
         compare.main([a, a, "--row_b", "@16"])
-    (tmp_path / "bad.json").write_text('{"rows": []}')
-    with pytest.raises(SystemExit, match="bad.json is not an eval.py results JSON \\(KeyError: 'teacher'\\)"):
-        compare.main([a, str(tmp_path / "bad.json")])
+    for text, why in (('{"rows": []}', "missing key 'run'"), ("[1]", "1 is not a run's result"),
+                      ("[]", "[] is not a run's result")):  # (KeyError: 'teacher', TypeError: not subscriptable)
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(SystemExit, match=f"bad.json is not an eval.py results JSON: {re.escape(why)}"):
+            compare.main([a, str(tmp_path / "bad.json")])
     with pytest.raises(SystemExit, match="the following arguments are required: b"):
         compare.main([a])
     both = tmp_path / "both.json"  # eval.py --out of two runs whose rows share names: which pairs is not a guess
@@ -796,11 +806,11 @@ def test_scripts_bad_input_is_one_line(tmp_path):
     bad = json.load(open(a))
     bad["rows"][0]["scores"]["f1"] = {"q0": "x"}
     (tmp_path / "b.json").write_text(json.dumps(bad))
-    assert "b.json is not an eval.py results JSON (TypeError: row 'm@4': scores.f1 is not {question id: number})" in \
+    assert "b.json is not an eval.py results JSON: key 'rows[0].scores' is not {\"em\": {id: number}" in \
         _one_line(compare.main, [a, tmp_path / "b.json"])
     bad["rows"][0]["scores"]["f1"] = {"q0": float("nan")}  # (its verdict looked like any other)
     (tmp_path / "nan.json").write_text(json.dumps(bad))
-    assert "scores.f1 is not {question id: number}" in _one_line(compare.main, [a, tmp_path / "nan.json"])
+    assert "nan.json is not an eval.py results JSON: key 'rows[0].scores' is not" in _one_line(compare.main, [a, tmp_path / "nan.json"])
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # (a RecursionError traceback)
     for main, n in ((compare.main, 2), (claims.main, 1)):
         assert "deep.json: JSON nested too deeply to read" in _one_line(main, [tmp_path / "deep.json"] * n)
