@@ -457,6 +457,12 @@ def _record(id, context, question, answers, relevant=None, chunks=None):
         raise ValueError("empty question")
     if answers and not any(a.strip() for a in answers):  # (an empty prediction would score EM 100 against it)
         raise ValueError(f"an empty answer: {json.dumps(answers)[:60]}")
+    for key, text in (("context", context), ("question", question), ("answers", "".join(answers))):
+        try:  # (JSON's "\ud800" alone: no tokenizer takes it)
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"field {key!r}: {text[e.start]!r} at character {e.start} is a lone UTF-16 surrogate, "
+                             "not text") from None
     return {"id": str(id or ""), "context": context, "question": question, "answers": [a for a in answers if a.strip()],
             "relevant": relevant, "chunks": chunks}
 

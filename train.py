@@ -252,7 +252,8 @@ def check_inputs(cfg, mcfg):
 
 
 def not_a_file(path):
-    return "a folder, not a file" if os.path.isdir(path) else "no such file"
+    return ("a folder, not a file" if os.path.isdir(path) else "not a regular file (a pipe or device: save it to a "
+            "file)" if os.path.exists(path) else "no such file")
 
 
 def same_file(a, b):
@@ -313,6 +314,8 @@ def check_stage(cfg, mcfg, cls):
     for flag in ("max_iters", "batch_size", "grad_accum", "max_context", "max_answer"):
         if getattr(cfg, flag) < 1:
             raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
+    if cfg.batch_size > 1 << 20:  # (a step materialises its global batch: a typo's 10^20 filled the host's memory)
+        raise SystemExit(f"error: --batch_size {cfg.batch_size}: at most 2^20 examples a step")
     for flag in ("lr", "min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
         value = getattr(cfg, flag)
         if not math.isfinite(value) or value < 0 or (flag == "lr" and value == 0):
@@ -391,8 +394,8 @@ def tiny_stages(cls, mcfg, pretrain=None, stage=None):
     objective, tiny_pretrain = small.pop("objective", None), small.pop("pretrain", 0)
     pretrain = tiny_pretrain if pretrain is None else pretrain
     if "stage" in small:  # sentence_gist: one of its paper's stages (its lr's end: Table 3's)
-        small["stage"] = stage or small["stage"]
-        last = next(s for s in paper if s.paper.get("stage") == small["stage"])
+        small["stage"] = stage or small["stage"]  # (no such stage: the method's check_config says so)
+        last = next((s for s in paper if s.paper.get("stage") == small["stage"]), paper[-1])
     else:
         last = next((s for s in paper if s.objective == objective), paper[-1])
     values = lambda s: {**s.ours, **s.official, **s.paper, **small}  # noqa: E731
@@ -1228,6 +1231,11 @@ if __name__ == "__main__":
         out = main(sys.argv[1:])
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
+    except RuntimeError as e:  # the host's or the GPU's memory: a run too large for this machine
+        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
+            raise
+        raise SystemExit(f"error: out of memory ({str(e).splitlines()[0][:200]}): lower --batch_size or "
+                         "--micro_batch, --max_context, or a size flag") from None
     except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes it there and saves)
         print("interrupted outside a training step: the checkpoints already written stand", file=sys.stderr)
         sys.exit(130)

@@ -3,6 +3,7 @@ naming the file (and line or key) or the flag, exit != 0, no traceback, and noth
 is lost; --resume continues the log where its checkpoint was taken."""
 import gzip
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def files(tmp_path_factory):
     (root / "bad.json").write_text('{"data": [')
     (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["a"]}\n{oops\n')
     (root / "latin1.json").write_bytes(b"\xff\xfe garbage")
+    (root / "surrogate.jsonl").write_text('{"context": "a \\ud800 b", "question": "q?", "answers": ["a"]}\n')
     (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"context": "a b", "question": "q", "answers": ["a"]}\n')[:30])
     (root / "teacher" / "teacher").mkdir(parents=True)
     (root / "teacher" / "teacher" / "adapter_config.json").write_text("{}")
@@ -100,6 +102,11 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("prompt", ["--prompt", "gemma"], "--prompt gemma: the tokenizer of"),  # was an error at the first batch
     ("teacher ratio", ["--method=teacher", "--ratio", 4], "--ratio does not apply to --method teacher"),
     ("nothing trains", ["--fixed_encoder", "--fixed_decoder", "--no_linear"], "(kd) with these flags trains no"),
+    ("batch size", ["--batch_size", 10**20], "at most 2^20 examples a step"),  # (it filled the host's memory)
+    ("lora rank", ["--lora_r", 10**11], "LoRA rank (--lora_r) 100000000000: choose 1 to 65536"),  # (a traceback)
+    ("data surrogate", ["--data", "surrogate.jsonl"],  # (a tokenizer's traceback after the run had started)
+     "surrogate.jsonl:1: field 'context': '\\ud800' at character 2 is a lone UTF-16 surrogate"),
+    ("data pipe", ["--data", "/dev/null"], "--data '/dev/null': not a regular file"),  # (was "no such file")
 ]
 
 
@@ -126,6 +133,22 @@ def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags
     if what in ("config type", "weights", "data bytes"):  # the script itself: one line on stderr, no traceback
         p = run(argv, check=False)
         assert p.returncode != 0 and p.stderr.strip() == line, p.stderr[-2000:]
+
+
+def test_out_of_memory_is_one_line(tmp_path):
+    """The host's allocator refusing a run too large for it: one line that says so, not a traceback."""
+    import resource
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # noqa: E731 (2 GiB of address space)
+    argv = ["--method", "meanpool", "--lora_r", 30000, "--max_context", 64, *FAST[:-2], "--out_dir", tmp_path / "out"]
+    p = subprocess.run([sys.executable, "train.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True,
+                       preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 1 and p.stderr.startswith("error: out of memory (") and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_tiny_stage_the_method_lacks_is_one_line(tmp_path):
+    assert in_process(["--method", "sentence_gist", "--stage", -1, *FAST[:-2], "--out_dir", tmp_path / "out"]) == (
+        "error: --stage -1: choose 1 (gist rows), 2 (+ the base) or 3 (cool-down)")  # (a StopIteration traceback)
 
 
 def test_eval_data_is_read_before_any_work_and_validates_synthetic_training(files, tmp_path, capsys):
