@@ -34,7 +34,7 @@ import torch
 import data
 import train
 import tiny
-from model import Memory, read_json
+from model import Memory, read_json, tensor_names
 
 
 @dataclass
@@ -402,7 +402,13 @@ def cached_result(run_dir, ecfg):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     if why := result_error(res):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({why}); rerun with --recompute")
-    return rows_at(res, asked(run_dir, ecfg))
+    want, had = asked(run_dir, ecfg), res.get("asked") or {}
+    served = rows_at(res, want)
+    changed = sorted(k for k in (want.keys() | had.keys()) - {"ratio"} if want.get(k) != had.get(k))
+    if served is None and changed:  # (another ratio adds its rows: with_other_ratios)
+        print(f"note: {cached} holds rows read with another {', '.join(changed)}: this evaluation replaces them",
+              file=sys.stderr)
+    return served
 
 
 def same_but_ratio(a, b):
@@ -433,6 +439,7 @@ def check_evaluable(run_dir, ratio):
         raise SystemExit(f"error: {run_dir}/run.json: not a run.json written by train.py (needs step, files.ckpt)")
     if not os.path.isfile(os.path.join(run_dir, files["ckpt"])):
         raise SystemExit(f"error: {run_dir}: its checkpoint {files['ckpt']} is missing")
+    tensor_names(os.path.join(run_dir, files["ckpt"]))  # a cut one: before any run is evaluated (its header alone)
     note_unfinished(run_dir, state)
     if not ratio:
         return
@@ -487,7 +494,10 @@ def evaluate_run(run_dir, ecfg, device, records):
     result = {"run": run_dir, "asked": asked(run_dir, ecfg), "teacher_key": key, "teacher": teacher,
               "no_context": noctx, "rows": rows}
     saved = with_other_ratios(cached, result)
-    train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(saved, indent=1)))
+    try:
+        train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(saved, indent=1)))
+    except OSError as e:  # (a run dir read-only to this user: its rows are still printed and in --out)
+        print(f"note: {e}; the table and --out have its rows", file=sys.stderr)
     return result
 
 
@@ -757,6 +767,10 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
+    except RuntimeError as e:
+        if not (line := train.memory_error(e, "lower --batch_size")):
+            raise
+        raise SystemExit(line) from None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: each run's metrics.json is written whole when it is done
         print("interrupted: the runs evaluated before it keep their metrics.json", file=sys.stderr)
         sys.exit(130)

@@ -69,6 +69,15 @@ def read_tensors(path, device="cpu"):
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def tensor_names(path):
+    """The tensor names of a safetensors file, from its header alone: read_tensors's error where it is broken."""
+    try:
+        with safe_open(path, "pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 

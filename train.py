@@ -256,6 +256,13 @@ def not_a_file(path):
             "file)" if os.path.exists(path) else "no such file")
 
 
+def memory_error(e, advice):
+    """The one line for a RuntimeError that is the host's or the GPU's allocator refusing (a run too large for this
+    machine), else None."""
+    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+        return f"error: out of memory ({str(e).splitlines()[0][:200]}): {advice}"
+
+
 def same_file(a, b):
     """Two paths to one file, or two files of the same bytes."""
     return os.path.samefile(a, b) or os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
@@ -1231,11 +1238,10 @@ if __name__ == "__main__":
         out = main(sys.argv[1:])
     except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
         raise SystemExit(f"error: {e}")
-    except RuntimeError as e:  # the host's or the GPU's memory: a run too large for this machine
-        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
+    except RuntimeError as e:
+        if not (line := memory_error(e, "lower --batch_size or --micro_batch, --max_context, or a size flag")):
             raise
-        raise SystemExit(f"error: out of memory ({str(e).splitlines()[0][:200]}): lower --batch_size or "
-                         "--micro_batch, --max_context, or a size flag") from None
+        raise SystemExit(line) from None
     except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes it there and saves)
         print("interrupted outside a training step: the checkpoints already written stand", file=sys.stderr)
         sys.exit(130)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import data
 import eval as evaluate
@@ -232,9 +233,9 @@ def test_a_method_rows_nll_is_its_qa_training_loss():
 
 
 def _stand_in_run(run, train_config):
-    """A run dir for a stand-in method (train.load_run patched): its run.json and an empty checkpoint."""
+    """A run dir for a stand-in method (train.load_run patched): its run.json and a checkpoint of no tensors."""
     run.mkdir()
-    (run / "ckpt.safetensors").write_bytes(b"")
+    save_file({}, run / "ckpt.safetensors")
     (run / "run.json").write_text(json.dumps({"train": train_config, "method": {}, "step": 0,
                                               "files": {"ckpt": "ckpt.safetensors"}}))
     return run

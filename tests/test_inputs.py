@@ -312,12 +312,15 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
     typed = variant("typed", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": "4"}}))
     short = variant("short", lambda d, st: write(d, {**st, "train": {**st["train"], "max_iters": 1000}}))
     four = variant("four", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": 4}}))
+    cut = variant("cut", lambda d, st: (d / st["files"]["ckpt"]).write_bytes((run_dir / st["files"]["ckpt"])
+                                                                             .read_bytes()[:-100]))
     (tmp_path / "empty.jsonl").write_text("")
     loaded = []
     monkeypatch.setattr(train, "load_run", lambda *a: loaded.append(a) or pytest.fail("a run loaded"))
     for argv, message in (([run_dir, no_ckpt, "--n", 2], f"{no_ckpt}: its checkpoint ckpt-0000001.safetensors is "
                                                            "missing"),
                           ([run_dir, typed, "--n", 2], "run.json: train.eval_examples is '4', expected int"),
+                          ([run_dir, cut, "--n", 2], "ckpt-0000001.safetensors: not a readable safetensors file"),
                           ([four, run_dir], f"{run_dir}: no evaluation examples"),  # (its --eval_examples 0)
                           ([run_dir, "--eval_data", tmp_path / "empty.jsonl"], "empty.jsonl' holds no usable")):
         line = in_process(argv, evaluate.main)
@@ -327,6 +330,14 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
         results = evaluate.main([str(short), str(run_dir), f"{run_dir}/", "--n", "2"])
         assert [r["run"] for r in results] == [str(short), f"{run_dir}/"]
         assert f"note: {short} is at step 1 of its 1000 (still training" in capsys.readouterr().err
+    evaluate.main([str(short), "--n", "3"])  # other questions replace the rows of --n 2: said before the work
+    assert f"note: {short}/metrics.json holds rows read with another n: this evaluation replaces" in \
+        capsys.readouterr().err
+    monkeypatch.setattr(train, "atomic_write", lambda path, write: (_ for _ in ()).throw(
+        OSError(f"{path}: could not write it ([Errno 13] Permission denied)")))  # a run dir read-only to this user
+    assert evaluate.main([str(short), "--n", "2"])[0]["asked"]["n"] == 2  # (it failed after the whole evaluation)
+    assert "metrics.json: could not write it ([Errno 13] Permission denied); the table and --out have its rows" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sig", ["INT", "TERM"])
