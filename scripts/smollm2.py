@@ -36,6 +36,7 @@ import importlib.util
 import json
 import os
 import random
+import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -77,8 +78,12 @@ def convert(out_dir, gguf_file=None):
         raise SystemExit(f"error: {e.name} is not installed: pip install -r requirements-dev.txt")
     path = gguf_file or gguf_path()
     folder, name = os.path.split(os.path.abspath(path))
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    except (struct.error, ValueError, EOFError, KeyError) as e:  # (a cut file: struct's or numpy's words, no name)
+        raise SystemExit(f"error: --gguf {path}: not a whole GGUF model file ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]})") from None
 
     # 1) tokenizer: the "smollm" pre-tokenizer and the specials (see the docstring), then the HF files
     fields = gguf.GGUFReader(path).fields
@@ -205,6 +210,7 @@ def main(argv):
     parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
     parser.add_argument("--teacher", default="", help="--zero_shot: merge this --method teacher run's adapter first")
     parser.add_argument("--random", action="store_true", help="a tiny random stand-in, its tokenizer trained on --squad")
+    parser.error = lambda message: sys.exit(f"error: {message} (--help: the usage)")
     args = parser.parse_args(argv)
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
         if path and not os.path.isfile(path):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -355,10 +356,18 @@ def test_ctrl_c_during_an_evaluation_is_one_line_and_130(tmp_path, sig):
 
 
 def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_path):
-    """scripts/smollm2.py: a broken --squad, a --gguf that is no file, an out_dir under a file: one line each on
-    stderr, and no out_dir made (the SQuAD split runs before the half-minute conversion)."""
+    """scripts/smollm2.py: a broken --squad, a --gguf that is no file or cut (a traceback), no out_dir, an out_dir
+    under a file: one line each on stderr, and no out_dir made (the SQuAD split runs before the conversion)."""
     (tmp_path / "a_file").write_text("")
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "whole.gguf"), "llama")  # metadata past its first 100 bytes
+    writer.add_name("a stand-in model")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:100])
     for args, message in (([tmp_path / "out", "--squad", files / "bad.json"], "bad.json:1: invalid JSON"),
+                          ([tmp_path / "out", "--gguf", tmp_path / "cut.gguf"], "cut.gguf: not a whole GGUF model"),
+                          ([], "error: the following arguments are required: out_dir"),  # (argparse's usage)
                           ([tmp_path / "out", "--squad", files / "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
                           ([tmp_path / "out", "--gguf", tmp_path], "--gguf"),
                           ([tmp_path / "a_file" / "out"], "a_file is a file, not a folder")):
