@@ -746,7 +746,8 @@ def main(argv):
             if path and not os.path.isfile(path):
                 raise SystemExit(f"error: {r}'s {flag} {path!r}: {train.not_a_file(path)} (name one with --eval_data)")
             if path and "split" in given:  # (ignored before)
-                raise SystemExit(f"error: --split picks synthetic questions; {r} is read on its {flag} {path}")
+                whose = "--eval_data" if ecfg.eval_data else f"its {flag}"  # (the command's, or the run's own)
+                raise SystemExit(f"error: --split picks synthetic questions; {r} is read on {whose} {path}")
             records[r] = eval_records(train.run_config(r)[0], ecfg)
             if not records[r]:
                 raise SystemExit(f"error: {r}: no evaluation examples (--n / --eval_examples must be > 0)")

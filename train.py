@@ -169,10 +169,17 @@ def make_parser(configs, positional=None, usage=USAGE):
     return parser
 
 
+NEGATIVE = r"-(inf(inity)?|nan|[0-9]*\.?[0-9]+e[-+]?[0-9]+)"  # the negative numbers argparse reads as flags
+
+
 def parse_args(argv, *configs, positional=None, usage=USAGE):
     """(an instance of each config, the set of keys given) from argv; bare arguments go into `positional` (a tuple:
     a path may hold spaces)."""
-    given = vars(make_parser(configs, positional, usage).parse_intermixed_args([str(a) for a in argv]))
+    argv = [str(a) for a in argv]
+    for i in range(len(argv) - 1, 0, -1):  # "--lr -1e-3": argparse takes "-1e-3" (and -inf) for a flag, not a value
+        if argv[i - 1].startswith("--") and "=" not in argv[i - 1] and re.fullmatch(NEGATIVE, argv[i], re.I):
+            argv[i - 1:i + 1] = [f"{argv[i - 1]}={argv[i]}"]
+    given = vars(make_parser(configs, positional, usage).parse_intermixed_args(argv))
     if positional in given:
         given[positional] = tuple(given[positional])
     names = [{f.name for f in fields(c)} for c in configs]
@@ -204,7 +211,7 @@ def configure(argv):
 
 def ratios_of(spec, flag="ratio"):
     if not re.fullmatch(r" *[0-9]+ *(, *[0-9]+ *)*", str(spec)):  # "4,,8", "4," and "4_0" are errors (int reads 4_0)
-        raise SystemExit(f"error: --{flag} {spec!r} must be an integer or a comma list like 4,8,16")
+        raise SystemExit(f"error: --{flag} {spec!r} must be a positive integer or a comma list like 4,8,16")
     rs = [int(r) for r in str(spec).split(",")]
     if not rs or any(not 0 < r <= 1 << 20 for r in rs):  # (a 64-bit overflow in the pooling above that)
         raise SystemExit(f"error: --{flag} {spec!r}: every ratio must be a positive integer, at most 2^20")
@@ -819,7 +826,7 @@ def read_records(path, cfg):
     if stats.keys() - {"records"}:
         print(f"note: {path}: {stats}", file=sys.stderr)
     if not records:
-        raise SystemExit(f"error: {path!r} holds no usable records ({stats})")
+        raise SystemExit(f"error: {path!r} holds no usable records" + (f" ({stats})" if stats else ""))
     return records
 
 

@@ -81,8 +81,10 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
     ("ratio", ["--ratio", "4,99999999999999999999"], "every ratio must be a positive integer, at most 2^20"),
     ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
-    ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be an integer"),
-    ("ratio digits", ["--ratio", "4_0"], "--ratio '4_0' must be an integer"),  # (int() reads 40)
+    ("lr negative", ["--lr", "-1e-3"], "--lr -0.001 must be a finite number"),  # (argparse: "expected one argument")
+    ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be a positive integer"),
+    ("ratio digits", ["--ratio", "4_0"], "--ratio '4_0' must be a positive integer"),  # (int() reads 40)
+    ("ratio sign", ["--ratio", "-1"], "--ratio '-1' must be a positive integer"),  # (-1 is an integer)
     ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
     ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu

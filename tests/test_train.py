@@ -337,7 +337,7 @@ def test_every_method_runs_on_gemma2(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--method", "pik"], "unknown --method 'pik'"),
     (["--ratio", "0"], "every ratio must be a positive integer"),
-    (["--ratio", "4,x"], "must be an integer"),
+    (["--ratio", "4,x"], "must be a positive integer or a comma list"),
     (["--ratio", "4,8,4"], "names a ratio twice"),
     (["--max_iters", "ten"], "argument --max_iters: invalid int value"),
     (["--frobnicate", "1"], "unrecognized arguments: --frobnicate"),
