@@ -180,6 +180,10 @@ def main(argv):
         put_section(args.out, args.section, body)
         return print(f"wrote section {args.section!r} of {args.out}")
     results = evaluate.earlier_results(args.results)
+    runs = [os.path.basename(os.path.normpath(res["run"])) for res in results]
+    if not {str(name).partition("@")[0] for c in claims.CLAIMS for name in (c.a, c.b)} & set(runs):
+        raise SystemExit(f"error: {args.results}: no claim reads its runs (named {', '.join(runs)[:80]}): not the "
+                         "output of scripts/reproduce.sh")  # (before RESULTS.md is replaced)
     if args.base and not os.path.exists(os.path.join(args.base, "config.json")):
         raise SystemExit(f"error: --base {args.base}: no config.json (not a checkpoint dir)")
     write(args.out, report(results, args))

@@ -580,6 +580,10 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     assert out.read_text().split("- machine")[1].split("- base")[0] == text.split("- machine")[1].split("- base")[0]
     with pytest.raises(SystemExit, match="--base .*: no config.json"):
         results_md.main(args[:3] + ["--base", str(tmp_path)])
+    (tmp_path / "other.json").write_text(json.dumps(_suite_results({"x": runs["meanpool"]})))  # another suite's runs
+    with pytest.raises(SystemExit, match="other.json: no claim reads its runs \\(named x\\): not the output"):
+        results_md.main([str(tmp_path / "other.json"), "--out", str(out)])  # (it replaced RESULTS.md, exit 0)
+    assert out.read_text().startswith("# Results: the reproduction suite")
 
 
 def test_results_md_keeps_other_commands_sections(tmp_path):
@@ -775,7 +779,7 @@ def test_scripts_bad_input_is_one_line(tmp_path):
     results = _suite_results({"gist-8": {4: ({q: 50.0 for q in ids}, {}), 8: ({q: 50.0 for q in ids}, {})}})
     (tmp_path / "two_rows.json").write_text(json.dumps(results))
     (tmp_path / "junk.json").write_text(json.dumps([{"run": "x", "rows": [1]}]))
-    broken = tmp_path / "broken"
+    broken = tmp_path / "gist-8"  # (a run of the suite's)
     broken.mkdir()
     (broken / "run.json").write_text("{oops")
     (tmp_path / "broken.json").write_text(json.dumps([dict(results[0], run=str(broken), rows=results[0]["rows"][:1])]))
