@@ -611,7 +611,7 @@ def recipe_table(resolved):
     lines = [f"recipe of --method {resolved[0][0].method}: {len(stages)} stage(s) (flag > recipe > default)"]
     for i, st in enumerate(stages, 1):
         lines.append(f"  stage {i}: {st['objective']} -> {st['out_dir']}")
-        lines += [f"    {k:<22} {str(v):<20} {src}" for k, (v, src) in st["values"].items()]
+        lines += [f"    {k:<22} {str(v) if v != '' else '(empty)':<20} {src}" for k, (v, src) in st["values"].items()]
     return stages, "\n".join(lines)
 
 
