@@ -448,7 +448,8 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 
 # 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}. chunks: the context's
 # natural units (sentences, paragraphs, passages) in order, or None; relevant: those holding the answer, or None.
-# skip_bad: count malformed records instead of raising; stats: "records", "skipped_bad", "unanswerable", "no_answer".
+# skip_bad: count malformed records instead of raising; stats: "records", "skipped_bad", "unanswerable", "no_answer",
+# "answer_not_at_its_start" (SQuAD: an answer's text not at its answer_start; the official files have none).
 
 def _record(id, context, question, answers, relevant=None, chunks=None):
     if not context.strip():
@@ -577,6 +578,8 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
         texts, starts = [_field(a, "text", str) for a in answers], [_field(a, "answer_start", int) for a in answers]
         if not all(type(s) is int and 0 <= s < max(len(context), 1) for s in starts):  # (bool is an int)
             raise ValueError(f"answer_start {starts} should lie in the context's {len(context)} characters")
+        if any(context[s:s + len(t)] != t for s, t in zip(starts, texts)):  # (relevant reads the start)
+            _count(stats, "answer_not_at_its_start")
         if context not in sentences:
             chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s] or [context]  # after . ! ? and whitespace
             sentences[context] = chunks, chunk_ends(context, chunks)
