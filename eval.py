@@ -506,7 +506,7 @@ def with_other_ratios(path, result):
     and teacher: what metrics.json saves (rows_at serves them)."""
     try:
         old = read_json(path) if os.path.exists(path) else None
-    except ValueError:  # (a corrupt file: --recompute replaces it)
+    except (ValueError, OSError):  # (a corrupt or unreadable file: --recompute replaces it)
         return result
     if not (old and not result_error(old) and result["asked"]["ratio"] and old.get("teacher_key") ==
             result["teacher_key"] and same_but_ratio(old.get("asked") or {}, result["asked"])):
