@@ -576,7 +576,9 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
             if not keep_unanswerable:
                 return []
         texts, starts = [_field(a, "text", str) for a in answers], [_field(a, "answer_start", int) for a in answers]
-        if not all(type(s) is int and 0 <= s < max(len(context), 1) for s in starts):  # (bool is an int)
+        if not all(type(s) is int for s in starts):  # (bool is an int)
+            raise ValueError(f"field 'answer_start' should be int, got {json.dumps(starts)[:60]}")
+        if not all(0 <= s < max(len(context), 1) for s in starts):
             raise ValueError(f"answer_start {starts} should lie in the context's {len(context)} characters")
         if any(context[s:s + len(t)] != t for s, t in zip(starts, texts)):  # (relevant reads the start)
             _count(stats, "answer_not_at_its_start")

@@ -587,7 +587,7 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
             ("a.json", squad(text=""), 'a.json:1: an empty answer: [""]'),
             ("s.json", squad(start=99), "s.json:1: answer_start [99] should lie in the context's 9 characters"),
             ("n.json", squad(start=-1), "n.json:1: answer_start [-1]"),
-            ("b.json", squad(start=True), "b.json:1: answer_start [True]"),
+            ("b.json", squad(start=True), "b.json:1: field 'answer_start' should be int, got [true]"),  # (True is 1)
             ("h.json", [{**hotpot, "context": [["T", [1, 2]]]}], "h.json:1: context should be [title, [sentences]] "
                                                                  "pairs of strings"),  # was a TypeError
             ("f.json", [{**hotpot, "supporting_facts": []}], "f.json:1: supporting_facts is empty"),
