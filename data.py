@@ -458,7 +458,7 @@ def _record(id, context, question, answers, relevant=None, chunks=None):
         raise ValueError("empty question")
     if answers and not any(a.strip() for a in answers):  # (an empty prediction would score EM 100 against it)
         raise ValueError(f"an empty answer: {json.dumps(answers)[:60]}")
-    for key, text in (("context", context), ("question", question), ("answers", "".join(answers))):
+    for key, text in (("context", context), ("question", question), *(("answers", a) for a in answers)):
         try:  # (JSON's "\ud800" alone: no tokenizer takes it)
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -580,14 +580,15 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
             raise ValueError(f"field 'answer_start' should be int, got {json.dumps(starts)[:60]}")
         if not all(0 <= s < max(len(context), 1) for s in starts):
             raise ValueError(f"answer_start {starts} should lie in the context's {len(context)} characters")
-        if any(context[s:s + len(t)] != t for s, t in zip(starts, texts)):  # (relevant reads the start)
-            _count(stats, "answer_not_at_its_start")
         if context not in sentences:
             chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s] or [context]  # after . ! ? and whitespace
             sentences[context] = chunks, chunk_ends(context, chunks)
         chunks, ends = sentences[context]
         relevant = [next((c for c, e in zip(chunks, ends) if e > starts[0]), chunks[-1])] if starts else None
-        return [_record(qa.get("id"), context, question, texts, relevant, chunks)]
+        record = _record(qa.get("id"), context, question, texts, relevant, chunks)
+        if any(context[s:s + len(t)] != t for s, t in zip(starts, texts)):  # (relevant reads the start)
+            _count(stats, "answer_not_at_its_start")
+        return [record]
     return _parsed(path, enumerate(items, 1), parse, skip_bad, stats)
 
 

@@ -12,7 +12,8 @@ per-question scores and 95% bootstrap intervals of EM, F1 and, in the JSON, the 
 (`nll`; `nll_other`: after the memory of another question's context, the control that tells whether a memory
 carries its own). Teacher-normalised F1 = (F1 - F1_noctx) / (F1_teacher - F1_noctx) (meanpool_multi_ratio §5.1);
 the JSON's em_norm is the same of EM.
-Results go to <run>/metrics.json (a row per ratio read); --out writes the combined JSON (and a PNG of F1 vs ratio with matplotlib).
+Results go to <run>/metrics.json (a row per ratio read); --out writes the combined JSON (and a PNG of F1 vs ratio
+with matplotlib).
 """
 import collections
 import glob
@@ -377,13 +378,14 @@ def result_error(res):
 
 
 def asked(run_dir, ecfg):
-    """What a run's rows answer besides its checkpoint: which questions and how many, the ratios read, the answer
+    """What a run's rows answer: its checkpoint file, which questions and how many, the ratios read, the answer
     length (the flags, else the run's own), the batch size (the NLL control's other memories come from the batch).
-    A cached metrics.json serves only the same."""
+    A cached metrics.json serves only the same (another ratio adds its rows: rows_at)."""
     state = read_json(os.path.join(run_dir, "run.json"))
     run = state.get("train", {}) if isinstance(state, dict) else {}  # (a broken run.json: load_run says so)
     eval_data = ecfg.eval_data or run.get("eval_data", "")
-    return {"n": ecfg.n or run.get("eval_examples", 0), "eval_data": eval_data,
+    ckpt = (state.get("files") or {}).get("ckpt") if isinstance(state, dict) else None  # (a run's next one: no mix)
+    return {"ckpt": ckpt, "n": ecfg.n or run.get("eval_examples", 0), "eval_data": eval_data,
             "split": ecfg.split, "ratio": ecfg.ratio or run.get("eval_ratio") or run.get("ratio", ""),
             "max_new_tokens": ecfg.max_new_tokens, "batch_size": ecfg.batch_size,
             **({"held_out_of": run["data"]} if not eval_data and run.get("data") else {})}  # eval_records
@@ -427,9 +429,9 @@ def rows_at(res, want):
 
 
 def check_evaluable(run_dir, ratio):
-    """From its run.json alone, before any run loads: a compressor's run, and --ratio within its --max_context and
-    its method's own rules (check_config reads it as the run's --eval_ratio: pic's memory table, sentence_gist's
-    achieved ratio)."""
+    """From its run.json and its checkpoint's header, before any run loads: a compressor's run, and --ratio within
+    its --max_context and its method's own rules (check_config reads it as the run's --eval_ratio: pic's memory
+    table, sentence_gist's achieved ratio)."""
     cfg, mcfg, cls = train.run_config(run_dir)
     if not hasattr(cls, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
@@ -493,11 +495,11 @@ def evaluate_run(run_dir, ecfg, device, records):
         row.update(method=label, run=run_dir, **extra, **teacher_normalised(row, teacher, noctx))
     result = {"run": run_dir, "asked": asked(run_dir, ecfg), "teacher_key": key, "teacher": teacher,
               "no_context": noctx, "rows": rows}
-    saved = with_other_ratios(cached, result)
+    saved = result if ecfg.recompute else with_other_ratios(cached, result)  # (--recompute: every cached row goes)
     try:
         train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(saved, indent=1)))
     except OSError as e:  # (a run dir read-only to this user: its rows are still printed and in --out)
-        print(f"note: {e}; the table and --out have its rows", file=sys.stderr)
+        print(f"note: {e}; its rows are in the table (and --out, if given)", file=sys.stderr)
     return result
 
 

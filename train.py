@@ -169,15 +169,20 @@ def make_parser(configs, positional=None, usage=USAGE):
     return parser
 
 
-NEGATIVE = r"-(inf(inity)?|nan|[0-9]*\.?[0-9]+e[-+]?[0-9]+)"  # the negative numbers argparse reads as flags
+def is_float(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_args(argv, *configs, positional=None, usage=USAGE):
     """(an instance of each config, the set of keys given) from argv; bare arguments go into `positional` (a tuple:
     a path may hold spaces)."""
-    argv = [str(a) for a in argv]
-    for i in range(len(argv) - 1, 0, -1):  # "--lr -1e-3": argparse takes "-1e-3" (and -inf) for a flag, not a value
-        if argv[i - 1].startswith("--") and "=" not in argv[i - 1] and re.fullmatch(NEGATIVE, argv[i], re.I):
+    argv, valued = [str(a) for a in argv], {f"--{f.name}" for c in configs for f in fields(c) if f.type is not bool}
+    for i in range(len(argv) - 1, 0, -1):  # "--lr -1e-3": argparse takes "-1e-3" (or -inf, -1.) for a flag, not a value
+        if argv[i - 1] in valued and argv[i].startswith("-") and is_float(argv[i]):
             argv[i - 1:i + 1] = [f"{argv[i - 1]}={argv[i]}"]
     given = vars(make_parser(configs, positional, usage).parse_intermixed_args(argv))
     if positional in given:
@@ -267,7 +272,7 @@ def memory_error(e, advice):
     """The one line for a RuntimeError that is the host's or the GPU's allocator refusing (a run too large for this
     machine), else None."""
     if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-        return f"error: out of memory ({str(e).splitlines()[0][:200]}): {advice}"
+        return f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}"
 
 
 def same_file(a, b):
@@ -357,6 +362,8 @@ def check_stage(cfg, mcfg, cls):
     if getattr(mcfg, "lora_r", lowest) < lowest:
         raise SystemExit(f"error: --lora_r {mcfg.lora_r} must be >= {lowest}"
                          + (" (0: full finetuning, no LoRA)" if lowest == 0 else " (the adapters' rank)"))
+    if getattr(mcfg, "lora_r", 0) > 1 << 16:  # (far above any paper's 16-128; a typo's 10^11 asked for 150 TB)
+        raise SystemExit(f"error: --lora_r {mcfg.lora_r}: at most 65536")
     if getattr(mcfg, "lora_alpha", 1) <= 0:
         raise SystemExit(f"error: --lora_alpha {mcfg.lora_alpha} must be > 0 (the adapters scale by alpha / r)")
     if hasattr(cls, "check_config"):

@@ -82,8 +82,8 @@ def convert(out_dir, gguf_file=None):
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
     except (struct.error, ValueError, EOFError, KeyError) as e:  # (a cut file: struct's or numpy's words, no name)
-        raise SystemExit(f"error: --gguf {path}: not a whole GGUF model file ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]})") from None
+        raise SystemExit(f"error: --gguf {path}: transformers cannot read it as a GGUF model (cut, or of another "
+                         f"kind: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
 
     # 1) tokenizer: the "smollm" pre-tokenizer and the specials (see the docstring), then the HF files
     fields = gguf.GGUFReader(path).fields

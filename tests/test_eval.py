@@ -303,6 +303,15 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
         rows = json.load(open(tmp_path / "b" / "metrics.json"))["rows"]
         assert sorted(set(read_at)) == computed and [r["ratio_requested"] for r in res["rows"]] == shown, extra
         assert [r["ratio_requested"] for r in rows] == kept, extra
+    state = json.loads((tmp_path / "b" / "run.json").read_text())  # a later checkpoint: no row of the earlier one
+    save_file({}, tmp_path / "b" / "ckpt-2.safetensors")  # (one evaluated while training saved the next: a mix)
+    (tmp_path / "b" / "run.json").write_text(json.dumps({**state, "files": {"ckpt": "ckpt-2.safetensors"}}))
+    for extra, computed, kept in ((["--ratio", "15"], [15], [15]), (["--ratio", "5"], [5], [5, 15]),
+                                  (["--recompute", "--ratio", "15"], [15], [15])):  # --recompute: every row anew
+        read_at.clear()
+        evaluate.main([str(tmp_path / "b")] + extra)
+        rows = json.load(open(tmp_path / "b" / "metrics.json"))["rows"]
+        assert sorted(set(read_at)) == computed and [r["ratio_requested"] for r in rows] == kept, extra
 
 
 def test_a_row_label_names_what_the_run_trained_on(tmp_path):
@@ -815,7 +824,8 @@ def test_scripts_bad_input_is_one_line(tmp_path):
         _one_line(compare.main, [a, tmp_path / "b.json"])
     bad["rows"][0]["scores"]["f1"] = {"q0": float("nan")}  # (its verdict looked like any other)
     (tmp_path / "nan.json").write_text(json.dumps(bad))
-    assert "nan.json is not an eval.py results JSON: key 'rows[0].scores' is not" in _one_line(compare.main, [a, tmp_path / "nan.json"])
+    assert "nan.json is not an eval.py results JSON: key 'rows[0].scores' is not" in \
+        _one_line(compare.main, [a, tmp_path / "nan.json"])
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # (a RecursionError traceback)
     for main, n in ((compare.main, 2), (claims.main, 1)):
         assert "deep.json: JSON nested too deeply to read" in _one_line(main, [tmp_path / "deep.json"] * n)
