@@ -459,13 +459,19 @@ def _record(id, context, question, answers, relevant=None, chunks=None):
     if answers and not any(a.strip() for a in answers):  # (an empty prediction would score EM 100 against it)
         raise ValueError(f"an empty answer: {json.dumps(answers)[:60]}")
     for key, text in (("context", context), ("question", question), *(("answers", a) for a in answers)):
-        try:  # (JSON's "\ud800" alone: no tokenizer takes it)
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"field {key!r}: {text[e.start]!r} at character {e.start} is a lone UTF-16 surrogate, "
-                             "not text") from None
+        _utf8(key, text)
     return {"id": str(id or ""), "context": context, "question": question, "answers": [a for a in answers if a.strip()],
             "relevant": relevant, "chunks": chunks}
+
+
+def _utf8(key, text):
+    """text, checked to be text a tokenizer takes: JSON's "\ud800" alone (a lone UTF-16 surrogate) is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"field {key!r}: {text[e.start]!r} at character {e.start} is a lone UTF-16 surrogate, "
+                         "not text") from None
+    return text
 
 
 def _field(rec, key, kind, what=None):
@@ -680,7 +686,7 @@ def read_jsonl(path, skip_bad=False, stats=None):
 def read_text(path, skip_bad=False, stats=None):
     """Strings for LM training: a text file's paragraphs (split at blank lines), or a JSONL(.gz) file's "text"s."""
     if file_kind(path) == "jsonl":
-        return _parsed(path, None, lambda rec: [_field(rec, "text", str)], skip_bad, stats)
+        return _parsed(path, None, lambda rec: [_utf8("text", _field(rec, "text", str))], skip_bad, stats)
     with _open_text(path) as f:
         return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
 

@@ -53,6 +53,7 @@ def files(tmp_path_factory):
     (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["a"]}\n{oops\n')
     (root / "latin1.json").write_bytes(b"\xff\xfe garbage")
     (root / "surrogate.jsonl").write_text('{"context": "a \\ud800 b", "question": "q?", "answers": ["a"]}\n')
+    (root / "surrogate_text.jsonl").write_text('{"text": "a b."}\n{"text": "a \\udfff b"}\n')
     (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"context": "a b", "question": "q", "answers": ["a"]}\n')[:30])
     (root / "teacher" / "teacher").mkdir(parents=True)
     (root / "teacher" / "teacher" / "adapter_config.json").write_text("{}")
@@ -110,6 +111,8 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("data surrogate", ["--data", "surrogate.jsonl"],  # (a tokenizer's traceback after the run had started)
      "surrogate.jsonl:1: field 'context': '\\ud800' at character 2 is a lone UTF-16 surrogate"),
     ("data pipe", ["--data", "/dev/null"], "--data '/dev/null': not a regular file"),  # (was "no such file")
+    ("text surrogate", ["--method=sac", "--pretrain", 1, "--pretrain_data", "surrogate_text.jsonl"],
+     "surrogate_text.jsonl:2: field 'text': '\\udfff' at character 2 is a lone UTF-16 surrogate"),
 ]
 
 
