@@ -404,24 +404,24 @@ def cached_result(run_dir, ecfg):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     if why := result_error(res):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({why}); rerun with --recompute")
-    want, had = asked(run_dir, ecfg), res.get("asked") or {}
-    served = rows_at(res, want)
-    changed = sorted(k for k in (want.keys() | had.keys()) - {"ratio"} if want.get(k) != had.get(k))
+    want = asked(run_dir, ecfg)
+    served, changed = rows_at(res, want), changed_but_ratio(res.get("asked") or {}, want)
     if served is None and changed:  # (another ratio adds its rows: with_other_ratios)
         print(f"note: {cached} holds rows read with another {', '.join(changed)}: this evaluation replaces them",
               file=sys.stderr)
     return served
 
 
-def same_but_ratio(a, b):
-    return {k: v for k, v in a.items() if k != "ratio"} == {k: v for k, v in b.items() if k != "ratio"}
+def changed_but_ratio(a, b):
+    """The keys (the ratio aside) where two `asked` differ, sorted."""
+    return sorted(k for k in (a.keys() | b.keys()) - {"ratio"} if a.get(k) != b.get(k))
 
 
 def rows_at(res, want):
     """A cached result's rows at the ratios `want` asks (its other settings the same), or None if one is missing.
     metrics.json keeps a row per ratio ever read of its checkpoint (a new checkpoint deletes it): reading a run at
     another --ratio adds rows, it does not drop the run's own."""
-    if not want["ratio"] or not same_but_ratio(res.get("asked") or {}, want):
+    if not want["ratio"] or changed_but_ratio(res.get("asked") or {}, want):
         return res if res.get("asked") == want else None
     by_ratio = {row.get("ratio_requested"): row for row in res["rows"]}
     ratios = train.ratios_of(want["ratio"])
@@ -511,7 +511,7 @@ def with_other_ratios(path, result):
     except (ValueError, OSError):  # (a corrupt or unreadable file: --recompute replaces it)
         return result
     if not (old and not result_error(old) and result["asked"]["ratio"] and old.get("teacher_key") ==
-            result["teacher_key"] and same_but_ratio(old.get("asked") or {}, result["asked"])):
+            result["teacher_key"] and not changed_but_ratio(old.get("asked") or {}, result["asked"])):
         return result
     new = {row["ratio_requested"] for row in result["rows"]}
     rows = sorted([row for row in old["rows"] if type(row.get("ratio_requested")) is int and

@@ -33,8 +33,8 @@ def rows_of(path):
         return rows
     except OSError as e:
         raise SystemExit(f"error: cannot read {path} ({e.strerror})")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SystemExit(f"error: {path} is not an eval.py results JSON ({type(e).__name__}: {e})")
+    except ValueError as e:  # (read_json's: not JSON; the shape is result_error's)
+        raise SystemExit(f"error: {path} is not an eval.py results JSON ({e})")
 
 
 def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
