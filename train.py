@@ -467,13 +467,61 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
        values, but for what SCALE lists, taken from TINY (steps shared as below);
     3. on a real checkpoint: the paper's stages (cls.recipe): the values its paper states, then ours;
     4. the dataclass defaults.
-    Which stages run: --objective those with that objective (or the last, with it), sentence_gist's --stage that
-    one; --pretrain N runs the first of several for N steps (0: not at all); --max_iters N is shared by the other
-    stages in their recipe's proportion (each at least one step); a warmup given in steps (SAC's and ATA's 300)
-    scales with its stage's steps (left at 300, it outlasted a stage cut to 200, whose lr never reached the paper's).
+    Which stages run: recipe_stages. --max_iters N is shared by the stages after a --pretrain one in their recipe's
+    proportion (each at least one step); a warmup given in steps (SAC's and ATA's 300) scales with its stage's steps
+    (left at 300, it outlasted a stage cut to 200, whose lr never reached the paper's).
     A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
     the stages after it (a run of the last stage: that stage again, from it).
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
+    check_run_flags(cfg, explicit)
+    taught = teacher_prompt(cfg.teacher)  # the format its adapter learned answers in
+    if taught and "prompt" not in explicit:
+        cfg.prompt = taught
+    stages, source = recipe_stages(cfg, mcfg, explicit, cls)
+    recipe_steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
+    steps, fixed = list(recipe_steps), 1 if "pretrain" in explicit and cfg.pretrain else 0
+    if fixed:
+        steps[0] = cfg.pretrain
+    if "max_iters" in explicit:
+        steps[fixed:] = split_steps(cfg.max_iters, steps[fixed:])
+    out_dir = cfg.out_dir or os.path.join("out", cfg.method)
+    resolved, init_from = [], cfg.init_from
+    for i, (stage, n, n_recipe) in enumerate(zip(stages, steps, recipe_steps)):
+        c, m, sources = stage_values(cfg, mcfg, explicit, stage, source, n, n_recipe)
+        if fixed and i == 0:
+            sources["max_iters"] = "flag (--pretrain)"
+        elif "max_iters" in explicit:
+            sources["max_iters"] = "flag (--max_iters, shared by the stages)" if len(stages) > 1 else "flag"
+        if "ratio" in explicit and "eval_ratio" not in explicit:
+            c.eval_ratio = ""  # a method's reading ratios go with its default --ratio
+        c.pretrain, c.init_from = 0, init_from
+        if i < len(stages) - 1:
+            c.eval_examples = 0  # the last stage is the one evaluated
+        c.out_dir = out_dir if i == len(stages) - 1 else os.path.join(out_dir, stage.name)
+        c.resume = cfg.resume and os.path.exists(os.path.join(c.out_dir, "run.json"))
+        if c.objective not in cls.objectives:
+            raise SystemExit(f"error: --objective {c.objective!r} does not apply to --method {cfg.method}; "
+                             f"choose from {', '.join(cls.objectives)}")
+        set_micro_batches(c, cfg.micro_batch, explicit, world, sources)
+        first = first_stage(c.init_from, c.method) if i == 0 else None  # (a later stage's is trained here, anew)
+        if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
+            inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
+        if c.resume:
+            inherit_resumed(c, m, explicit)
+        resolved.append((c, m, sources))
+        init_from = c.out_dir
+    if cfg.resume and not any(c.resume for c, _, _ in resolved):
+        below = sorted(glob.glob(os.path.join(out_dir, "*", "run.json")))  # a first stage's, say
+        raise SystemExit(f"error: --resume but {out_dir} has no checkpoint" + (
+            f" ({os.path.dirname(below[0])} has: give the flags its run was started with)" if below else ""))
+    for target, value in zip((cfg, mcfg), resolved[-1][:2]):
+        target.__dict__.update(value.__dict__)
+    cfg.pretrain = sum(c.max_iters for c, _, _ in resolved[:-1])  # the steps before the last stage
+    return resolved
+
+
+def check_run_flags(cfg, explicit):
+    """The run-wide flags resolve reads, one line each; a 0 that means "the recipe's" counts as not given."""
     for flag in ("max_iters", "batch_size", "lr", "pretrain"):  # 0 = the recipe's (--pretrain 0: no first stage)
         value = getattr(cfg, flag)
         if not (math.isfinite(value) and value >= 0):
@@ -497,9 +545,13 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
         if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
-    taught = teacher_prompt(cfg.teacher)  # the format its adapter learned answers in
-    if taught and "prompt" not in explicit:
-        cfg.prompt = taught
+
+
+def recipe_stages(cfg, mcfg, explicit, cls):
+    """(the stages that run, where their values come from: "tiny" or "paper"): the tiny base's TINY recipe, else the
+    paper's (--no_aids on the tiny base: at TINY's scale); after an --init_from earlier stage, those after it;
+    --objective: the stages with that objective (or the last, with it); sentence_gist's --stage: that one;
+    --pretrain 0: all but the first of several."""
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
         stages = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None,
@@ -528,85 +580,65 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             raise SystemExit(f"error: --pretrain runs a pretraining stage before the last; this --method {cfg.method} "
                              f"run has one stage ({stages[-1].objective})")
         stages = stages[1:] if cfg.pretrain == 0 and len(stages) > 1 else stages
-    recipe_steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
-    steps, fixed = list(recipe_steps), 1 if "pretrain" in explicit and cfg.pretrain else 0
-    if fixed:
-        steps[0] = cfg.pretrain
-    if "max_iters" in explicit:
-        steps[fixed:] = split_steps(cfg.max_iters, steps[fixed:])
-    out_dir = cfg.out_dir or os.path.join("out", cfg.method)
-    resolved, init_from = [], cfg.init_from
-    for i, (stage, n, n_recipe) in enumerate(zip(stages, steps, recipe_steps)):
-        c, m, sources = copy.deepcopy(cfg), copy.deepcopy(mcfg), {}
-        stage_source = source if source == "tiny" else f"paper ({stage.cite})"
-        for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.official, "official code"),
-                               (stage.paper, stage_source)):
-            for key, val in values.items():
-                if key not in explicit and (hasattr(c, key) or hasattr(m, key)):
-                    setattr(c if hasattr(c, key) else m, key, val)
-                    sources[key] = origin
-        sources.update({key: "flag" for key in explicit})
-        c.objective, c.max_iters = stage.objective, n
-        if c.warmup_iters and "warmup_iters" not in explicit and n != n_recipe:  # a count keeps its share of the stage
-            c.warmup_iters = max(1, round(c.warmup_iters * n / n_recipe))
-            sources["warmup_iters"] = f"{sources.get('warmup_iters', 'default')}, x {n}/{n_recipe} steps"
-        if "warmup_iters" in explicit and c.warmup_iters > n:  # (a stage's lr then never reaches --lr)
-            print(f"note: --warmup_iters {c.warmup_iters} outlasts the {n} steps of the {stage.objective} stage: "
-                  f"its lr peaks at {n / c.warmup_iters:.2g} of --lr", file=sys.stderr)
-        sources["objective"] = "flag" if "objective" in explicit else stage_source
-        if fixed and i == 0:
-            sources["max_iters"] = "flag (--pretrain)"
-        elif "max_iters" in explicit:
-            sources["max_iters"] = "flag (--max_iters, shared by the stages)" if len(stages) > 1 else "flag"
-        if "ratio" in explicit and "eval_ratio" not in explicit:
-            c.eval_ratio = ""  # a method's reading ratios go with its default --ratio
-        c.pretrain, c.init_from = 0, init_from
-        if i < len(stages) - 1:
-            c.eval_examples = 0  # the last stage is the one evaluated
-        c.out_dir = out_dir if i == len(stages) - 1 else os.path.join(out_dir, stage.name)
-        c.resume = cfg.resume and os.path.exists(os.path.join(c.out_dir, "run.json"))
-        if c.objective not in cls.objectives:
-            raise SystemExit(f"error: --objective {c.objective!r} does not apply to --method {cfg.method}; "
-                             f"choose from {', '.join(cls.objectives)}")
-        if cfg.micro_batch:  # the fewest micro-batches of at most micro_batch examples that divide the batch
-            c.grad_accum = -(-c.batch_size // (world * cfg.micro_batch))
-            while c.batch_size % (world * c.grad_accum) and c.grad_accum < c.batch_size:
-                c.grad_accum += 1
-            sources["grad_accum"] = f"flag (--micro_batch {cfg.micro_batch})"
-        while "grad_accum" not in explicit and c.grad_accum > 1 and c.batch_size % (world * c.grad_accum):
-            c.grad_accum -= 1  # a recipe's micro-batches divide the global batch (--batch_size 2 of gist's 4)
-        if c.batch_size % (world * c.grad_accum):
-            raise SystemExit(f"error: --batch_size {c.batch_size} (the global batch) must be a multiple of "
-                             f"{world} ranks x --grad_accum {c.grad_accum}")
-        first = first_stage(c.init_from, c.method) if i == 0 else None  # (a later stage's is trained here, anew)
-        if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
-            inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
-        if c.resume:
-            state = first_stage(c.out_dir, c.method)  # its run.json, when a run of this method
-            if not state:
-                raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
-            inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
-            for key in RESUME_SAME + RESUME_KEEPS:  # what shaped its tensors and its loss
-                now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
-                if as_compared(key, now) == as_compared(key, saved):
-                    continue
-                if key in explicit:
-                    raise SystemExit(f"error: --{key} {now!r} conflicts with the run --resume continues, {c.out_dir} "
-                                     f"({key}={saved!r}); drop the flag to inherit it")
-                if key in RESUME_SAME:  # (the stages and their values were resolved from it)
-                    raise SystemExit(f"error: --resume: {c.out_dir} was trained with {key}={saved!r}, this command "
-                                     f"gives {now!r}: give --{key} as the run's")
-                setattr(c, key, saved)
-        resolved.append((c, m, sources))
-        init_from = c.out_dir
-    if cfg.resume and not any(c.resume for c, _, _ in resolved):
-        below = sorted(glob.glob(os.path.join(out_dir, "*", "run.json")))  # a first stage's, say
-        raise SystemExit(f"error: --resume but {out_dir} has no checkpoint" + (
-            f" ({os.path.dirname(below[0])} has: give the flags its run was started with)" if below else ""))
-    for target, value in zip((cfg, mcfg), resolved[-1][:2]):
-        target.__dict__.update(value.__dict__)
-    cfg.pretrain = sum(c.max_iters for c, _, _ in resolved[:-1])  # the steps before the last stage
-    return resolved
+    return stages, source
+
+
+def stage_values(cfg, mcfg, explicit, stage, source, n, n_recipe):
+    """(cfg, mcfg, sources) of one stage of n steps (its recipe's: n_recipe): the flags', else the stage's values
+    (the paper's over the official code's over ours over FALLBACK), else the defaults."""
+    c, m, sources = copy.deepcopy(cfg), copy.deepcopy(mcfg), {}
+    stage_source = source if source == "tiny" else f"paper ({stage.cite})"
+    for values, origin in ((FALLBACK, "default"), (stage.ours, "ours"), (stage.official, "official code"),
+                           (stage.paper, stage_source)):
+        for key, val in values.items():
+            if key not in explicit and (hasattr(c, key) or hasattr(m, key)):
+                setattr(c if hasattr(c, key) else m, key, val)
+                sources[key] = origin
+    sources.update({key: "flag" for key in explicit})
+    c.objective, c.max_iters = stage.objective, n
+    if c.warmup_iters and "warmup_iters" not in explicit and n != n_recipe:  # a count keeps its share of the stage
+        c.warmup_iters = max(1, round(c.warmup_iters * n / n_recipe))
+        sources["warmup_iters"] = f"{sources.get('warmup_iters', 'default')}, x {n}/{n_recipe} steps"
+    if "warmup_iters" in explicit and c.warmup_iters > n:  # (a stage's lr then never reaches --lr)
+        print(f"note: --warmup_iters {c.warmup_iters} outlasts the {n} steps of the {stage.objective} stage: "
+              f"its lr peaks at {n / c.warmup_iters:.2g} of --lr", file=sys.stderr)
+    sources["objective"] = "flag" if "objective" in explicit else stage_source
+    return c, m, sources
+
+
+def set_micro_batches(c, micro_batch, explicit, world, sources):
+    """A stage's --grad_accum: --micro_batch's (the fewest micro-batches of at most that many examples that divide
+    the batch), else the flag's, else the recipe's lowered until it divides the global batch."""
+    if micro_batch:
+        c.grad_accum = -(-c.batch_size // (world * micro_batch))
+        while c.batch_size % (world * c.grad_accum) and c.grad_accum < c.batch_size:
+            c.grad_accum += 1
+        sources["grad_accum"] = f"flag (--micro_batch {micro_batch})"
+    while "grad_accum" not in explicit and c.grad_accum > 1 and c.batch_size % (world * c.grad_accum):
+        c.grad_accum -= 1  # a recipe's micro-batches divide the global batch (--batch_size 2 of gist's 4)
+    if c.batch_size % (world * c.grad_accum):
+        raise SystemExit(f"error: --batch_size {c.batch_size} (the global batch) must be a multiple of "
+                         f"{world} ranks x --grad_accum {c.grad_accum}")
+
+
+def inherit_resumed(c, m, explicit):
+    """--resume: the stage takes the run.json of the run it continues (what shaped its tensors and its loss); a flag
+    given with another value is one line."""
+    state = first_stage(c.out_dir, c.method)  # its run.json, when a run of this method
+    if not state:
+        raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
+    inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
+    for key in RESUME_SAME + RESUME_KEEPS:
+        now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
+        if as_compared(key, now) == as_compared(key, saved):
+            continue
+        if key in explicit:
+            raise SystemExit(f"error: --{key} {now!r} conflicts with the run --resume continues, {c.out_dir} "
+                             f"({key}={saved!r}); drop the flag to inherit it")
+        if key in RESUME_SAME:  # (the stages and their values were resolved from it)
+            raise SystemExit(f"error: --resume: {c.out_dir} was trained with {key}={saved!r}, this command "
+                             f"gives {now!r}: give --{key} as the run's")
+        setattr(c, key, saved)
 
 
 def recipe_table(resolved):
