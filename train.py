@@ -443,7 +443,7 @@ RESUME_KEEPS = ("ratio", "eval_ratio", "teacher", "prompt")  # --resume takes th
 def as_compared(key, value):
     """A flag's value as --resume compares it: ratios as numbers, paths as real paths."""
     if key in ("ratio", "eval_ratio") and value:
-        return ratios_of(value)
+        return ratios_of(value, key)
     return os.path.realpath(value) if key in ("init_from", "teacher") and value else value
 
 
@@ -881,7 +881,10 @@ def read_items(path, cfg, text):
     if not (text and is_text_file(path)):
         records = read_records(path, cfg)
         return list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
-    items = read_file(path, data.read_text)
+    stats = {}  # (--skip_bad: a JSONL's bad lines are skipped and counted)
+    items = read_file(path, lambda p: data.read_text(p, skip_bad=cfg.skip_bad, stats=stats))
+    if stats.keys() - {"records"}:
+        print(f"note: {path}: {stats}", file=sys.stderr)
     if not items:
         raise SystemExit(f"error: {path!r} holds no text")
     return items

@@ -177,3 +177,20 @@ def test_validation_never_reads_a_training_record(tmp_path):
     text_cfg = train.TrainConfig(method="sac", objective="lm", data=squad)  # contexts as text: held out too
     items, val, _ = train.stage_data(text_cfg)
     assert set(items).isdisjoint(val) and all(isinstance(t, str) for t in items + val)
+
+
+def test_skip_bad_skips_a_bad_line_of_jsonl_pretraining_text(tmp_path, capsys):
+    path = tmp_path / "text.jsonl"
+    path.write_text('{"text": "one"}\n{"text": 5}\n{"text": "two"}\n')
+    cfg = train.TrainConfig(method="sac", objective="lm", pretrain_data=str(path))
+    with pytest.raises(ValueError, match=r"text.jsonl:2: field 'text'"):
+        train.stage_data(cfg)
+    cfg.skip_bad = True  # (it was read without the flag)
+    items, val, _ = train.stage_data(cfg)
+    assert sorted(items + val) == ["one", "two"] and "'skipped_bad': 1" in capsys.readouterr().err
+
+
+def test_resume_names_the_ratio_flag_it_cannot_read():
+    with pytest.raises(SystemExit, match="--eval_ratio '4,,8'"):  # (it said --ratio)
+        train.as_compared("eval_ratio", "4,,8")
+    assert train.as_compared("ratio", "8, 4") == [8, 4]
