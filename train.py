@@ -116,6 +116,7 @@ class Teacher(torch.nn.Module):
     """`--method teacher`: `sft` of a real checkpoint with a `teacher` LoRA adapter on full-context QA
     (meanpool_multi_ratio §5.1: finetuned first, then frozen; §A.2: Table 6 holds the hyperparameters "used to train
     all models, including the teacher"). Compressors merge it into the base with --teacher."""
+    Config = TeacherConfig
     objectives = ("sft",)
     TINY = dict(max_iters=200, batch_size=16, lr=1e-3)
 
@@ -139,10 +140,6 @@ def method_registry():
     """The one map from --method names to classes (SPEC §2.4)."""
     return {"base": tiny.Base, "teacher": Teacher, "meanpool": meanpool.MeanPool, "pic": pic.PIC,
             "sentence_gist": sentence_gist.SentenceGist, "sac": sac.SAC, "ata": ata.ATA}
-
-
-def method_config(cls):
-    return {tiny.Base: tiny.BaseConfig, Teacher: TeacherConfig}.get(cls, getattr(cls, "Config", None))
 
 
 # -----------------------------------------------------------------------------
@@ -202,12 +199,12 @@ def configure(argv):
     if name not in methods:
         raise SystemExit(f"error: unknown --method {name!r}; choose from {', '.join(methods)}")
     cls = methods[name]
-    own = {f.name for c in (TrainConfig, method_config(cls)) for f in fields(c)}
-    others = {f.name for c in methods.values() for f in fields(method_config(c))} - own
+    own = {f.name for c in (TrainConfig, cls.Config) for f in fields(c)}
+    others = {f.name for c in methods.values() for f in fields(c.Config)} - own
     for key in (a[2:].split("=")[0] for a in argv if a.startswith("--")):
         if key in others:
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
-    (cfg, mcfg), explicit = parse_args(argv, TrainConfig, method_config(cls))
+    (cfg, mcfg), explicit = parse_args(argv, TrainConfig, cls.Config)
     unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
     if unread:  # the teacher and the tiny base compress nothing
         raise SystemExit(f"error: --{unread[0]} does not apply to --method {name}: it reads the whole context")
@@ -330,15 +327,15 @@ def check_stage(cfg, mcfg, cls):
     ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
     if cfg.eval_ratio:
         ratios_of(cfg.eval_ratio, "eval_ratio")
-    for flag in ("max_iters", "batch_size", "grad_accum", "max_context", "max_answer"):
+    for flag in ("max_context", "max_answer"):  # (steps, batch and lr: check_run_flags, then the recipe's)
         if getattr(cfg, flag) < 1:
             raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
     if cfg.batch_size > 1 << 20:  # (a step materialises its global batch: a typo's 10^20 filled the host's memory)
         raise SystemExit(f"error: --batch_size {cfg.batch_size}: at most 2^20 examples a step")
-    for flag in ("lr", "min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
+    for flag in ("min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
         value = getattr(cfg, flag)
-        if not math.isfinite(value) or value < 0 or (flag == "lr" and value == 0):
-            raise SystemExit(f"error: --{flag} {value!r} must be a finite number {'> 0' if flag == 'lr' else '>= 0'}")
+        if not math.isfinite(value) or value < 0:
+            raise SystemExit(f"error: --{flag} {value!r} must be a finite number >= 0")
         if flag in ("min_lr_frac", "warmup_frac") and value > 1:
             raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
@@ -706,7 +703,7 @@ def run_config(run_dir):
     methods, name = method_registry(), state["train"]["method"]
     if name not in methods:
         raise SystemExit(f"error: {run_dir}: unknown method {name!r}; known: {', '.join(methods)}")
-    for key, config in (("train", TrainConfig), ("method", method_config(methods[name]))):
+    for key, config in (("train", TrainConfig), ("method", methods[name].Config)):
         unknown = sorted(state[key].keys() - {f.name for f in fields(config)})
         if unknown:  # a run of an older version (ata's prefix is --no_prefix now)
             raise SystemExit(f"error: {path}: {key} keys {unknown} are not {config.__name__} fields; retrain the run")
@@ -717,7 +714,7 @@ def run_config(run_dir):
     cfg = TrainConfig(**state["train"])
     if name == "base":
         cfg.init_from = run_dir
-    return cfg, method_config(methods[name])(**state["method"]), methods[name]
+    return cfg, methods[name].Config(**state["method"]), methods[name]
 
 
 def load_run(run_dir, device="cpu", dtype=torch.float32):
@@ -1149,7 +1146,7 @@ def main(argv):
     if "-h" in argv or "--help" in argv:  # the flags of --method (meanpool unless given)
         cls = configure([a for a in argv if a not in ("-h", "--help")])[3]
         print(f"methods: {', '.join(method_registry())}; each has its own flags (--method NAME --help)\n")
-        return make_parser([TrainConfig, method_config(cls)]).print_help()
+        return make_parser([TrainConfig, cls.Config]).print_help()
     # 1) flags, the recipe, every input checked before any work
     cfg, mcfg, explicit, cls = configure(argv)
     stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))

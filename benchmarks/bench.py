@@ -221,7 +221,7 @@ def build_row(base, tok, method, objective, ratio, batch_size, context):
     cls = train.method_registry()[method]
     run = train.TrainConfig(method=method, objective=objective, ratio=ratio, max_context=context,
                            batch_size=batch_size, no_aids=True, seed=0)
-    (mcfg,), _ = train.parse_args(flags, train.method_config(cls))
+    (mcfg,), _ = train.parse_args(flags, cls.Config)
     if hasattr(cls, "check_config"):
         cls.check_config(run, mcfg)
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def batch_of_two(tok, method, cfg):
 @pytest.mark.parametrize("name, mkw, ratio", METHODS, ids=[m[0] + ("-tokens" if m[1].get("mem") else "") for m in METHODS])
 def test_transformers_generate_from_the_bridged_memory_gives_our_tokens(ckpt, name, mkw, ratio):
     cfg = train.TrainConfig(method=name, init_from=ckpt, ratio=ratio, objective="kd" if mkw.get("mem") else "qa")
-    mcfg = train.method_config(train.method_registry()[name])(lora_r=4, **mkw)
+    mcfg = train.method_registry()[name].Config(lora_r=4, **mkw)
     torch.manual_seed(0)
     tok, base, method = train.build(cfg, mcfg, "cpu", torch.float32)
     for n, p in method.named_parameters():  # trained-looking adapters, so merging them matters

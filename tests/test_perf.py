@@ -11,7 +11,7 @@ from model import Transformer
 
 def build(base_dir, method, objective, grad_ckpt, seed=0):
     cfg = train.TrainConfig(method=method, objective=objective, init_from=base_dir, grad_ckpt=grad_ckpt)
-    mcls = train.method_config(train.method_registry()[method])
+    mcls = train.method_registry()[method].Config
     torch.manual_seed(seed)
     tok, base, m = train.build(cfg, mcls(), "cpu", torch.float32)
     for n, p in m.named_parameters():  # non-zero adapters: the encoder is not the base
