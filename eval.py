@@ -767,13 +767,8 @@ def main(argv):
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C
     try:
-        main(sys.argv[1:])
-    except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
-        raise SystemExit(f"error: {e}")
-    except RuntimeError as e:
-        if not (line := train.memory_error(e, "lower --batch_size")):
-            raise
-        raise SystemExit(line) from None
+        with train.one_line_errors("lower --batch_size"):
+            main(sys.argv[1:])
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: each run's metrics.json is written whole when it is done
         print("interrupted: the runs evaluated before it keep their metrics.json", file=sys.stderr)
         sys.exit(130)

@@ -31,7 +31,7 @@ import sys
 import time
 import zipfile
 import zlib
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -265,11 +265,18 @@ def not_a_file(path):
             "file)" if os.path.exists(path) else "no such file")
 
 
-def memory_error(e, advice):
-    """The one line for a RuntimeError that is the host's or the GPU's allocator refusing (a run too large for this
-    machine), else None."""
-    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-        return f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}"
+@contextmanager
+def one_line_errors(advice):
+    """A script's user errors as one line (exit 1): a reader's ValueError, a file that cannot be read or written, the
+    host's or the GPU's allocator refusing (a run too large for this machine: `advice` says what to lower)."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except RuntimeError as e:
+        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
+            raise
+        raise SystemExit(f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}") from None
 
 
 def same_file(a, b):
@@ -1281,13 +1288,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
 
 if __name__ == "__main__":
     try:
-        out = main(sys.argv[1:])
-    except (ValueError, OSError) as e:  # user errors raised by the readers; a file that cannot be read or written
-        raise SystemExit(f"error: {e}")
-    except RuntimeError as e:
-        if not (line := memory_error(e, "lower --batch_size or --micro_batch, --max_context, or a size flag")):
-            raise
-        raise SystemExit(line) from None
+        with one_line_errors("lower --batch_size or --micro_batch, --max_context, or a size flag"):
+            out = main(sys.argv[1:])
     except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes it there and saves)
         print("interrupted outside a training step: the checkpoints already written stand", file=sys.stderr)
         sys.exit(130)
