@@ -222,158 +222,6 @@ def ratios_of(spec, flag="ratio"):
     return rs
 
 
-def check_inputs(cfg, mcfg):
-    """The files a run names, looked at before any work: one line naming the flag and file that is wrong. Their
-    contents are checked where they are read (data before the model, the model before the first step)."""
-    for flag in ("data", "eval_data", "pretrain_data"):
-        path = getattr(cfg, flag)
-        if path and not os.path.isfile(path):
-            raise SystemExit(f"error: --{flag} {path!r}: {not_a_file(path)}")
-    if cfg.data and cfg.eval_data and same_file(cfg.data, cfg.eval_data):
-        print(f"note: --eval_data {cfg.eval_data} is --data's file: validation and the final evaluation read the "
-              "questions training reads", file=sys.stderr)
-    for flag, path in (("init_from", tiny.base_path(cfg.init_from)), ("encoder", getattr(mcfg, "encoder", "")),
-                       ("decoder", getattr(mcfg, "decoder", ""))):
-        if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
-            raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
-    turn = data.CHAT_FORMATS.get(cfg.prompt, ())
-    if turn and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would train before its QA stage failed)
-        if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
-            raise SystemExit(f"error: --prompt {cfg.prompt}: the tokenizer of {tiny.base_path(cfg.init_from)} has no "
-                             f"{' and '.join(turn)} tokens")
-    other = (first_stage(cfg.init_from, None) or {"train": {"method": "base"}})["train"]["method"]
-    if other == "teacher" != cfg.method:
-        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
-                         "(its adapter is merged into the base)")
-    if other not in (cfg.method, "base", "teacher"):  # a run of another method: its weights would be dropped
-        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method {other} run; a --method {cfg.method} "
-                         f"run starts from a checkpoint dir or an earlier {cfg.method} stage")
-    if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
-        raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
-    taught = teacher_prompt(cfg.teacher)
-    if taught and taught != cfg.prompt and not tiny.needs_training(cfg.init_from):
-        tok = data.load_tokenizer(tiny.base_path(cfg.init_from))
-        as_read = lambda p: (data.chat_format(tok) or "plain") if p == "auto" else p  # noqa: E731
-        if as_read(taught) != as_read(cfg.prompt):
-            raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
-                             "prompts (drop the flag to take its format)")
-    check_writable(cfg.out_dir, "--out_dir")
-
-
-def not_a_file(path):
-    return ("a folder, not a file" if os.path.isdir(path) else "not a regular file (a pipe or device: save it to a "
-            "file)" if os.path.exists(path) else "no such file")
-
-
-@contextmanager
-def one_line_errors(advice):
-    """A script's user errors as one line (exit 1): a reader's ValueError, a file that cannot be read or written, the
-    host's or the GPU's allocator refusing (a run too large for this machine: `advice` says what to lower)."""
-    try:
-        yield
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    except RuntimeError as e:
-        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
-            raise
-        raise SystemExit(f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}") from None
-
-
-def same_file(a, b):
-    """Two paths to one file, or two files of the same bytes."""
-    return os.path.samefile(a, b) or os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
-
-
-def teacher_prompt(teacher):
-    """The --prompt a --method teacher run was trained with ("" without one): a run distilling it takes it."""
-    path = os.path.join(teacher, "run.json")
-    return read_json(path)["train"].get("prompt", "") if teacher and os.path.isfile(path) else ""
-
-
-def check_out_dirs(stages):
-    """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
-    --teacher, --encoder, --decoder (a --method base run writes a base: its own dir is the one it makes); nor
-    replaces a run of another method (one of its own starts anew there)."""
-    (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
-    reads = {} if cfg.method == "base" else {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
-                                             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
-    for flag, path in reads.items():
-        read = os.path.realpath(path) if path else None
-        if read and any(out == read or out.startswith(read + os.sep) for out in out_dirs):
-            raise SystemExit(f"error: --out_dir {stages[-1][0].out_dir!r}: the run would write into the --{flag} "
-                             f"it reads ({path}); give the run its own dir")
-    for c, _, _ in stages:
-        there = first_stage(c.out_dir, None)
-        if there and there["train"]["method"] != c.method:  # (--resume of it: resolve said so)
-            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
-                             f"{there['step']}); give this run another dir")
-        if there and not c.resume:
-            print(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts anew and "
-                  "replaces it (--resume continues it)", file=sys.stderr)
-
-
-def check_writable(path, flag, folder=True):
-    """One line, before any work, when `path` (a folder to use or make; folder=False: a file to write) cannot be."""
-    if not folder:
-        if os.path.isdir(path):
-            raise SystemExit(f"error: {flag} {path!r} is a folder; name a file")
-        name, run_dir = os.path.basename(path), os.path.dirname(os.path.abspath(path))
-        if os.path.isfile(os.path.join(run_dir, "run.json")) and (
-                name in ("run.json", "metrics.json", "log.jsonl") or name.endswith(".safetensors")):
-            raise SystemExit(f"error: {flag} {path!r} is a file of the run {run_dir}; name another")
-    there = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
-    while not os.path.exists(there):  # the nearest folder that exists: the rest is made in it
-        there = os.path.dirname(there)
-    if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
-        why = "is not writable" if os.path.isdir(there) else "is a file, not a folder"
-        raise SystemExit(f"error: {flag} {path!r}: {there} {why}")
-
-
-def check_stage(cfg, mcfg, cls):
-    """A resolved stage's values: one-line errors before any work."""
-    ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
-    if cfg.eval_ratio:
-        ratios_of(cfg.eval_ratio, "eval_ratio")
-    for flag in ("max_context", "max_answer"):  # (steps, batch and lr: check_run_flags, then the recipe's)
-        if getattr(cfg, flag) < 1:
-            raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
-    if cfg.batch_size > 1 << 20:  # (a step materialises its global batch: a typo's 10^20 filled the host's memory)
-        raise SystemExit(f"error: --batch_size {cfg.batch_size}: at most 2^20 examples a step")
-    for flag in ("min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
-        value = getattr(cfg, flag)
-        if not math.isfinite(value) or value < 0:
-            raise SystemExit(f"error: --{flag} {value!r} must be a finite number >= 0")
-        if flag in ("min_lr_frac", "warmup_frac") and value > 1:
-            raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
-    if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
-        raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
-    if not -(1 << 63) <= cfg.seed < 1 << 63:  # (torch's generator takes 64 bits)
-        raise SystemExit(f"error: --seed {cfg.seed} must lie in -2^63..2^63-1")
-    if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
-        formats = ", ".join(("auto", "plain", "sac", *data.CHAT_FORMATS))
-        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
-    if cfg.dtype not in ("", "float32", "bfloat16"):
-        raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
-    cuda = pick_device(cfg.device).type == "cuda"
-    if cfg.cuda_graphs and cfg.grad_accum > 1:  # a micro-batch's backward reuses the last one's .grad buffers
-        raise SystemExit(f"error: --cuda_graphs with {cfg.grad_accum} micro-batches a step: CUDA-graph trees overwrite "
-                         "the gradients one holds with the next's (pytorch/pytorch#169545); use one a step "
-                         "(--grad_accum 1, --micro_batch at least the batch)")
-    if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
-        raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
-                         "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")
-    lowest = 0 if getattr(cls, "full_finetuning", False) else 1  # pic and sentence_gist: --lora_r 0 trains weights
-    if getattr(mcfg, "lora_r", lowest) < lowest:
-        raise SystemExit(f"error: --lora_r {mcfg.lora_r} must be >= {lowest}"
-                         + (" (0: full finetuning, no LoRA)" if lowest == 0 else " (the adapters' rank)"))
-    if getattr(mcfg, "lora_r", 0) > 1 << 16:  # (far above any paper's 16-128; a typo's 10^11 asked for 150 TB)
-        raise SystemExit(f"error: --lora_r {mcfg.lora_r}: at most 65536")
-    if getattr(mcfg, "lora_alpha", 1) <= 0:
-        raise SystemExit(f"error: --lora_alpha {mcfg.lora_alpha} must be > 0 (the adapters scale by alpha / r)")
-    if hasattr(cls, "check_config"):
-        cls.check_config(cfg, mcfg)
-
-
 # -----------------------------------------------------------------------------
 # the recipe: each paper's stages and values, resolved once (flag > recipe > dataclass default)
 
@@ -438,6 +286,12 @@ def first_stage(init_from, method):
         return None
     state = read_json(path)
     return state if method in (None, state["train"]["method"]) else None
+
+
+def teacher_prompt(teacher):
+    """The --prompt a --method teacher run was trained with ("" without one): a run distilling it takes it."""
+    path = os.path.join(teacher, "run.json")
+    return read_json(path)["train"].get("prompt", "") if teacher and os.path.isfile(path) else ""
 
 
 RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
@@ -656,6 +510,171 @@ def recipe_table(resolved):
         lines.append(f"  stage {i}: {st['objective']} -> {st['out_dir']}")
         lines += [f"    {k:<22} {str(v) if v != '' else '(empty)':<20} {src}" for k, (v, src) in st["values"].items()]
     return stages, "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# checks: every input of a resolved run, one line each, before any work
+
+def check_inputs(stages, cls):
+    """A resolved run's values (check_stage), files (check_files) and run dirs (check_out_dirs), and what its
+    stages read of them, before any work."""
+    for c, m, _ in stages:
+        check_stage(c, m, cls)
+    check_files(*stages[0][:2])
+    check_out_dirs(stages)
+    (cfg, _, _), (last, _, _) = stages[0], stages[-1]
+    if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
+        raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
+                         f"--method {cfg.method} run has none")
+    if hasattr(cls, "compress") and last.eval_examples and not last.eval_data and last.data and is_text_file(last.data):
+        raise SystemExit(f"error: --data {last.data} is text: the final evaluation asks questions; name a QA file "
+                         "with --eval_data, or --eval_examples 0")
+
+
+def check_stage(cfg, mcfg, cls):
+    """A resolved stage's values: one-line errors before any work."""
+    ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
+    if cfg.eval_ratio:
+        ratios_of(cfg.eval_ratio, "eval_ratio")
+    for flag in ("max_context", "max_answer"):  # (steps, batch and lr: check_run_flags, then the recipe's)
+        if getattr(cfg, flag) < 1:
+            raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
+    if cfg.batch_size > 1 << 20:  # (a step materialises its global batch: a typo's 10^20 filled the host's memory)
+        raise SystemExit(f"error: --batch_size {cfg.batch_size}: at most 2^20 examples a step")
+    for flag in ("min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
+        value = getattr(cfg, flag)
+        if not math.isfinite(value) or value < 0:
+            raise SystemExit(f"error: --{flag} {value!r} must be a finite number >= 0")
+        if flag in ("min_lr_frac", "warmup_frac") and value > 1:
+            raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
+    if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
+        raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
+    if not -(1 << 63) <= cfg.seed < 1 << 63:  # (torch's generator takes 64 bits)
+        raise SystemExit(f"error: --seed {cfg.seed} must lie in -2^63..2^63-1")
+    if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
+        formats = ", ".join(("auto", "plain", "sac", *data.CHAT_FORMATS))
+        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
+    if cfg.dtype not in ("", "float32", "bfloat16"):
+        raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
+    cuda = pick_device(cfg.device).type == "cuda"
+    if cfg.cuda_graphs and cfg.grad_accum > 1:  # a micro-batch's backward reuses the last one's .grad buffers
+        raise SystemExit(f"error: --cuda_graphs with {cfg.grad_accum} micro-batches a step: CUDA-graph trees overwrite "
+                         "the gradients one holds with the next's (pytorch/pytorch#169545); use one a step "
+                         "(--grad_accum 1, --micro_batch at least the batch)")
+    if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
+        raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
+                         "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")
+    lowest = 0 if getattr(cls, "full_finetuning", False) else 1  # pic and sentence_gist: --lora_r 0 trains weights
+    if getattr(mcfg, "lora_r", lowest) < lowest:
+        raise SystemExit(f"error: --lora_r {mcfg.lora_r} must be >= {lowest}"
+                         + (" (0: full finetuning, no LoRA)" if lowest == 0 else " (the adapters' rank)"))
+    if getattr(mcfg, "lora_r", 0) > 1 << 16:  # (far above any paper's 16-128; a typo's 10^11 asked for 150 TB)
+        raise SystemExit(f"error: --lora_r {mcfg.lora_r}: at most 65536")
+    if getattr(mcfg, "lora_alpha", 1) <= 0:
+        raise SystemExit(f"error: --lora_alpha {mcfg.lora_alpha} must be > 0 (the adapters scale by alpha / r)")
+    if hasattr(cls, "check_config"):
+        cls.check_config(cfg, mcfg)
+
+
+def check_files(cfg, mcfg):
+    """The files a run names, looked at before any work: one line naming the flag and file that is wrong. Their
+    contents are checked where they are read (data before the model, the model before the first step)."""
+    for flag in ("data", "eval_data", "pretrain_data"):
+        path = getattr(cfg, flag)
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"error: --{flag} {path!r}: {not_a_file(path)}")
+    if cfg.data and cfg.eval_data and same_file(cfg.data, cfg.eval_data):
+        print(f"note: --eval_data {cfg.eval_data} is --data's file: validation and the final evaluation read the "
+              "questions training reads", file=sys.stderr)
+    for flag, path in (("init_from", tiny.base_path(cfg.init_from)), ("encoder", getattr(mcfg, "encoder", "")),
+                       ("decoder", getattr(mcfg, "decoder", ""))):
+        if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
+            raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
+    turn = data.CHAT_FORMATS.get(cfg.prompt, ())
+    if turn and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would train before its QA stage failed)
+        if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
+            raise SystemExit(f"error: --prompt {cfg.prompt}: the tokenizer of {tiny.base_path(cfg.init_from)} has no "
+                             f"{' and '.join(turn)} tokens")
+    other = (first_stage(cfg.init_from, None) or {"train": {"method": "base"}})["train"]["method"]
+    if other == "teacher" != cfg.method:
+        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
+                         "(its adapter is merged into the base)")
+    if other not in (cfg.method, "base", "teacher"):  # a run of another method: its weights would be dropped
+        raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method {other} run; a --method {cfg.method} "
+                         f"run starts from a checkpoint dir or an earlier {cfg.method} stage")
+    if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
+        raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
+    taught = teacher_prompt(cfg.teacher)
+    if taught and taught != cfg.prompt and not tiny.needs_training(cfg.init_from):
+        tok = data.load_tokenizer(tiny.base_path(cfg.init_from))
+        as_read = lambda p: (data.chat_format(tok) or "plain") if p == "auto" else p  # noqa: E731
+        if as_read(taught) != as_read(cfg.prompt):
+            raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
+                             "prompts (drop the flag to take its format)")
+    check_writable(cfg.out_dir, "--out_dir")
+
+
+def check_out_dirs(stages):
+    """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
+    --teacher, --encoder, --decoder (a --method base run writes a base: its own dir is the one it makes); nor
+    replaces a run of another method (one of its own starts anew there)."""
+    (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
+    reads = {} if cfg.method == "base" else {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
+                                             **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
+    for flag, path in reads.items():
+        read = os.path.realpath(path) if path else None
+        if read and any(out == read or out.startswith(read + os.sep) for out in out_dirs):
+            raise SystemExit(f"error: --out_dir {stages[-1][0].out_dir!r}: the run would write into the --{flag} "
+                             f"it reads ({path}); give the run its own dir")
+    for c, _, _ in stages:
+        there = first_stage(c.out_dir, None)
+        if there and there["train"]["method"] != c.method:  # (--resume of it: resolve said so)
+            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
+                             f"{there['step']}); give this run another dir")
+        if there and not c.resume:
+            print(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts anew and "
+                  "replaces it (--resume continues it)", file=sys.stderr)
+
+
+def check_writable(path, flag, folder=True):
+    """One line, before any work, when `path` (a folder to use or make; folder=False: a file to write) cannot be."""
+    if not folder:
+        if os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path!r} is a folder; name a file")
+        name, run_dir = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+        if os.path.isfile(os.path.join(run_dir, "run.json")) and (
+                name in ("run.json", "metrics.json", "log.jsonl") or name.endswith(".safetensors")):
+            raise SystemExit(f"error: {flag} {path!r} is a file of the run {run_dir}; name another")
+    there = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(there):  # the nearest folder that exists: the rest is made in it
+        there = os.path.dirname(there)
+    if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
+        why = "is not writable" if os.path.isdir(there) else "is a file, not a folder"
+        raise SystemExit(f"error: {flag} {path!r}: {there} {why}")
+
+
+def not_a_file(path):
+    return ("a folder, not a file" if os.path.isdir(path) else "not a regular file (a pipe or device: save it to a "
+            "file)" if os.path.exists(path) else "no such file")
+
+
+def same_file(a, b):
+    """Two paths to one file, or two files of the same bytes."""
+    return os.path.samefile(a, b) or os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
+
+
+@contextmanager
+def one_line_errors(advice):
+    """A script's user errors as one line (exit 1): a reader's ValueError, a file that cannot be read or written, the
+    host's or the GPU's allocator refusing (a run too large for this machine: `advice` says what to lower)."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except RuntimeError as e:
+        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
+            raise
+        raise SystemExit(f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -1157,17 +1176,7 @@ def main(argv):
     # 1) flags, the recipe, every input checked before any work
     cfg, mcfg, explicit, cls = configure(argv)
     stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))
-    for c, m, _ in stages:
-        check_stage(c, m, cls)
-    check_inputs(*stages[0][:2])
-    check_out_dirs(stages)
-    if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
-        raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
-                         f"--method {cfg.method} run has none")
-    last = stages[-1][0]
-    if hasattr(cls, "compress") and last.eval_examples and not last.eval_data and last.data and is_text_file(last.data):
-        raise SystemExit(f"error: --data {last.data} is text: the final evaluation asks questions; name a QA file "
-                         "with --eval_data, or --eval_examples 0")
+    check_inputs(stages, cls)
     items = [stage_data(c) for c, _, _ in stages]
     ddp, rank, world, device = init_distributed(cfg)
     recipe, text = recipe_table(stages)
