@@ -770,7 +770,7 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags=(), recipe=None):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
@@ -1018,16 +1018,16 @@ def lr_at(step, cfg, schedule="cosine"):
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * decay)
 
 
-def pick_device(name, flag="--device"):
+def pick_device(name):
     """The torch.device `name` ("": cuda where there is one, else cpu); one line for one this machine lacks."""
     try:
         device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
-        raise SystemExit(f"error: {flag} {name!r} is not a device; use cpu, cuda or cuda:N") from None
+        raise SystemExit(f"error: --device {name!r} is not a device; use cpu, cuda or cuda:N") from None
     if device.type == "cpu":
         return torch.device("cpu")  # cpu:N too (safetensors reads "cpu" only)
     if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
-        raise SystemExit(f"error: {flag} {name!r}: use cpu or cuda[:N]; this machine has {torch.cuda.device_count()} "
+        raise SystemExit(f"error: --device {name!r}: use cpu or cuda[:N]; this machine has {torch.cuda.device_count()} "
                          "CUDA device(s)")
     return device
 
@@ -1096,7 +1096,7 @@ class AdamW:
             torch._foreach_add_(denom, g["eps"])
             torch._foreach_addcdiv_(params, m, denom, [-lr / (1 - beta1 ** n) for n in t])  # m / (1 - beta1^t)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self):  # (set_to_none, as torch's default)
         for g in self.param_groups:
             for p in g["params"]:
                 p.grad = None
@@ -1148,16 +1148,16 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     return counts[0].item() / max(counts[1].item(), 1.0), metrics, tokens
 
 
 @torch.no_grad()
-def validation_loss(method, batches, device, autocast, ratios, n_steps=2):
-    """Mean loss on a few fixed held-out micro-batches (steps far beyond training)."""
+def validation_loss(method, batches, device, autocast, ratios):
+    """Mean loss on two fixed held-out steps' micro-batches (steps far beyond training)."""
     method.eval()
     total = count = 0.0
-    for s in range(n_steps):
+    for s in range(2):
         for mb in batches(10_000_000 + s):
             with autocast:
                 loss, n, _ = method(to_device(mb, device), ratios)
@@ -1234,17 +1234,17 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
     model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
     records, val_records, val_text = items
     tok.memo = {} if records is not None else None
-    batches = Batches(cfg, tok, method, records, rank, world)
+    batches, ratios = Batches(cfg, tok, method, records, rank, world), ratios_of(cfg.ratio)
     val = Batches(cfg, tok, method, val_records, rank, world, split="val")
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        ratios = f" ratios {ratios_of(cfg.ratio)}" if hasattr(method, "compress") else ""  # (teacher, base: none)
-        print(f"{cfg.method} ({cfg.objective}){ratios}: {sum(p.numel() for p in params):,} "
+        shown = f" ratios {ratios}" if hasattr(method, "compress") else ""  # (teacher, base: none)
+        print(f"{cfg.method} ({cfg.objective}){shown}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
               f"{cfg.grad_accum} micro-batches), {device} {dtype} -> {cfg.out_dir}; {val_text}")
     # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps; Ctrl-C (SIGINT)
     # or SIGTERM stops it at the end of a step, which it saves
-    ratios, saved = ratios_of(cfg.ratio), step
+    saved = step
     eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
     bar = tqdm(total=cfg.max_iters, initial=step, disable=not master or cfg.quiet, desc=cfg.method, dynamic_ncols=True)
     t0, tokens = time.time(), 0
@@ -1260,8 +1260,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             step, tokens = step + 1, tokens + n
             diverged(loss, "training", step, saved, cfg.out_dir)
             checkpoint = step % eval_every == 0 or step == cfg.max_iters
-            val_loss = validation_loss(method, val, device, autocast, ratios) if checkpoint else None
             if checkpoint:  # (every rank: one that stopped alone would leave the others waiting)
+                val_loss = validation_loss(method, val, device, autocast, ratios)
                 diverged(val_loss, "validation", step, saved, cfg.out_dir)  # (its weights are not saved)
             if not master:
                 continue

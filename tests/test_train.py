@@ -188,7 +188,7 @@ def test_adamw_is_torchs_step_for_step_and_reads_its_state():
             for p, grad in zip(params, grads[t]):
                 p.grad = None if (t == 1 and p is params[2]) else grad.clone()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
 
     ours, theirs = ([torch.nn.Parameter(p.clone()) for p in start] for _ in range(2))
     opt_ours = train.AdamW(groups(ours), lr=1e-2, betas=(0.9, 0.95))
