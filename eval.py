@@ -719,6 +719,23 @@ def check_flags(ecfg, given):
         raise SystemExit(f"error: --out {ecfg.out!r}: name a .json file (its plot goes beside it as .png)")
 
 
+def questions_of(run_dir, ecfg, given):
+    """The questions a run to be evaluated is read on (eval_records), after check_evaluable and the files they come
+    from: one line, before any run is evaluated."""
+    check_evaluable(run_dir, ecfg.ratio)
+    what = asked(run_dir, ecfg)
+    flag, path = ("--eval_data", what["eval_data"]) if what["eval_data"] else ("--data", what.get("held_out_of"))
+    if path and not os.path.isfile(path):
+        raise SystemExit(f"error: {run_dir}'s {flag} {path!r}: {train.not_a_file(path)} (name one with --eval_data)")
+    if path and "split" in given:  # (ignored before)
+        whose = "--eval_data" if ecfg.eval_data else f"its {flag}"  # (the command's, or the run's own)
+        raise SystemExit(f"error: --split picks synthetic questions; {run_dir} is read on {whose} {path}")
+    records = eval_records(train.run_config(run_dir)[0], ecfg)
+    if not records:
+        raise SystemExit(f"error: {run_dir}: no evaluation examples (--n / --eval_examples must be > 0)")
+    return records
+
+
 def main(argv):
     (ecfg,), given = train.parse_args(argv, EvalConfig, positional="runs",
                                        usage="python eval.py RUN_DIR [RUN_DIR ...] [--flag value ...]")
@@ -736,23 +753,10 @@ def main(argv):
     run_dirs = list({os.path.realpath(p): p for p in run_dirs}.values())  # a run named twice is read once
     # every results file read, every run dir seen and its questions read, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
-    records = {}
     for r in run_dirs:
         if read[r] is not None and not r.endswith(".json"):  # its cached metrics.json
             note_unfinished(r, read_json(os.path.join(r, "run.json")))
-        if read[r] is None:  # to be evaluated
-            check_evaluable(r, ecfg.ratio)
-            what = asked(r, ecfg)
-            flag, path = (("--eval_data", what["eval_data"]) if what["eval_data"] else
-                          ("--data", what.get("held_out_of")))
-            if path and not os.path.isfile(path):
-                raise SystemExit(f"error: {r}'s {flag} {path!r}: {train.not_a_file(path)} (name one with --eval_data)")
-            if path and "split" in given:  # (ignored before)
-                whose = "--eval_data" if ecfg.eval_data else f"its {flag}"  # (the command's, or the run's own)
-                raise SystemExit(f"error: --split picks synthetic questions; {r} is read on {whose} {path}")
-            records[r] = eval_records(train.run_config(r)[0], ecfg)
-            if not records[r]:
-                raise SystemExit(f"error: {r}: no evaluation examples (--n / --eval_examples must be > 0)")
+    records = {r: questions_of(r, ecfg, given) for r in run_dirs if read[r] is None}  # those to be evaluated
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device, records[r])])]
     print(table(results))
