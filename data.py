@@ -686,9 +686,38 @@ def read_jsonl(path, skip_bad=False, stats=None):
 def read_text(path, skip_bad=False, stats=None):
     """Strings for LM training: a text file's paragraphs (split at blank lines), or a JSONL(.gz) file's "text"s."""
     if file_kind(path) == "jsonl":
-        return _parsed(path, None, lambda rec: [_utf8("text", _field(rec, "text", str))], skip_bad, stats)
+        text = lambda rec: [_utf8("text", _field(rec, "text", str))]  # noqa: E731
+        return _whole(path, lambda: _parsed(path, None, text, skip_bad, stats))
+    return _whole(path, lambda: _paragraphs(path))
+
+
+def _paragraphs(path):
     with _open_text(path) as f:
-        return [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+        yield from (p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip())
+
+
+def _whole(path, read):
+    """list(read()) of a user's file: one that is not UTF-8, a cut or corrupt .gz / .zip, or JSON nested past
+    Python's recursion limit is a ValueError naming it."""
+    try:
+        return list(read())
+    except UnicodeDecodeError as e:
+        where = f"byte {e.start}" if file_kind(path) == "zip" else f"line {_first_non_utf8_line(path)}"
+        raise ValueError(f"{path}: not UTF-8 text ({where})") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: a cut or corrupt compressed file ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
+
+
+def _first_non_utf8_line(path):
+    """The number of the first line of a file (gzipped or not) that is not UTF-8 (a decoder counts from its chunk)."""
+    with (gzip.open if str(path).lower().endswith(".gz") else open)(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return n
 
 
 def first_record(path):
@@ -704,7 +733,7 @@ def read_dataset(path, distractors=False, **kw):
     """The file's reader: .zip / JSON with "data": SQuAD; JSON list with "supporting_facts": HotpotQA; JSON(L) with
     "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats.
     Every record gets an id of its own (unique_ids)."""
-    return unique_ids(_read_any(Path(path), distractors, **kw))
+    return unique_ids(_whole(path, lambda: _read_any(Path(path), distractors, **kw)))
 
 
 def _read_any(path, distractors, **kw):

@@ -19,7 +19,6 @@ import argparse
 import copy
 import filecmp
 import glob
-import gzip
 import inspect
 import json
 import math
@@ -29,8 +28,6 @@ import re
 import signal
 import sys
 import time
-import zipfile
-import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -855,36 +852,11 @@ def text_objective(cfg):
     return cfg.objective in ("lm", "ae+lm") and cfg.method != "base"
 
 
-def read_file(path, read):
-    """list(read(path)); a file that is not UTF-8 text, a cut or corrupt .gz / .zip, or JSON nested past Python's
-    recursion limit is one line naming it."""
-    try:
-        return list(read(path))
-    except UnicodeDecodeError as e:
-        where = f"byte {e.start}" if data.file_kind(path) == "zip" else f"line {first_non_utf8_line(path)}"
-        raise ValueError(f"{path}: not UTF-8 text ({where})") from None
-    except (EOFError, zlib.error, gzip.BadGzipFile, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path}: a cut or corrupt compressed file ({e})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply to read") from None
-
-
-def first_non_utf8_line(path):
-    """The number of the first line of a file (gzipped or not) that is not UTF-8 (a decoder counts from its chunk)."""
-    with (gzip.open if str(path).lower().endswith(".gz") else open)(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError:
-                return n
-
-
 def read_records(path, cfg):
     """The records of a QA file, as a list; those the readers skip (unanswerable in SQuAD v2, malformed under
     --skip_bad, MS MARCO's no answer) a note; none at all a one-line error."""
     stats = {}
-    records = read_file(path, lambda p: data.read_dataset(p, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad,
-                                                          stats=stats))
+    records = data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
     if stats.keys() - {"records"}:
         print(f"note: {path}: {stats}", file=sys.stderr)
     if not records:
@@ -905,7 +877,7 @@ def read_items(path, cfg, text):
         records = read_records(path, cfg)
         return list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
     stats = {}  # (--skip_bad: a JSONL's bad lines are skipped and counted)
-    items = read_file(path, lambda p: data.read_text(p, skip_bad=cfg.skip_bad, stats=stats))
+    items = data.read_text(path, skip_bad=cfg.skip_bad, stats=stats)
     if stats.keys() - {"records"}:
         print(f"note: {path}: {stats}", file=sys.stderr)
     if not items:
