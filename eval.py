@@ -435,13 +435,8 @@ def check_evaluable(run_dir, ratio):
     cfg, mcfg, cls = train.run_config(run_dir)
     if not hasattr(cls, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
-    state = read_json(os.path.join(run_dir, "run.json"))
-    files = state.get("files")
-    if not (isinstance(files, dict) and isinstance(files.get("ckpt"), str) and type(state.get("step")) is int):
-        raise SystemExit(f"error: {run_dir}/run.json: not a run.json written by train.py (needs step, files.ckpt)")
-    if not os.path.isfile(os.path.join(run_dir, files["ckpt"])):
-        raise SystemExit(f"error: {run_dir}: its checkpoint {files['ckpt']} is missing")
-    tensor_names(os.path.join(run_dir, files["ckpt"]))  # a cut one: before any run is evaluated (its header alone)
+    state, ckpt = train.checkpoint_of(run_dir)
+    tensor_names(ckpt)  # a cut one: before any run is evaluated (its header alone)
     note_unfinished(run_dir, state)
     if not ratio:
         return

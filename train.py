@@ -809,13 +809,23 @@ def log_upto(log, step):
     return kept
 
 
+def checkpoint_of(run_dir):
+    """(run.json, the path of the checkpoint it names) of a run dir; one naming the file for a run.json train.py did not
+    write or a checkpoint that is gone."""
+    state = read_json(os.path.join(run_dir, "run.json"))
+    files = state.get("files") if isinstance(state, dict) else None
+    if not (isinstance(files, dict) and isinstance(files.get("ckpt"), str) and type(state.get("step")) is int):
+        raise ValueError(f"{run_dir}/run.json: not a run.json written by train.py (needs step, files.ckpt)")
+    if not os.path.isfile(os.path.join(run_dir, files["ckpt"])):
+        raise ValueError(f"{run_dir}: its checkpoint {files['ckpt']} is missing")
+    return state, os.path.join(run_dir, files["ckpt"])
+
+
 def load_checkpoint(out_dir, method, opt=None):
     """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
-    state = read_json(os.path.join(out_dir, "run.json"))
-    if not isinstance(state, dict) or not {"step", "files"} <= state.keys():
-        raise ValueError(f"{out_dir}/run.json: not a run.json written by train.py (needs step, files)")
+    state, ckpt = checkpoint_of(out_dir)
     params = {n: p for n, p in method.named_parameters() if p.requires_grad or opt is None}  # --resume: trainable only
-    tensors = read_tensors(os.path.join(out_dir, state["files"]["ckpt"]))
+    tensors = read_tensors(ckpt)
     unknown = [k for k, v in tensors.items() if k not in params or v.shape != params[k].shape]
     if unknown:
         raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters "
