@@ -9,7 +9,7 @@ Tables 2, 4-6, Fig. 10.
     probe          L^_rel = zeta(H): attention pooling of the input's final states (query: its last), an MLP  (eq. 4)
     policy         k = eta(L^_rel) = clamp(ceil(L^_rel / r), 1, k_max)       (eq. 5: min(L^_rel / r, k_max))
     rel            L = -sum_j log P(w_j | KV, [BOS], w_<j) + lam * Huber_delta(L^_rel, L_rel)  (eq. 8-10)
-    qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ lam * Huber, see below)   (eq. 11)
+    qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ the probe's lam * Huber, see below)   (eq. 11)
 
 Choices the paper leaves open, made here:
 - Chunks: the records' "chunks" in the truncated context (a cut one re-decoded), space-joined, tags as text (Fig. 7-9).
@@ -17,10 +17,12 @@ Choices the paper leaves open, made here:
   an example keeps no gold chunk.
 - C_rel: the gold chunks joined by spaces, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS;
   L_rel: its length.
-- [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); BOS also starts the encoder input.
+- [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); a BOS also starts the encoder input.
 - Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
-- lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8); §3.4's "operate independently"
-  read as the design (k from the probe, r without retraining). lam = 1e-4 keeps the term small.
+- In `rel`, lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8, §A.1); §3.4's
+  "operate independently" read as the design (k from the probe, r without retraining). lam = 1e-4 keeps it small.
+- In `qa` the encoder trains on eq. 11's CE alone; the probe, which eq. 11 leaves out, keeps fitting the encoder's
+  states, detached: k at inference reads the finetuned encoder, and a `qa` run alone (the tiny base's) has a probe.
 - k: the gold L_rel's in training (the encoder trains independently of the probe, §3.4), the probe's at inference.
 - The causal encoder runs all k_max tokens and the memory masks all but the first k: the same as appending k (tested).
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
@@ -28,7 +30,7 @@ Choices the paper leaves open, made here:
 - r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
 - HotpotQA keeps its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8): a --data batch of only gold
   chunks warns. Its chunks are data.read_hotpot's "Title: sentences" (Fig. 7 shows no titles).
-- Objectives: `qa` (+ lam * Huber: one command trains encoder and probe), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
+- Objectives: `qa` (eq. 11, the probe beside it), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
 - Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
   chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
 - Ablations (Table 2): --no_aac (k = --fixed_k, 6: Table 2's "w/o AAC" row; SPEC §3.5's k_max is --fixed_k 8),
@@ -237,7 +239,7 @@ class ATA(nn.Module):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
         teacher_head = self.aid.teacher(batch)[1] if self.aid is not None and "qa" in self.run.objective else None
         h, kv = self.encode(batch)
-        L_hat, L = self.length(batch, h), batch["rel_len"]
+        L_hat, L = self.length(batch, h if "rel" in self.run.objective else h.detach()), batch["rel_len"]  # (eq. 11)
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
         if teacher_head is not None:  # tiny.py's aid 2 on the encoder pass just run, per answer token

@@ -116,6 +116,21 @@ def test_loss_terms_and_ablations(base_dir):
         assert dict(m.named_parameters())[name].grad.abs().sum() > 0, name
 
 
+def test_qa_trains_the_encoder_on_eq_11_alone(base_dir):
+    """eq. 11 (qa) has no probe term: lam * Huber trains the probe on detached states and leaves the encoder's gradient
+    as CE's; in rel (eq. 8) it reaches the encoder."""
+    lora = "base.model.layers.0.self_attn.qkv_proj.lora_A.encoder"
+    for objective, reaches in (("qa", False), ("rel", True)):
+        grads = []
+        for lam in (0.0, 0.5):
+            m, batch = _method(base_dir, objective=objective, huber_lambda=lam)
+            m(batch, [10])[0].backward()
+            params = dict(m.named_parameters())
+            grads.append(params[lora].grad.clone())
+            assert bool(params["probe.mlp.2.weight"].grad.abs().sum() > 0) == (lam > 0)
+        assert torch.allclose(grads[0], grads[1]) != reaches, objective
+
+
 def test_no_aac_fixed_k_is_a_flag_with_the_papers_value(base_dir):
     """Issue 20 item 10: Table 2's "w/o AAC" row uses k = 6.00, not k_max = 8."""
     m, batch = _method(base_dir, objective="qa+rel", no_aac=True)
