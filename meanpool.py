@@ -10,9 +10,10 @@ Mean-Pooling and Multi-Ratio Training" (../shared/papers/meanpool_multi_ratio.tx
 
 Choices the paper leaves open, made here:
 - h: the final-norm output (HF's last hidden state) of the context alone (after the prefix, or pre-norm, kept no more).
-- W starts at s I, s = the embeddings' std / the RMS of the final norm's gain (the encoder's outputs: unit RMS times
-  that gain), so z enters at the scale of the embeddings it stands in for (the final-norm outputs are ~14x them on
-  SmolLM2, where this start learned faster than I; pic's compression tokens did not, and their W keeps I: RESULTS.md).
+- W starts at s I (SPEC §3.1 says I), s = the embeddings' std / the RMS of the final norm's gain (the encoder's
+  outputs: unit RMS times that gain), so z enters at the scale of the embeddings it stands in for (the final-norm
+  outputs are ~14x them on SmolLM2, where this start learned faster than I; pic's compression tokens did not, and
+  their W keeps I: RESULTS.md).
 - Encoder and decoder start from the teacher (§5.1's "same target LLM", read as the finetuned one): `--teacher` is
   merged into the base first (in fp32), so `adapter(None)` is it; without `--teacher`, the base is the teacher.
 - Padding is never attended to nor pooled; a partial last window averages its real tokens (C = ceil(L / r)).

@@ -20,13 +20,16 @@ Choices the paper leaves open, made here:
 - Memory tokens: a learned table (`--max_mem` rows) at the embeddings' scale; `--mem single` is meanpool §5.1's
   token baseline whole (one token repeated, a `decoder` LoRA, W (from I) as converter, `kd`; `--mask causal|bidir`).
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads [prefix, memory, prompt] as meanpool.
-- Encoder: the base + `encoder` LoRA; the paper's separate, fully finetuned one: `--encoder DIR --lora_r 0`.
+- Encoder: the paper's is another model, fully finetuned (Qwen2.5-0.5B before a frozen Llama-3-8B, §4.1.2); here the
+  base + an `encoder` LoRA (one checkpoint, no second optimizer state). The paper's: `--encoder DIR --lora_r 0`.
 - ae+lm: texts of 2 x max_context (BOS dropped, as a QA context) split at k = len // 2, so x_1 .. x_k is QA-long;
   TR rebuilds that half (eq. 6's X: one H serves both). Texts: --pretrain_data, else the QA contexts (§4.1.1: FineWeb).
 - Eq. 6-7 are per-example means, so a batch sums eq. 8 over examples and counts them (exact under DDP, accumulation).
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
-- Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it; ae+lm at batch 16 (the paper
-  gives none: its 90k steps over one epoch of 11.52M texts imply 128, 8x the compute of a step).
+- Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it; ae+lm at batch 16, where the
+  paper states none but its 90k steps over one epoch of 11.52M texts imply 128 (8x a step's compute; 1/8 the data).
+- Values it does not state: train.py's defaults (cosine to 0.1 of the lr, 5 % warmup, no weight decay, clip 1, AdamW
+  betas 0.9, 0.95), LoRA r 16 / alpha 16, contexts cut at 1024 tokens.
 - Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
 import math

@@ -3,7 +3,7 @@
 Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs" (../shared/papers/sentence_gist.txt), §3,
 Tables 1-5, App. A and C.3; SPEC §3.3.
 
-    vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, 1e-5 Sigma) of the old rows  (§3.1, mean-resizing)
+    vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, Sigma) of the old rows  (§3.1, mean-resizing)
     placement   t t t .  g_1..g_Ng  t t ?  g_1..g_Ng  t t ...   after every token ending in . ! ?  (§3.2)
     mask        token of sentence s: the tokens of s up to itself + the gists of sentences < s  (§3.3, Fig. 1)
                 gist j of s: all of s, g_1..g_j of s (ours: §3.3 is silent), the gists of sentences < s
@@ -14,7 +14,7 @@ Tables 1-5, App. A and C.3; SPEC §3.3.
 
 Choices the paper leaves open (or that differ from it), made here:
 - The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id V + j embeds as row j,
-  mean-resized as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma (HF's: 1e-9); never predicted: no LM-head rows.
+  mean-resized as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma; never targets: no LM-head rows (§3.1 adds them).
 - A sentence ends at its . ! ? token, decided there as generation must (3.14, U.S. split: what follows is unseen).
 - Targets (App. C.3): a sentence's final gist predicts the next one's first token, its last token and other gists
   nothing: each regular token once, our reading of Fig. 2's "no Gist Tokens" (perplexity: of a second half here).
