@@ -28,6 +28,7 @@ Choices the paper leaves open, made here:
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
 - `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.
 - r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
+- AdamW's betas (Tables 4-5 name AdamW alone): train.py's 0.9, 0.95 for every method.
 - HotpotQA keeps its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8): a --data batch of only gold
   chunks warns. Its chunks are data.read_hotpot's "Title: sentences" (Fig. 7 shows no titles).
 - Objectives: `qa` (eq. 11, the probe beside it), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
