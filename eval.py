@@ -320,7 +320,7 @@ def run_label(run_dir, mcfg):
         flags.append(f"objective={objective}")
     flags += [f"{k}={state['train'][k]}" for k in ("no_aids", "prompt", "hotpot_distractors") if k in given]
     flags += [f"{k}={getattr(mcfg, k)}" for k in given if hasattr(mcfg, k)]
-    first = train.first_stage(state["train"]["init_from"], method)
+    first = train.run_state(state["train"]["init_from"], method)
     if first:
         flags.append(f"after {first['train']['objective']}")
     elif "pretrain" in given:

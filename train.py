@@ -275,11 +275,11 @@ def tiny_stages(cls, mcfg, pretrain=None, stage=None):
     return [Stage(paper[0].objective, "tiny", {**values(paper[0]), "max_iters": pretrain}), last]
 
 
-def first_stage(init_from, method):
-    """run.json of the run dir `init_from` when it is an earlier stage of the same method (method None: of any),
-    else None."""
-    path = os.path.join(init_from, "run.json")
-    if not init_from or not os.path.exists(path):
+def run_state(run_dir, method=None):
+    """The run.json of `run_dir` when it is a run dir (of `method`, when given: an earlier stage of this run's method,
+    the run --resume continues), else None."""
+    path = os.path.join(run_dir, "run.json")
+    if not run_dir or not os.path.exists(path):
         return None
     state = read_json(path)
     return state if method in (None, state["train"]["method"]) else None
@@ -358,7 +358,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
             raise SystemExit(f"error: --objective {c.objective!r} does not apply to --method {cfg.method}; "
                              f"choose from {', '.join(cls.objectives)}")
         set_micro_batches(c, cfg.micro_batch, explicit, world, sources)
-        first = first_stage(c.init_from, c.method) if i == 0 else None  # (a later stage's is trained here, anew)
+        first = run_state(c.init_from, c.method) if i == 0 else None  # (a later stage's is trained here, anew)
         if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
             inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
         if c.resume:
@@ -420,7 +420,7 @@ def recipe_stages(cfg, mcfg, explicit, cls):
             steps = split_steps(sum(s.paper.get("max_iters", 1) for s in scaled),
                                 [s.paper.get("max_iters", 1) for s in stages])
             stages = [replace(s, paper={**s.paper, **scale, "max_iters": n}) for s, n in zip(stages, steps)]
-    done = first_stage(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
+    done = run_state(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
     if done:  # that stage: its objective and (sentence_gist's three are all `lm`) its --stage; the last: it again
         ran = [s.objective == done["train"]["objective"] and s.paper.get("stage", 0) == done["method"].get("stage", 0)
                for s in stages]
@@ -479,7 +479,7 @@ def set_micro_batches(c, micro_batch, explicit, world, sources):
 def inherit_resumed(c, m, explicit):
     """--resume: the stage takes the run.json of the run it continues (what shaped its tensors and its loss); a flag
     given with another value is one line."""
-    state = first_stage(c.out_dir, c.method)  # its run.json, when a run of this method
+    state = run_state(c.out_dir, c.method)  # its run.json, when a run of this method
     if not state:
         raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
     inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
@@ -592,7 +592,7 @@ def check_files(cfg, mcfg):
         if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
             raise SystemExit(f"error: --prompt {cfg.prompt}: the tokenizer of {tiny.base_path(cfg.init_from)} has no "
                              f"{' and '.join(turn)} tokens")
-    other = (first_stage(cfg.init_from, None) or {"train": {"method": "base"}})["train"]["method"]
+    other = (run_state(cfg.init_from) or {"train": {"method": "base"}})["train"]["method"]
     if other == "teacher" != cfg.method:
         raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method teacher run: pass it as --teacher "
                          "(its adapter is merged into the base)")
@@ -624,7 +624,7 @@ def check_out_dirs(stages):
             raise SystemExit(f"error: --out_dir {stages[-1][0].out_dir!r}: the run would write into the --{flag} "
                              f"it reads ({path}); give the run its own dir")
     for c, _, _ in stages:
-        there = first_stage(c.out_dir, None)
+        there = run_state(c.out_dir)
         if there and there["train"]["method"] != c.method:  # (--resume of it: resolve said so)
             raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
                              f"{there['step']}); give this run another dir")
@@ -709,7 +709,7 @@ def build(cfg, mcfg, device, dtype):
     for m in method.modules():  # the base and any separate encoder / decoder (pic)
         if isinstance(m, Transformer):
             m.grad_ckpt = cfg.grad_ckpt
-    if cfg.method != "base" and first_stage(cfg.init_from, cfg.method):
+    if cfg.method != "base" and run_state(cfg.init_from, cfg.method):
         load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata, sentence_gist)
     return tok, base, method
 
@@ -787,7 +787,7 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe):
         atomic_write(os.path.join(out_dir, "model.safetensors"), lambda p: save_file(hf, p, metadata={"format": "pt"}))
     if cfg.method == "teacher":  # PEFT format, for --teacher and for peft users
         method.base.save_adapter("teacher", os.path.join(out_dir, "teacher"))
-    before = first_stage(out_dir, None) if cfg.resume else None  # a resumed run keeps the flags its rows name
+    before = run_state(out_dir) if cfg.resume else None  # a resumed run keeps the flags its rows name
     flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1])}
