@@ -22,14 +22,14 @@ Choices the paper leaves open, made here:
 - Converter: Linear(d_enc, d_dec), GELU, Linear(d_dec, d_dec); the decoder reads [prefix, memory, prompt] as meanpool.
 - Encoder: the paper's is another model, fully finetuned (Qwen2.5-0.5B before a frozen Llama-3-8B, §4.1.2); here the
   base + an `encoder` LoRA (one checkpoint, no second optimizer state). The paper's: `--encoder DIR --lora_r 0`.
-- ae+lm: texts of 2 x max_context (BOS dropped, as a QA context) split at k = len // 2, so x_1 .. x_k is QA-long;
-  TR rebuilds that half (eq. 6's X: one H serves both). Texts: --pretrain_data, else the QA contexts (§4.1.1: FineWeb).
+- ae+lm: --pretrain_data's texts (else the QA contexts; §4.1.1: FineWeb, ~3B tokens in 11.52M: ~260 a text) of up to
+  2 x max_context (no BOS, as a QA context) split at k = len // 2: x_1 .. x_k is QA-long; TR rebuilds it from the H
+  TC reads (eq. 6's X).
 - Eq. 6-7 are per-example means, so a batch sums eq. 8 over examples and counts them (exact under DDP, accumulation).
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
 - Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it; ae+lm at batch 16, where the
   paper states none but its 90k steps over one epoch of 11.52M texts imply 128 (8x a step's compute; 1/8 the data).
-- Values it does not state: train.py's defaults (cosine to 0.1 of the lr, 5 % warmup, no weight decay, clip 1, AdamW
-  betas 0.9, 0.95), LoRA r 16 / alpha 16, contexts cut at 1024 tokens.
+- Unstated values: train.py's (cosine to 0.1 lr, 5 % warmup, no decay, clip 1, betas 0.9/0.95), LoRA 16/16, 1024 tokens.
 - Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
 import math
