@@ -19,10 +19,11 @@ Choices the paper leaves open, made here:
   L_rel: its length.
 - [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); a BOS also starts the encoder input.
 - Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
-- In `rel`, lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8, §A.1); §3.4's
-  "operate independently" read as the design (k from the probe, r without retraining). lam = 1e-4 keeps it small.
-- In `qa` the encoder trains on eq. 11's CE alone; the probe, which eq. 11 leaves out, keeps fitting the encoder's
-  states, detached: k at inference reads the finetuned encoder, and a `qa` run alone (the tiny base's) has a probe.
+- In `rel` and `qa+rel`, lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8, §A.1);
+  §3.4's "operate independently" read as the design (k from the probe, r without retraining). lam = 1e-4: small.
+- In `qa` the encoder trains on eq. 11's CE alone (and the tiny base's aids): its last layer's o / MLP adapters feed
+  only the probe and stay as `rel` left them; the probe, which eq. 11 leaves out, keeps fitting the encoder's states,
+  detached: k at inference reads the finetuned encoder, and a `qa` run alone (the tiny base's) has a probe.
 - k: the gold L_rel's in training (the encoder trains independently of the probe, §3.4), the probe's at inference.
 - The causal encoder runs all k_max tokens and the memory masks all but the first k: the same as appending k (tested).
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
@@ -148,6 +149,11 @@ class ATA(nn.Module):
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         d = base.config.hidden_size
         base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        if "rel" not in run.objective.split("+"):  # eq. 11: the last layer's o / MLP shape the probe's input alone
+            last = base.model.layers[-1]  # (no K/V): no gradient reaches them, and DDP wants one for each trainable
+            for lora in (last.self_attn.o_proj, last.mlp.gate_up_proj, last.mlp.down_proj):
+                for p in (lora.lora_A["encoder"], lora.lora_B["encoder"]):
+                    p.requires_grad_(False)
         std = base.model.embed_tokens.input_std()
         self.comp = nn.Parameter(torch.randn(cfg.k_max, d) * std)  # (k_max, d) compression tokens
         self.probe = Probe(d, min(4 * d, 1024))
@@ -240,7 +246,8 @@ class ATA(nn.Module):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
         teacher_head = self.aid.teacher(batch)[1] if self.aid is not None and "qa" in self.run.objective else None
         h, kv = self.encode(batch)
-        L_hat, L = self.length(batch, h if "rel" in self.run.objective else h.detach()), batch["rel_len"]  # (eq. 11)
+        rel = "rel" in self.run.objective.split("+")
+        L_hat, L = self.length(batch, h if rel else h.detach()), batch["rel_len"]  # (eq. 11: no probe term)
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
         if teacher_head is not None:  # tiny.py's aid 2 on the encoder pass just run, per answer token
