@@ -686,7 +686,8 @@ def read_jsonl(path, skip_bad=False, stats=None):
 def read_text(path, skip_bad=False, stats=None):
     """Strings for LM training: a text file's paragraphs (split at blank lines), or a JSONL(.gz) file's "text"s."""
     if file_kind(path) == "jsonl":
-        text = lambda rec: [_utf8("text", _field(rec, "text", str))]  # noqa: E731
+        def text(rec):
+            return [_utf8("text", _field(rec, "text", str))]
         return _whole(path, lambda: _parsed(path, None, text, skip_bad, stats))
     return _whole(path, lambda: _paragraphs(path))
 

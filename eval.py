@@ -715,8 +715,8 @@ def check_flags(ecfg, given):
 
 
 def questions_of(run_dir, ecfg, given):
-    """The questions a run to be evaluated is read on (eval_records), after check_evaluable and the files they come
-    from: one line, before any run is evaluated."""
+    """The questions a run to be evaluated is read on (eval_records), after checking the run (check_evaluable) and the
+    file they come from: each problem one line, before any run loads."""
     check_evaluable(run_dir, ecfg.ratio)
     what = asked(run_dir, ecfg)
     flag, path = ("--eval_data", what["eval_data"]) if what["eval_data"] else ("--data", what.get("held_out_of"))
@@ -748,10 +748,12 @@ def main(argv):
     run_dirs = list({os.path.realpath(p): p for p in run_dirs}.values())  # a run named twice is read once
     # every results file read, every run dir seen and its questions read, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
+    records = {}
     for r in run_dirs:
-        if read[r] is not None and not r.endswith(".json"):  # its cached metrics.json
+        if read[r] is None:  # to be evaluated
+            records[r] = questions_of(r, ecfg, given)
+        elif not r.endswith(".json"):  # its cached metrics.json
             note_unfinished(r, read_json(os.path.join(r, "run.json")))
-    records = {r: questions_of(r, ecfg, given) for r in run_dirs if read[r] is None}  # those to be evaluated
     results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
                                                  [read[r] or evaluate_run(r, ecfg, device, records[r])])]
     print(table(results))

@@ -322,9 +322,10 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
        values, but for what SCALE lists, taken from TINY (steps shared as below);
     3. on a real checkpoint: the paper's stages (cls.recipe): the values its paper states, then ours;
     4. the dataclass defaults.
-    Which stages run: recipe_stages. --max_iters N is shared by the stages after a --pretrain one in their recipe's
-    proportion (each at least one step); a warmup given in steps (SAC's and ATA's 300) scales with its stage's steps
-    (left at 300, it outlasted a stage cut to 200, whose lr never reached the paper's).
+    Which stages run: recipe_stages. --pretrain N gives the first of several N steps; --max_iters N is shared by the
+    others (all, without --pretrain N) in their recipe's proportion, each at least one step; a warmup given in steps
+    (SAC's and ATA's 300) scales with its stage's steps (left at 300, it outlasted a stage cut to 200, whose lr never
+    reached the paper's).
     A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
     the stages after it (a run of the last stage: that stage again, from it).
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
@@ -406,7 +407,7 @@ def recipe_stages(cfg, mcfg, explicit, cls):
     """(the stages that run, where their values come from: "tiny" or "paper"): the tiny base's TINY recipe, else the
     paper's (--no_aids on the tiny base: at TINY's scale); after an --init_from earlier stage, those after it;
     --objective: the stages with that objective (or the last, with it); sentence_gist's --stage: that one;
-    --pretrain 0: all but the first of several."""
+    --pretrain 0: all but the first of several (--pretrain N > 0 needs several)."""
     small = tiny.is_tiny(cfg.init_from) or cfg.method == "base"
     if small and not cfg.no_aids:
         stages = tiny_stages(cls, mcfg, cfg.pretrain if "pretrain" in explicit else None,
@@ -458,6 +459,7 @@ def stage_values(cfg, mcfg, explicit, stage, source, n, n_recipe):
         print(f"note: --warmup_iters {c.warmup_iters} outlasts the {n} steps of the {stage.objective} stage: "
               f"its lr peaks at {n / c.warmup_iters:.2g} of --lr", file=sys.stderr)
     sources["objective"] = "flag" if "objective" in explicit else stage_source
+    assert c.max_iters >= 1 and c.batch_size >= 1 and c.lr > 0, f"{stage.cite}: a recipe's steps, batch and lr are > 0"
     return c, m, sources
 
 
@@ -658,20 +660,6 @@ def not_a_file(path):
 def same_file(a, b):
     """Two paths to one file, or two files of the same bytes."""
     return os.path.samefile(a, b) or os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
-
-
-@contextmanager
-def one_line_errors(advice):
-    """A script's user errors as one line (exit 1): a reader's ValueError, a file that cannot be read or written, the
-    host's or the GPU's allocator refusing (a run too large for this machine: `advice` says what to lower)."""
-    try:
-        yield
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    except RuntimeError as e:
-        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
-            raise
-        raise SystemExit(f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -1148,6 +1136,20 @@ def validation_loss(method, batches, device, autocast, ratios):
     return total / max(count, 1.0)
 
 
+@contextmanager
+def one_line_errors(advice):
+    """A script's user errors as one line (exit 1): a reader's ValueError, a file that cannot be read or written, the
+    host's or the GPU's allocator refusing (a run too large for this machine: `advice` says what to lower)."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except RuntimeError as e:
+        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
+            raise
+        raise SystemExit(f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}") from None
+
+
 def main(argv):
     """Every stage of the run's recipe, in order (resolve); returns the last stage's run dir, or None after
     --help or an interrupted stage."""
@@ -1216,8 +1218,9 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
     model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
     records, val_records, val_text = items
     tok.memo = {} if records is not None else None
-    batches, ratios = Batches(cfg, tok, method, records, rank, world), ratios_of(cfg.ratio)
+    batches = Batches(cfg, tok, method, records, rank, world)
     val = Batches(cfg, tok, method, val_records, rank, world, split="val")
+    ratios = ratios_of(cfg.ratio)
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         shown = f" ratios {ratios}" if hasattr(method, "compress") else ""  # (teacher, base: none)
