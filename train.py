@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,7 +51,7 @@ from model import Transformer, compile_layers, read_json, read_tensors
 @dataclass
 class TrainConfig:
     # --- run
-    method: str = "meanpool"   # base | teacher | meanpool | pic | sentence_gist | sac | ata
+    method: str = "meanpool"   # a name in method_registry(): --help lists them
     objective: str = ""        # "" = every stage of the method's recipe; a name: its stages alone
     ratio: str = "4,8,16"      # one compression ratio, or a set trained together: 4,8,16
     init_from: str = ""        # HF checkpoint dir or one of our run dirs; "" = tiny_base/ (shipped)
@@ -147,12 +147,13 @@ USAGE = "python train.py --method NAME [--flag value ...]"
 
 def make_parser(configs, positional=None, usage=USAGE):
     """argparse over the fields of `configs`: a flag per field with its type and default, a bool a switch
-    (--compile), help from the field's comment; every error one line."""
+    (--compile), help from the field's comment (where a config subclasses another, in the class that has it); every
+    error one line."""
     parser = argparse.ArgumentParser(usage=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS)
     parser.error = lambda message: sys.exit(f"error: {message}")
     for c in configs:
         group = parser.add_argument_group(f"{c.__name__} ({os.path.basename(inspect.getsourcefile(c))})")
-        source = inspect.getsource(c).splitlines()
+        source = [line for k in c.__mro__ if is_dataclass(k) for line in inspect.getsource(k).splitlines()]
         for f in fields(c):
             note = next((l.partition("#")[2].strip() for l in source if l.strip().startswith(f"{f.name}:")), "")
             kind = dict(action="store_true") if f.type is bool else dict(type=f.type, metavar=f.type.__name__)

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 
 import model
 import train
-from common import DDP_ATOL, ROOT, cli_error, hf_checkpoint, read_params, run, squad_file, torchrun
+from common import DDP_ATOL, ROOT, cli_error, hf_checkpoint, method_smoke, read_params, run, squad_file, torchrun
 
 
 
@@ -533,3 +533,26 @@ def test_dtype_flag_sets_autocast_and_a_real_bases_weights(base_dir):
              (dict(method="meanpool"), cuda, ("bfloat16", fp32)), (dict(method="base"), cuda, ("bfloat16", fp32))]
     for kw, device, expected in cases:
         assert train.run_dtypes(train.TrainConfig(**kw), device) == expected, (kw, device)
+
+
+def test_a_config_subclassing_another_keeps_its_fields_help():
+    """A fork's method may subclass another's config (README: Add a method): the inherited flags keep their help."""
+    import dataclasses
+    import meanpool
+
+    @dataclasses.dataclass
+    class Variant(meanpool.MeanPoolConfig):
+        window: str = "last"  # which token of a window stands for it
+
+    help_text = train.make_parser([Variant]).format_help()
+    assert "which token of a window stands for it" in help_text
+    assert "Table 3 ablation: no projection W" in help_text  # meanpool's --no_linear, inherited
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [n for n, c in train.method_registry().items() if hasattr(c, "compress")])
+def test_every_registered_method_trains_and_is_read_on_its_papers_recipe(tmp_path, method):
+    """Every compressor in method_registry(), a fork's new one too (README: Add a method), with its defaults on a
+    real HF checkpoint: its paper's stages for 2 steps, then eval.py's rows."""
+    rows = json.loads((method_smoke(tmp_path, method) / "metrics.json").read_text())["rows"]
+    assert rows and all(0 <= row["f1"] <= 100 and row["ratio"] > 0 for row in rows)
