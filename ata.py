@@ -149,8 +149,10 @@ class ATA(nn.Module):
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         d = base.config.hidden_size
         base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-        if "rel" not in run.objective.split("+"):  # eq. 11: the last layer's o / MLP shape the probe's input alone
-            last = base.model.layers[-1]  # (no K/V): no gradient reaches them, and DDP wants one for each trainable
+        # eq. 11 (qa) has no probe term: the last layer's o / MLP adapters shape only the probe's input (no K/V) and
+        # get no gradient; frozen (DDP wants one for every trainable tensor), they stay as `rel` left them
+        if "rel" not in run.objective.split("+"):
+            last = base.model.layers[-1]
             for lora in (last.self_attn.o_proj, last.mlp.gate_up_proj, last.mlp.down_proj):
                 for p in (lora.lora_A["encoder"], lora.lora_B["encoder"]):
                     p.requires_grad_(False)
