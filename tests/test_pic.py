@@ -396,8 +396,7 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_checkpoints(tmp_path):
-    method_smoke(tmp_path / "llama", "pic")
+def test_real_checkpoints(tmp_path):  # (its defaults on Llama: test_train.py's test of every registered method)
     method_smoke(tmp_path / "qwen3", "pic", extra=["--objective", "ae+lm", "--mem", "single", "--mask", "bidir"],
                  family="qwen3")
 

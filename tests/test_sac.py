@@ -10,7 +10,7 @@ import tiny
 import kernels
 import sac
 import train
-from common import DDP_ATOL, cli_error, method_smoke, read_params, run, torchrun
+from common import DDP_ATOL, cli_error, read_params, run, torchrun
 from model import Memory, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -273,11 +273,6 @@ def test_main_prints_layout_and_masks(capsys):
 
 # -----------------------------------------------------------------------------
 # end to end: real checkpoint, DDP, Memory round trip and one-shot, bad input
-
-
-@pytest.mark.slow
-def test_method_smoke(tmp_path):
-    method_smoke(tmp_path, "sac", extra=["--ratio", "5"])
 
 
 @pytest.mark.slow
