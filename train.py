@@ -147,8 +147,9 @@ USAGE = "python train.py --method NAME [--flag value ...]"
 
 def make_parser(configs, positional=None, usage=USAGE):
     """argparse over the fields of `configs`: a flag per field with its type and default, a bool a switch
-    (--compile), help from the field's comment (where a config subclasses another, in the class that has it); every
-    error one line."""
+    (--compile; without bare arguments it takes true / false too: `--hotpot_distractors false` turns off a recipe's
+    True), help from the field's comment (where a config subclasses another, in the class that has it); every error
+    one line."""
     parser = argparse.ArgumentParser(usage=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS)
     parser.error = lambda message: sys.exit(f"error: {message}")
     for c in configs:
@@ -156,12 +157,26 @@ def make_parser(configs, positional=None, usage=USAGE):
         source = [line for k in c.__mro__ if is_dataclass(k) for line in inspect.getsource(k).splitlines()]
         for f in fields(c):
             note = next((l.partition("#")[2].strip() for l in source if l.strip().startswith(f"{f.name}:")), "")
-            kind = dict(action="store_true") if f.type is bool else dict(type=f.type, metavar=f.type.__name__)
+            kind = dict(type=f.type, metavar=f.type.__name__)
+            if f.type is bool:  # (after a switch, eval.py's bare run dirs would read as its value)
+                kind = dict(action="store_true") if positional else dict(nargs="?", const=True, type=switch,
+                                                                          metavar="true|false")
             if f.name == positional:  # bare arguments
                 parser.add_argument(positional, nargs="*", help=note)
             else:
                 group.add_argument(f"--{f.name}", help=f"{note} (default {f.default!r})", **kind)
     return parser
+
+
+def switch(text):
+    """A switch's value: true or false (1 / 0, yes / no)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise ValueError(text)
+    return value
+
+
+switch.__name__ = "true / false"  # (argparse's "invalid true / false value: 'x'")
 
 
 def is_float(text):

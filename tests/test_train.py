@@ -556,3 +556,16 @@ def test_every_registered_method_trains_and_is_read_on_its_papers_recipe(tmp_pat
     real HF checkpoint: its paper's stages for 2 steps, then eval.py's rows."""
     rows = json.loads((method_smoke(tmp_path, method) / "metrics.json").read_text())["rows"]
     assert rows and all(0 <= row["f1"] <= 100 and row["ratio"] > 0 for row in rows)
+
+
+def test_a_switch_turns_off_a_recipes_true(base_dir, tmp_path):
+    """ata's recipe keeps HotpotQA's distractors (hotpot_distractors True): `--hotpot_distractors false` wins, as any
+    flag; a bare switch is true, a value other than true / false one line."""
+    argv = ["--method", "ata", "--init_from", base_dir, "--data", squad_file(tmp_path / "squad.json"),
+            "--out_dir", "/o"]
+    for extra, want in (([], True), (["--hotpot_distractors"], True), (["--hotpot_distractors", "false"], False),
+                        (["--hotpot_distractors=0", "--compile"], False)):
+        cfg, mcfg, explicit, cls = train.configure(argv + extra)
+        assert all(c.hotpot_distractors is want for c, _, _ in train.resolve(cfg, mcfg, explicit, cls)), extra
+    with pytest.raises(SystemExit, match=r"argument --compile: invalid true / false value: 'x'"):
+        train.configure(["--compile", "x"])
