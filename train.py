@@ -172,11 +172,8 @@ def switch(text):
     """A switch's value: true or false (1 / 0, yes / no)."""
     value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
     if value is None:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"invalid true / false value: {text!r}")
     return value
-
-
-switch.__name__ = "true / false"  # (argparse's "invalid true / false value: 'x'")
 
 
 def is_float(text):
@@ -866,16 +863,18 @@ def text_objective(cfg):
     return cfg.objective in ("lm", "ae+lm") and cfg.method != "base"
 
 
-def read_records(path, cfg):
-    """The records of a QA file, as a list; those the readers skip (unanswerable in SQuAD v2, malformed under
-    --skip_bad, MS MARCO's no answer) a note; none at all a one-line error."""
+def read_records(path, cfg, text=False):
+    """The records of a QA file (text: the texts of a text file) as a list; those the readers skip (unanswerable in
+    SQuAD v2, malformed under --skip_bad, MS MARCO's no answer) a note; none at all a one-line error."""
     stats = {}
-    records = data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats)
+    items = (data.read_text(path, skip_bad=cfg.skip_bad, stats=stats) if text else
+             data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats))
     if stats.keys() - {"records"}:
         print(f"note: {path}: {stats}", file=sys.stderr)
-    if not records:
-        raise SystemExit(f"error: {path!r} holds no usable records" + (f" ({stats})" if stats else ""))
-    return records
+    if not items:
+        raise SystemExit(f"error: {path!r} holds no {'text' if text else 'usable records'}"
+                         + (f" ({stats})" if stats else ""))
+    return items
 
 
 def is_text_file(path):
@@ -887,16 +886,10 @@ def is_text_file(path):
 def read_items(path, cfg, text):
     """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, gzipped or
     not, else the contexts of a QA file). A file with none is a one-line error."""
-    if not (text and is_text_file(path)):
-        records = read_records(path, cfg)
-        return list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
-    stats = {}  # (--skip_bad: a JSONL's bad lines are skipped and counted)
-    items = data.read_text(path, skip_bad=cfg.skip_bad, stats=stats)
-    if stats.keys() - {"records"}:
-        print(f"note: {path}: {stats}", file=sys.stderr)
-    if not items:
-        raise SystemExit(f"error: {path!r} holds no text")
-    return items
+    if text and is_text_file(path):
+        return read_records(path, cfg, text=True)
+    records = read_records(path, cfg)
+    return list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
 
 
 def stage_data(cfg):
