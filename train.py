@@ -305,14 +305,18 @@ def teacher_prompt(teacher):
 
 
 RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
-RESUME_KEEPS = ("ratio", "eval_ratio", "teacher", "prompt")  # --resume takes the run's
+RESUME_KEEPS = ("ratio", "eval_ratio", "teacher", "prompt", "data", "eval_data", "pretrain_data", "hotpot_distractors",
+                "skip_bad", "seed", "batch_size", "max_context", "max_answer")  # --resume takes the run's: its data
+RESUME_DEFAULTS = ("max_iters", "lr", "min_lr_frac", "warmup_iters", "warmup_frac", "weight_decay", "grad_clip",
+                   "eval_interval", "eval_examples")  # --resume takes the run's unless a flag gives another
 
 
 def as_compared(key, value):
     """A flag's value as --resume compares it: ratios as numbers, paths as real paths."""
     if key in ("ratio", "eval_ratio") and value:
         return ratios_of(value, key)
-    return os.path.realpath(value) if key in ("init_from", "teacher") and value else value
+    paths = ("init_from", "teacher", "data", "eval_data", "pretrain_data")
+    return os.path.realpath(value) if key in paths and value else value
 
 
 def inherit_method_config(state, what, mcfg, explicit, skip=()):
@@ -371,12 +375,12 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if c.objective not in cls.objectives:
             raise SystemExit(f"error: --objective {c.objective!r} does not apply to --method {cfg.method}; "
                              f"choose from {', '.join(cls.objectives)}")
-        set_micro_batches(c, cfg.micro_batch, explicit, world, sources)
         first = run_state(c.init_from, c.method) if i == 0 else None  # (a later stage's is trained here, anew)
         if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
             inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
         if c.resume:
-            inherit_resumed(c, m, explicit)
+            inherit_resumed(c, m, explicit, sources)
+        set_micro_batches(c, cfg.micro_batch, explicit, world, sources)
         resolved.append((c, m, sources))
         init_from = c.out_dir
     if cfg.resume and not any(c.resume for c, _, _ in resolved):
@@ -491,13 +495,17 @@ def set_micro_batches(c, micro_batch, explicit, world, sources):
                          f"{world} ranks x --grad_accum {c.grad_accum}")
 
 
-def inherit_resumed(c, m, explicit):
-    """--resume: the stage takes the run.json of the run it continues (what shaped its tensors and its loss); a flag
-    given with another value is one line."""
+def inherit_resumed(c, m, explicit, sources):
+    """--resume: the stage takes the run.json of the run it continues (what shaped its tensors, its data and its loss;
+    a flag given with another value is one line) and its schedule, where no flag gives another."""
     state = run_state(c.out_dir, c.method)  # its run.json, when a run of this method
     if not state:
         raise SystemExit(f"error: --resume: {c.out_dir} is not a --method {c.method} run")
     inherit_method_config(state, f"the run --resume continues, {c.out_dir}", m, explicit)
+    for key in RESUME_DEFAULTS:
+        if key in state["train"] and not sources.get(key, "").startswith("flag"):
+            setattr(c, key, state["train"][key])
+            sources[key] = "the run --resume continues"
     for key in RESUME_SAME + RESUME_KEEPS:
         now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
         if as_compared(key, now) == as_compared(key, saved):
@@ -509,6 +517,7 @@ def inherit_resumed(c, m, explicit):
             raise SystemExit(f"error: --resume: {c.out_dir} was trained with {key}={saved!r}, this command "
                              f"gives {now!r}: give --{key} as the run's")
         setattr(c, key, saved)
+        sources[key] = "the run --resume continues"
 
 
 def recipe_table(resolved):

@@ -200,6 +200,29 @@ def test_resume_keeps_the_runs_method_and_its_config(files, tmp_path):
     assert json.loads((out / "run.json").read_text())["method"]["lora_r"] == 4
 
 
+def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
+    """--resume alone trained the steps after the checkpoint on the synthetic set (no --data given) at the recipe's
+    batch, seed and steps: it takes the run's data, batch, seed and schedule; another data file, batch or seed given
+    is one line; --max_iters given goes on to that step."""
+    out = tmp_path / "run"
+    flags = ["--method", "meanpool", "--init_from", files / "hf", "--out_dir", out, "--quiet", "--device", "cpu"]
+    first = ["--data", files / "squad.json", "--batch_size", 3, "--seed", 5, "--lr", 3e-4, "--max_iters", 2,
+             "--eval_examples", 0, "--lora_r", 4]
+    assert in_process(flags + first) == ""
+    state = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps(dict(state, step=1)))  # as if stopped after step 1
+    assert in_process(flags + ["--resume"]) == ""
+    train_cfg = json.loads((out / "run.json").read_text())["train"]
+    assert {k: train_cfg[k] for k in ("data", "batch_size", "seed", "lr", "max_iters", "eval_examples")} == {
+        "data": str(files / "squad.json"), "batch_size": 3, "seed": 5, "lr": 3e-4, "max_iters": 2, "eval_examples": 0}
+    for given, message in ((["--data", files / "bad.json"], "--data"), (["--batch_size", 4], "--batch_size 4"),
+                           (["--seed", 6], "--seed 6")):
+        line = in_process(flags + ["--resume", "--max_iters", 3, *given])
+        assert line.startswith(f"error: {message}") and "conflicts with the run --resume continues" in line, line
+    assert in_process(flags + ["--resume", "--max_iters", 3]) == ""
+    assert json.loads((out / "run.json").read_text())["step"] == 3
+
+
 def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_path):
     """A teacher run dir given as --init_from, or as --teacher of a base of another shape (the shipped tiny base's
     MLP is 384 wide; the teacher's base's, 128): one line each, nothing written."""
