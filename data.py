@@ -304,11 +304,17 @@ def _from_model_file(path):
 
 def _apply_checkpoint_config(tok, folder):
     """bos / eos / pad ids and the chat template from the HF config files next to the tokenizer."""
-    tcfg, gcfg, cfg = (_load_json(folder / name) if (folder / name).exists() else {}
-                       for name in ("tokenizer_config.json", "generation_config.json", "config.json"))
+    names = ("tokenizer_config.json", "generation_config.json", "config.json")
+    tcfg, gcfg, cfg = (_load_json(folder / name) if (folder / name).exists() else {} for name in names)
+    for name, doc in zip(names, (tcfg, gcfg, cfg)):
+        if not isinstance(doc, dict):
+            raise ValueError(f"{folder / name}: a JSON {type(doc).__name__}, expected an object of keys")
 
     def token_id(key):  # tokenizer_config.json's bos_token etc.: a token text or {"content": text}
         text = tcfg[key].get("content") if isinstance(tcfg[key], dict) else tcfg[key]
+        if not isinstance(text, str):
+            raise ValueError(f"{folder / 'tokenizer_config.json'}: key {key!r} is {tcfg[key]!r:.40}, expected a token "
+                             "text or {\"content\": text}")
         if text in tok.specials:
             return tok.specials[text]
         if tok.kind == "sentencepiece" and tok.model.piece_to_id(text) != tok.model.unk_id():

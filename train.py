@@ -347,6 +347,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     the stages after it (a run of the last stage: that stage again, from it).
     cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
     check_run_flags(cfg, explicit)
+    check_run_dirs(cfg, mcfg)
     taught = teacher_prompt(cfg.teacher)  # the format its adapter learned answers in
     if taught and "prompt" not in explicit:
         cfg.prompt = taught
@@ -400,6 +401,10 @@ def check_run_flags(cfg, explicit):
         if not (math.isfinite(value) and value >= 0):
             zero = "0: no first stage" if flag == "pretrain" else "0: the recipe's"
             raise SystemExit(f"error: --{flag} {value} must be a finite number >= 0 ({zero})")
+        if flag == "lr" and value > torch.finfo(torch.float32).max / 10:  # (AdamW's first step: lr / (1 - beta1))
+            raise SystemExit(f"error: --lr {value}: above 3.4e37, where AdamW's first step overflows float32")
+        if flag in ("max_iters", "pretrain") and value > 1 << 40:
+            raise SystemExit(f"error: --{flag} {value}: at most 2^40 steps")
         if flag != "pretrain" and value == 0:
             explicit.discard(flag)
     if not cfg.objective:  # as if not given: every stage
@@ -418,6 +423,19 @@ def check_run_flags(cfg, explicit):
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
         if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
+
+
+def check_run_dirs(cfg, mcfg):
+    """A run.json in a dir the command names must be one train.py wrote, read before any of it is (an edited or
+    foreign one was a KeyError): one line naming the flag."""
+    dirs = {"out_dir": cfg.out_dir or os.path.join("out", cfg.method), "init_from": cfg.init_from,
+            "teacher": cfg.teacher, "encoder": getattr(mcfg, "encoder", ""), "decoder": getattr(mcfg, "decoder", "")}
+    for flag, path in dirs.items():
+        if path and os.path.isfile(os.path.join(path, "run.json")):
+            try:
+                run_config(path)
+            except (ValueError, SystemExit) as e:
+                raise SystemExit(f"error: --{flag} {path}: {str(e).removeprefix('error: ')}") from None
 
 
 def recipe_stages(cfg, mcfg, explicit, cls):
@@ -570,6 +588,8 @@ def check_stage(cfg, mcfg, cls):
             raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
         raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
+    if cfg.eval_examples > 1 << 20:  # (as eval.py's --n: the synthetic benchmark would build every one first)
+        raise SystemExit(f"error: --eval_examples {cfg.eval_examples} must lie in 0..2^20")
     if not -(1 << 63) <= cfg.seed < 1 << 63:  # (torch's generator takes 64 bits)
         raise SystemExit(f"error: --seed {cfg.seed} must lie in -2^63..2^63-1")
     if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):

@@ -49,6 +49,10 @@ def files(tmp_path_factory):
                                (d / "model.safetensors.index.json").write_text('{"weight_map": 5}')))
     broken("weights-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:999]))
     broken("tokenizer", lambda d: (d / "tokenizer.json").write_text("{oops"))
+    broken("config-list", lambda d: (d / "generation_config.json").write_text("[]"))
+    broken("eos-list", lambda d: config_file(d, "tokenizer_config.json", lambda c: c.update(eos_token=["</s>"])))
+    (root / "edited").mkdir()
+    (root / "edited" / "run.json").write_text('{"train": {"method": "meanpool"}, "method": {"lora_r": "abc"}}')
     (root / "bad.json").write_text('{"data": [')
     (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["a"]}\n{oops\n')
     (root / "latin1.json").write_bytes(b"\xff\xfe garbage")
@@ -70,6 +74,12 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("shard index", ["--init_from", "index"], "model.safetensors.index.json: key 'weight_map' should map"),  # traceback
     ("weights", ["--init_from", "weights-cut"], "weights-cut/model.safetensors: not a readable safetensors file"),
     ("tokenizer", ["--init_from", "tokenizer"], "tokenizer/tokenizer.json:1: invalid JSON"),
+    ("config list", ["--init_from", "config-list"], "generation_config.json: a JSON list, expected an object"),  # (a
+    ("token list", ["--init_from", "eos-list"], "key 'eos_token' is ['</s>'], expected a token text"),  # traceback)
+    ("run.json", ["--init_from", "edited"], "--init_from %s/edited: %s/edited/run.json: method.lora_r is 'abc', "
+                                            "expected int"),  # (a KeyError or a TypeError, for each flag below)
+    ("run.json teacher", ["--teacher", "edited"], "--teacher %s/edited: "),
+    ("run.json out_dir", ["--out_dir", "edited"], "--out_dir %s/edited: "),
     ("data", ["--data", "bad.json"], "bad.json:1: invalid JSON"),
     ("data line", ["--data", "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
     ("data bytes", ["--data", "latin1.json"], "latin1.json: not UTF-8 text"),
@@ -83,6 +93,10 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("ratio", ["--ratio", "4,99999999999999999999"], "every ratio must be a positive integer, at most 2^20"),
     ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
     ("lr negative", ["--lr", "-1e-3"], "--lr -0.001 must be a finite number"),  # (argparse: "expected one argument")
+    ("lr huge", ["--lr", "1e39"], "--lr 1e+39: above 3.4e37"),  # (a traceback after the first step)
+    ("max_iters huge", ["--max_iters", 10**23], "--max_iters 100000000000000000000000: at most 2^40"),
+    ("eval_examples", ["--eval_examples", 10**8], "--eval_examples 100000000 must lie in 0..2^20"),  # (it trained
+    # first, then built 10^8 questions)
     ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be a positive integer"),
     ("ratio digits", ["--ratio", "4_0"], "--ratio '4_0' must be a positive integer"),  # (int() reads 40)
     ("ratio sign", ["--ratio", "-1"], "--ratio '-1' must be a positive integer"),  # (-1 is an integer)
@@ -134,6 +148,7 @@ def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags
     argv = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
             "--out_dir", tmp_path / "out", *flags]
     line = in_process(argv)
+    message = message.replace("%s", str(files)) if "%s" in message else message
     assert line.startswith("error: ") and "\n" not in line and message in line, line
     assert not (tmp_path / "out").exists()  # nothing written
     if what in ("config type", "weights", "data bytes"):  # the script itself: one line on stderr, no traceback
