@@ -176,6 +176,9 @@ class ATA(nn.Module):
                              f"{cfg.huber_lambda} one >= 0 (eq. 8-10)")
         if not cfg.no_aac and cfg.fixed_k != ATAConfig.fixed_k:  # the probe picks k
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} applies under --no_aac (Table 2's fixed k)")
+        if cfg.no_aac and any(len(set(map(int, rs.split(",")))) > 1 for rs in (run.ratio, run.eval_ratio or "0")):
+            raise SystemExit(f"error: --no_aac gives every context --fixed_k {cfg.fixed_k} tokens at any ratio: one "
+                             f"ratio to train and read at, not --ratio {run.ratio!r} --eval_ratio {run.eval_ratio!r}")
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 
