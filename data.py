@@ -693,7 +693,9 @@ def read_text(path, skip_bad=False, stats=None):
     """Strings for LM training: a text file's paragraphs (split at blank lines), or a JSONL(.gz) file's "text"s."""
     if file_kind(path) == "jsonl":
         def text(rec):
-            return [_utf8("text", _field(rec, "text", str))]
+            if not _field(rec, "text", str).strip():  # (an empty text trained on nothing but its BOS and EOS)
+                raise ValueError("field 'text' is empty")
+            return [_utf8("text", rec["text"])]
         return _whole(path, lambda: _parsed(path, None, text, skip_bad, stats))
     return _whole(path, lambda: _paragraphs(path))
 

@@ -501,6 +501,9 @@ def test_read_jsonl_and_text(tmp_path):
     with pytest.raises(ValueError, match=r"t\.jsonl:2: missing field 'text'"):
         list(data.read_text(j))
     assert list(data.read_text(j, skip_bad=True)) == ["a"]
+    j.write_text('{"text": "a"}\n{"text": " \\n"}\n')  # (it trained on an empty text)
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: field 'text' is empty"):
+        list(data.read_text(j))
 
 
 def test_a_byte_order_mark_is_dropped(tmp_path):
