@@ -557,8 +557,12 @@ def recipe_table(resolved):
 def check_inputs(stages, cls):
     """A resolved run's values (check_stage), files (check_files) and run dirs (check_out_dirs), and what its
     stages read of them, before any work."""
-    for c, m, _ in stages:
+    for c, m, sources in stages:
         check_stage(c, m, cls)
+        for flag in ("ratio", "eval_ratio"):  # (as eval.py's --ratio; a recipe's R = 4..128 may pass a short context)
+            if sources.get(flag) == "flag" and getattr(c, flag) and max(ratios_of(getattr(c, flag))) > c.max_context:
+                raise SystemExit(f"error: --{flag} {getattr(c, flag)!r}: above --max_context {c.max_context}, where "
+                                 "every context is one memory slot")
     check_files(*stages[0][:2])
     check_out_dirs(stages)
     (cfg, _, _), (last, _, _) = stages[0], stages[-1]
@@ -572,12 +576,12 @@ def check_inputs(stages, cls):
 
 def check_stage(cfg, mcfg, cls):
     """A resolved stage's values: one-line errors before any work."""
-    ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
-    if cfg.eval_ratio:
-        ratios_of(cfg.eval_ratio, "eval_ratio")
     for flag in ("max_context", "max_answer"):  # (steps, batch and lr: check_run_flags, then the recipe's)
         if getattr(cfg, flag) < 1:
             raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
+    ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
+    if cfg.eval_ratio:
+        ratios_of(cfg.eval_ratio, "eval_ratio")
     if cfg.batch_size > 1 << 20:  # (a step materialises its global batch: a typo's 10^20 filled the host's memory)
         raise SystemExit(f"error: --batch_size {cfg.batch_size}: at most 2^20 examples a step")
     for flag in ("min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):

@@ -100,6 +100,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("ratio list", ["--ratio", "4,,8"], "--ratio '4,,8' must be a positive integer"),
     ("ratio digits", ["--ratio", "4_0"], "--ratio '4_0' must be a positive integer"),  # (int() reads 40)
     ("ratio sign", ["--ratio", "-1"], "--ratio '-1' must be a positive integer"),  # (-1 is an integer)
+    ("ratio context", ["--eval_ratio", "4,128", "--max_context", 64], "--eval_ratio '4,128': above --max_context 64"),
     ("method value", ["--method"], "argument --method: expected one argument"),
     ("global batch", ["--batch_size", 3, "--grad_accum", 2], "--batch_size 3 (the global batch)"),
     ("cuda graphs", ["--cuda_graphs", "--compile"], "--cuda_graphs replays --compile's layers"),  # FAST: --device cpu
