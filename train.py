@@ -218,6 +218,9 @@ def configure(argv):
     unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
     if unread:  # the teacher and the tiny base compress nothing
         raise SystemExit(f"error: --{unread[0]} does not apply to --method {name}: it reads the whole context")
+    if not hasattr(cls, "compress") and "eval_examples" in explicit and cfg.eval_examples:  # (it was ignored)
+        raise SystemExit(f"error: --eval_examples: a --method {name} run is not evaluated (eval.py reads the teacher "
+                         "with a compressor's run)")
     return cfg, mcfg, explicit, cls
 
 
@@ -420,6 +423,8 @@ def check_run_flags(cfg, explicit):
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch} must be >= 0 (0: --grad_accum's micro-batches)")
     if cfg.micro_batch and "grad_accum" in explicit:
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch} sets --grad_accum: give one of them")
+    if {"warmup_iters", "warmup_frac"} <= explicit:  # (--warmup_iters won)
+        raise SystemExit("error: --warmup_iters and --warmup_frac both set the warmup: give one of them")
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
         if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
@@ -462,6 +467,10 @@ def recipe_stages(cfg, mcfg, explicit, cls):
                for s in stages]
         at = ran.index(True) if any(ran) else -1
         stages = stages[at + 1:] or stages[-1:]  # the stages after it; after the last: it again
+    first, last = stages[0].objective, stages[-1].objective
+    if {"objective", "pretrain"} <= explicit and cfg.pretrain == 0 and first == cfg.objective != last:
+        raise SystemExit(f"error: --pretrain 0 drops the {cfg.objective} stage that --objective {cfg.objective} runs: "
+                         "give one of them")
     if "objective" in explicit:  # its stages (sentence_gist: all three), else the last one with this objective
         stages = [s for s in stages if s.objective == cfg.objective] or [replace(stages[-1], objective=cfg.objective)]
     if "stage" in explicit:  # sentence_gist: one of its paper's stages

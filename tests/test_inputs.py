@@ -112,6 +112,11 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("out_dir below", ["--out_dir", "bad.json/run"], "bad.json is a file, not a folder"),
     ("out_dir read", ["--out_dir", "hf"], "the run would write into the --init_from it reads"),  # (it wrote there)
     ("warmup_frac", ["--warmup_frac", 2], "--warmup_frac 2.0 is a fraction"),
+    # three flags that were ignored: the frac; the teacher's evaluation; the --pretrain 0 (ae+lm ran)
+    ("warmup twice", ["--warmup_iters", 1, "--warmup_frac", 0.5], "--warmup_iters and --warmup_frac both set"),
+    ("teacher eval", ["--method=teacher", "--eval_examples", 5], "--eval_examples: a --method teacher run is not"),
+    ("pretrain objective", ["--method=pic", "--pretrain", 0, "--objective", "ae+lm"],
+     "--pretrain 0 drops the ae+lm stage that --objective ae+lm runs"),
     ("pretrain_data", ["--pretrain_data", "bad.jsonl"], "--pretrain_data is read by a text stage"),
     ("device absent", ["--device", "cuda:99"], "--device 'cuda:99': use cpu or cuda[:N]; this machine has"),
     ("max_iters", ["--max_iters", -3], "--max_iters -3 must be a finite number >= 0 (0: the recipe's)"),
