@@ -701,6 +701,8 @@ def check_writable(path, flag, folder=True):
             raise SystemExit(f"error: {flag} {path!r} is a file of the run {run_dir}; name another")
     there = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
     while not os.path.exists(there):  # the nearest folder that exists: the rest is made in it
+        if os.path.islink(there):  # (makedirs said "File exists" after the model was built)
+            raise SystemExit(f"error: {flag} {path!r}: {there} is a link to {os.readlink(there)}, which does not exist")
         there = os.path.dirname(there)
     if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
         why = "is not writable" if os.path.isdir(there) else "is a file, not a folder"

@@ -59,6 +59,7 @@ def files(tmp_path_factory):
     (root / "surrogate.jsonl").write_text('{"context": "a \\ud800 b", "question": "q?", "answers": ["a"]}\n')
     (root / "surrogate_text.jsonl").write_text('{"text": "a b."}\n{"text": "a \\udfff b"}\n')
     (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"context": "a b", "question": "q", "answers": ["a"]}\n')[:30])
+    (root / "dangling").symlink_to(root / "nothing")
     (root / "teacher" / "teacher").mkdir(parents=True)
     (root / "teacher" / "teacher" / "adapter_config.json").write_text("{}")
     return root
@@ -110,6 +111,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("seed", ["--seed", 1 << 64], "--seed 18446744073709551616 must lie in -2^63..2^63-1"),
     ("out_dir", ["--out_dir", "bad.json"], "bad.json is a file, not a folder"),
     ("out_dir below", ["--out_dir", "bad.json/run"], "bad.json is a file, not a folder"),
+    ("out_dir link", ["--out_dir", "dangling/run"], "dangling is a link to %s/nothing, which does not exist"),
     ("out_dir read", ["--out_dir", "hf"], "the run would write into the --init_from it reads"),  # (it wrote there)
     ("warmup_frac", ["--warmup_frac", 2], "--warmup_frac 2.0 is a fraction"),
     # three flags that were ignored: the frac; the teacher's evaluation; the --pretrain 0 (ae+lm ran)
@@ -149,7 +151,7 @@ def in_process(argv, main=train.main):
 
 @pytest.mark.parametrize("what, flags, message", CASES, ids=[c[0] for c in CASES])
 def test_a_broken_input_is_one_line_before_any_work(files, tmp_path, what, flags, message):
-    flags = [str(files / f) if (files / str(f).split("/")[0]).exists() or str(f).endswith(".json") else f
+    flags = [str(files / f) if os.path.lexists(files / str(f).split("/")[0]) or str(f).endswith(".json") else f
              for f in flags]
     argv = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
             "--out_dir", tmp_path / "out", *flags]
