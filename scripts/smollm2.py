@@ -165,8 +165,9 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     Returns {"train", "heldout"}: (path, articles, questions)."""
     import data
     doc = data._load_json(path)
-    if not isinstance(doc, dict) or not all(isinstance(a, dict) and "title" in a for a in doc.get("data", [None])):
-        raise SystemExit(f"error: {path}: not SQuAD v1.1 (a data list of articles, each with a title)")
+    data.read_squad(path, doc=doc)  # a question or paragraph SQuAD's reader refuses: one line naming it
+    if not all(isinstance(a.get("title"), str) and isinstance(a.get("paragraphs"), list) for a in doc["data"]):
+        raise SystemExit(f"error: {path}: not SQuAD v1.1 (a data list of articles, each with a title and paragraphs)")
     articles = sorted(doc["data"], key=lambda a: a["title"])
     if not 0 < heldout_articles < len(articles):
         raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")

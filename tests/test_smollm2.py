@@ -94,6 +94,16 @@ def test_squad_split_by_article(tmp_path):
         smollm2.split_squad(str(SQUAD), str(tmp_path), heldout_articles=48)
 
 
+def test_a_file_that_is_not_squad_is_one_line(tmp_path):
+    """Articles without paragraphs or a text title, or a paragraph that is not an object, were tracebacks."""
+    for articles, message in (([{"title": "t"}], "each with a title and paragraphs"),
+                              ([{"title": 1, "paragraphs": []}], "each with a title and paragraphs"),
+                              ([{"title": "t", "paragraphs": ["x"]}], r"data\[0\]\.paragraphs\[0\] should be an object")):
+        (tmp_path / "s.json").write_text(json.dumps({"data": articles * 20}))
+        with pytest.raises((SystemExit, ValueError), match=message):
+            smollm2.split_squad(str(tmp_path / "s.json"), str(tmp_path / "out"))
+
+
 @pytest.mark.skipif(not SQUAD.exists(), reason="assets absent")
 def test_bad_flags_are_one_line_before_anything_is_written(tmp_path):
     """A split that cannot be made stops before the random stand-in (or the GGUF's conversion) is written; a negative
