@@ -79,6 +79,10 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     assert [l.split("|")[1].strip() for l in body] == ["teacher", "no-context", "meanpool", "meanpool", "pic"]
     assert "| 8.0x |" in body[3] and "| 52.0 |" in body[3]
     assert json.load(open(tmp_path / "all.json"))[1]["rows"][0]["method"] == "pic"
+    again = evaluate.main([str(tmp_path / "all.json"), "--out", str(tmp_path / "again.json")])  # read as it is
+    assert again == json.load(open(tmp_path / "all.json"))
+    with pytest.raises(SystemExit, match=r"^error: --n evaluates run dirs; .*all.json is an earlier --out JSON"):
+        evaluate.main([str(tmp_path / "all.json"), "--n", "7"])  # (it reprinted the table, --n unread)
     results[1]["rows"][0]["f1_norm"] = float("nan")  # a teacher that gains nothing over no context: no share of it
     assert evaluate.table(results).splitlines()[-1].split(" | ")[4] == "-"  # (was "nan")
     results[0]["teacher"].update(context_bytes=4096.0, ttft_ms=12.34)  # SPEC §4: a Memory against the full context
