@@ -51,6 +51,8 @@ def known(what, value, supported, where=""):
 
 def read_json(path):
     """A JSON file; a broken one is a ValueError naming it and the line."""
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):  # (reading a FIFO waits forever)
+        raise ValueError(f"{path}: not a regular file (a pipe or device: save it to a file)")
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

@@ -543,6 +543,12 @@ def test_claims_over_seeds_one_verdict_per_seed_and_their_count(tmp_path, capsys
         (tmp_path / f"s{seed}" / "results.json").write_text(json.dumps(res))
     claims.main([str(tmp_path / "s1337" / "results.json"), str(tmp_path / "s1" / "results.json")])
     assert "| source | claim | A vs B | seed 1337 | seed 1 | over seeds |" in capsys.readouterr().out
+    shutil.copy(tmp_path / "s1" / "results.json", tmp_path / "copy.json")  # (counted as a second seed)
+    with pytest.raises(SystemExit, match=r"copy.json holds the same results as .*s1/results.json: name each seed"):
+        claims.main([str(tmp_path / "s1" / "results.json"), str(tmp_path / "copy.json")])
+    os.mkfifo(tmp_path / "fifo")  # (reading it waited forever)
+    with pytest.raises(SystemExit, match=r"fifo: not a regular file"):
+        claims.main([str(tmp_path / "fifo")])
 
 
 def test_claims_name_rows_of_the_suite():
