@@ -754,6 +754,9 @@ def _read_any(path, distractors, **kw):
         return read_squad(path, **kw)
     if kind == "jsonl":
         keys = set(first_record(path))
+        if "text" in keys and "context" not in keys:
+            raise ValueError(f"{path}: JSONL of {{\"text\"}} lines, read by the text stages only (--pretrain_data); "
+                             "a QA stage reads SQuAD, HotpotQA, MS MARCO, MRQA or JSONL of questions")
         reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
         return reader(path, **kw)
     doc = _load_json(path)

@@ -583,7 +583,10 @@ class Transformer(nn.Module):
         cfg.eos_token_id = cfg.eos_token_id if eos is None else id_list(eos, f"{gen}: ")
         with torch.device("meta"):
             model = cls(cfg)
-        model.load_base_weights(read_safetensors(path, device), dtype=dtype)
+        try:
+            model.load_base_weights(read_safetensors(path, device), dtype=dtype)
+        except ValueError as e:  # (it named no file)
+            raise ValueError(f"{path}: {e}") from None
         return model.to(device)
 
     def load_base_weights(self, state, dtype=None):

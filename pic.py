@@ -148,8 +148,8 @@ class PIC(nn.Module):
         if mcfg.lora_r == 0 and not mcfg.encoder:
             raise SystemExit("error: --lora_r 0 (full finetuning) needs a separate --encoder checkpoint: "
                              "the frozen decoder shares the base weights")
-        if mcfg.max_mem < 1:
-            raise SystemExit(f"error: --max_mem {mcfg.max_mem} must be >= 1 (rows of the memory table)")
+        if not 1 <= mcfg.max_mem <= 1 << 20:  # (10^12 rows was an out-of-memory error naming --batch_size)
+            raise SystemExit(f"error: --max_mem {mcfg.max_mem} must lie in 1..2^20 (rows of the memory table)")
         for flag, ratios in (("ratio", cfg.ratio), ("eval_ratio", cfg.eval_ratio)):  # trained at, read at
             n = math.ceil(cfg.max_context / min(int(r) for r in ratios.split(","))) if ratios else 0
             if mcfg.mem == "table" and n > mcfg.max_mem:

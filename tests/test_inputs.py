@@ -59,6 +59,7 @@ def files(tmp_path_factory):
     (root / "surrogate.jsonl").write_text('{"context": "a \\ud800 b", "question": "q?", "answers": ["a"]}\n')
     (root / "surrogate_text.jsonl").write_text('{"text": "a b."}\n{"text": "a \\udfff b"}\n')
     (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"context": "a b", "question": "q", "answers": ["a"]}\n')[:30])
+    (root / "texts.jsonl").write_text('{"text": "A b."}\n')
     (root / "dangling").symlink_to(root / "nothing")
     (root / "teacher" / "teacher").mkdir(parents=True)
     (root / "teacher" / "teacher" / "adapter_config.json").write_text("{}")
@@ -86,6 +87,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("data bytes", ["--data", "latin1.json"], "latin1.json: not UTF-8 text"),
     ("data missing", ["--data", "nothere.json"], "--data"),
     ("data folder", ["--data", "teacher"], "teacher': a folder, not a file"),
+    ("data texts", ["--data", "texts.jsonl"], "texts.jsonl: JSONL of {\"text\"} lines, read by the text stages"),
     ("data cut", ["--data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt compressed file"),  # was a traceback
     ("text cut", ["--method=sac", "--pretrain", 1, "--pretrain_data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt"),
     ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),

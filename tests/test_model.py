@@ -728,8 +728,9 @@ def test_error_missing_unexpected_misshaped(ckpt, tmp_path):
     assert str(e.value).count("model.layers.1.") == 5  # at most 5 named
 
     path = edited_checkpoint(src, tmp_path, lambda s: s.update({"model.extra.weight": torch.zeros(2)}))
-    with pytest.raises(ValueError, match=r"1 unexpected tensors: model\.extra\.weight$"):
+    with pytest.raises(ValueError, match=r"1 unexpected tensors: model\.extra\.weight$") as e:
         Transformer.from_pretrained(path)
+    assert str(e.value).startswith(f"{path}: checkpoint has")  # (it named no file)
 
     path = edited_checkpoint(src, tmp_path, edit_config=lambda c: c.update(intermediate_size=32))
     with pytest.raises(ValueError, match=r"6 mis-shaped tensors: model\.layers\.0\.mlp\.gate_proj\.weight "

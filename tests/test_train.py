@@ -361,7 +361,8 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--method", "base", "--max_context", "8"], "--max_context does not apply to --method base"),  # (ignored)
     (["--method", "base", "--prompt", "auto", "--max_answer", "9"], "--max_answer does not apply"),  # (auto: default)
     (["--method", "meanpool", "--ratio_sampling", "--ratio", "4"], "--ratio_sampling draws one of several"),
-    (["--method", "pic", "--max_mem", "-1", "--mem", "single", "--mask", "causal"], "--max_mem -1 must be >= 1"),
+    (["--method", "pic", "--max_mem", "-1", "--mem", "single", "--mask", "causal"], "--max_mem -1 must lie in 1..2^20"),
+    (["--method", "pic", "--max_mem", str(10**12)], "--max_mem 1000000000000 must lie in 1..2^20"),  # (out of memory)
     (["--pretrain", "-1"], "--pretrain -1 must be a finite number >= 0 (0: no first stage)"),
     (["--method", "base", "--context_weight", "nan"], "--context_weight nan must lie in [0, 1]"),
     (["--micro_batch", "2", "--grad_accum", "2"], "--micro_batch 2 sets --grad_accum: give one of them"),
