@@ -746,12 +746,12 @@ def main(argv):
                              f"{' '.join(run_dirs)}")
         return one_shot(ecfg, run_dirs[0], device)
     run_dirs = list({os.path.realpath(p): p for p in run_dirs}.values())  # a run named twice is read once
+    # every results file read, every run dir seen and its questions read, before any run is evaluated
+    read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
     unread = sorted(given - {"runs", "out"})
     if unread and all(r.endswith(".json") for r in run_dirs):  # (they were ignored)
         raise SystemExit(f"error: --{unread[0]} evaluates run dirs; {run_dirs[0]} is an earlier --out JSON, read as "
                          "it is")
-    # every results file read, every run dir seen and its questions read, before any run is evaluated
-    read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
     records = {}
     for r in run_dirs:
         if read[r] is None:  # to be evaluated

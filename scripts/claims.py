@@ -303,10 +303,10 @@ def main(argv):
     if twice:  # (one seed counted twice)
         raise SystemExit(f"error: {twice[0]} is named twice; name each seed's results once")
     runs = [evaluate.earlier_results(p) for p in argv]
+    names = [suite_name(p, res) for p, res in zip(argv, runs)]
     same = [(argv[j], p) for i, p in enumerate(argv) for j in range(i) if runs[i] == runs[j]]
     if same:  # (a copy of one seed's file counted as a second seed)
         raise SystemExit(f"error: {same[0][1]} holds the same results as {same[0][0]}: name each seed's results once")
-    names = [suite_name(p, res) for p, res in zip(argv, runs)]
     if len(set(names)) < len(names):
         names = argv
     print(seeds_table(dict(zip(names, runs))))

@@ -307,11 +307,11 @@ def test_real_checkpoint_teacher_then_meanpool(tmp_path):
     ckpt = hf_checkpoint(tmp_path / "hf", "llama")
     squad = squad_file(tmp_path / "squad.json")
     common = ["--init_from", ckpt, "--data", squad, "--eval_data", squad, "--max_iters", 2, "--batch_size", 2,
-              "--device", "cpu", "--quiet", "--eval_examples", 4]
+              "--device", "cpu", "--quiet"]
     run(["--method", "teacher", "--out_dir", tmp_path / "teacher", *common])
     assert (tmp_path / "teacher" / "teacher" / "adapter_config.json").exists()
     run(["--method", "meanpool", "--teacher", tmp_path / "teacher", "--out_dir", tmp_path / "mp", "--ratio", "4",
-         *common])
+         *common, "--eval_examples", 4])
     metrics = json.load(open(tmp_path / "mp" / "metrics.json"))
     assert metrics["rows"][0]["ratio_requested"] == 4 and "f1" in metrics["teacher"]
 
