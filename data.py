@@ -544,8 +544,8 @@ def _load_json(path):
         if file_kind(path) != "zip":
             with _open_text(path) as f:
                 return json.load(f)
-        if not zipfile.is_zipfile(path):
-            raise ValueError(f"{path}: not a zip file")
+        if not zipfile.is_zipfile(path):  # (is_zipfile is False for a file that is not there)
+            raise ValueError(f"{path}: {'not a zip file' if path.exists() else 'no such file'}")
         with zipfile.ZipFile(path) as z:
             names = [n for n in z.namelist() if n.endswith(".json") and not n.startswith("__MACOSX/")]  # (Finder's)
             if len(names) != 1:

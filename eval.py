@@ -355,6 +355,8 @@ def result_error(res):
         return why
     if not res["rows"]:
         return "key 'rows' is empty"
+    if not isinstance(res.get("asked", {}), dict):  # (a traceback where the cache is matched)
+        return f"key 'asked' is {res['asked']!r:.40}, expected dict"
     rows = [("teacher", res["teacher"]), ("no_context", res["no_context"])]
     for where, row in rows + [(f"rows[{i}]", r) for i, r in enumerate(res["rows"])]:
         if not isinstance(row, dict):
@@ -363,6 +365,9 @@ def result_error(res):
         shown = {k: NUMBER for k in ("memory_bytes", "context_bytes", "ttft_ms", *EXTRA) if k in row}  # the table's
         if why := key_error(row, f"{where}.", kinds | shown | ({"ratio": NUMBER} if where.startswith("rows") else {})):
             return why
+        if where.startswith("rows") and not (row["ratio"] > 0 and type(row.get("ratio_requested", 1)) is int):
+            return (f"key '{where}.ratio' is {row['ratio']!r:.40} (requested {row.get('ratio_requested')!r:.40}), "
+                    "expected > 0 (requested: an integer)")
         for key in ("f1_norm", "em_norm"):  # nan where the teacher gains nothing
             if key in row and not is_number(row[key], finite=False):
                 return f"key '{where}.{key}' is {row[key]!r:.40}, expected a number"

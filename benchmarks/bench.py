@@ -59,10 +59,21 @@ parser.add_argument("--attn_batch", type=int, default=1, help="attention: sequen
 parser.add_argument("--lengths", default="4096,8192", help="attention: about how many tokens a sequence has")
 
 
+READS = {"loss": {"loss_vocab", "tokens", "dim", "only", "burn_in"}, "attention": {"attn_batch", "lengths", "burn_in"},
+         "train": {"tiny", "shapes", "context", "train_batch", "methods", "grad_ckpt", "compile", "cuda_graphs",
+                   "profile"}, "ttft": {"tiny", "shapes", "compile", "burn_in"}, "batching": set()}  # and every one:
+EVERY = {"device", "threads", "iters"}
+
+
 def configure(argv):
-    """The module's settings from the command line argv: args, device, cuda."""
+    """The module's settings from the command line argv: args, device, cuda. A flag the benchmark does not read is one
+    line (`train --only naive` ran the loss benchmark; `ttft --context 5` ran at its own lengths)."""
     global args, device, cuda
     args = parser.parse_args(argv)
+    given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+    if unread := sorted(given - READS[args.what] - EVERY):
+        reads = ", --".join(sorted(READS[args.what] | EVERY))
+        parser.error(f"--{unread[0]} does not apply to `{args.what}`; it reads --{reads}")
     device = train.pick_device(args.device)
     cuda = device.type == "cuda"
     if args.cuda_graphs and not (args.compile and cuda and not args.grad_ckpt):
@@ -137,7 +148,8 @@ def bench_loss():
         if cuda:
             bench_one_loss(variant)
         else:
-            subprocess.run([sys.executable, __file__, "loss", "--only", variant] + sys.argv[2:], check=True)
+            if subprocess.run([sys.executable, __file__, "loss", "--only", variant] + sys.argv[2:]).returncode:
+                sys.exit(1)  # (its one line is above; a CalledProcessError's traceback came after it)
 
 
 # -----------------------------------------------------------------------------
@@ -507,4 +519,5 @@ if __name__ == "__main__":
     set_threads()
     benches = {"loss": bench_loss, "train": bench_train, "attention": bench_attention, "ttft": bench_ttft,
                "batching": bench_batching}
-    bench_one_loss(args.only) if args.only else benches[args.what]()
+    with train.one_line_errors("lower --loss_vocab, --tokens, --train_batch, --context or --attn_batch"):
+        bench_one_loss(args.only) if args.only else benches[args.what]()

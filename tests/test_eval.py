@@ -103,9 +103,17 @@ def test_run_dirs_with_spaces_and_a_glob_of_runs_beside_their_logs(tmp_path):
 
 def test_corrupt_metrics_or_unknown_method_is_one_line(tmp_path):
     bad = _fake_run(tmp_path / "bad", "meanpool", [4])
+    good = json.loads((bad / "metrics.json").read_text())
     (bad / "metrics.json").write_text("{not json")
     with pytest.raises(SystemExit, match="bad/metrics.json: corrupt metrics file"):
         evaluate.main([str(bad)])
+    rows = good["rows"]
+    for edit, why in (({"asked": "junk"}, "key 'asked' is 'junk'"),  # (tracebacks where the cache was matched)
+                      ({"rows": [dict(rows[0], ratio_requested=[4])]}, r"requested \[4\]\), expected > 0"),
+                      ({"rows": [dict(rows[0], ratio=-1)]}, "key 'rows\\[0\\].ratio' is -1")):  # (shown as -1.0x)
+        (bad / "metrics.json").write_text(json.dumps({**good, **edit}))
+        with pytest.raises(SystemExit, match=f"bad/metrics.json: corrupt metrics file \\(.*{why}"):
+            evaluate.main([str(bad)])
     unknown = tmp_path / "unk"
     unknown.mkdir()
     (unknown / "run.json").write_text(json.dumps({"train": {"method": "pik"}, "method": {}}))

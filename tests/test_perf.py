@@ -132,7 +132,9 @@ def test_bench_flags_are_one_line_before_any_work():
                               (["attention", "--lengths", "4k"], "--lengths '4k': a comma list"),
                               (["loss", "--device", "tpu"], "--device 'tpu' is not a device"),
                               (["loss", "--only", "bogus"], "--only: invalid choice: 'bogus'"),  # (it timed a loss)
-                              (["train", "--cuda_graphs"], "--cuda_graphs needs --compile")):  # (argparse's usage)
+                              (["train", "--cuda_graphs"], "--cuda_graphs needs --compile"),  # (argparse's usage)
+                              (["train", "--only", "naive"], "--only does not apply to `train`"),  # (it ran `loss`)
+                              (["ttft", "--tiny", "--context", "5"], "--context does not apply to `ttft`")):  # (unread)
             with pytest.raises(SystemExit) as e:
                 bench.configure(argv)
                 bench.check_args()
