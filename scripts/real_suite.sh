@@ -78,6 +78,8 @@ RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's 
   "meanpool-single16 --method meanpool --ratio 16"
 )
 known=$(for spec in "${RUNS[@]}"; do echo "${spec%% *}"; done)
+[ -z "$ONLY" ] || [[ $ONLY =~ ^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$ ]] || {  # (a space or "," trained the teacher,
+  echo "error: ONLY=$ONLY: run names separated by commas, like meanpool,ctok-bidir" >&2; exit 1; }  # then no run)
 for name in ${ONLY//,/ }; do
   grep -qx "$name" <<< "$known" || { echo "error: ONLY: no run $name; the runs: $(echo $known)" >&2; exit 1; }
 done

@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/checks.sh && arguments "--smoke" "$@"
+if [ "${1:-}" = "--smoke" ]; then  # its own defaults; a setting given still wins (ITERS=5 ran 2 steps)
+  : "${ITERS:=2}" "${EXAMPLES:=4}" "${RESULTS:=${OUT:-out/suite}-smoke/RESULTS.md}"
+fi
 # Every run trains at its method's default (the steps and flags of `python train.py --method M`,
 # the README's defaults table); ITERS overrides them all. Two runs at a time with one thread each
 # (small models use cores better so: ~1.3x the throughput of one run on two threads); the runs
@@ -37,8 +40,8 @@ BASE=tiny_base
 CTOK_ITERS=(--max_iters 500)     # tiny base: the multi-ratio tokens' steps, as RESULTS.md's rows ran them
 CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=$OUT-smoke ITERS=2 PRE_ITERS=2 EXAMPLES=4
-  RESULTS=$OUT/RESULTS.md BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
+  OUT=$OUT-smoke
+  BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
   EVAL_EACH=0  # the table's one eval.py evaluates every run: a process start costs more than 4 questions
   COMMON+=(--batch_size 2 --init_from "$BASE")
   python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet

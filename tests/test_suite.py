@@ -314,7 +314,13 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             *(("seeds.sh", "JOBS=1", ["1", "--method", "pic", flag, "3", "--max_iters", "1"],
                f"{flag}: seeds.sh sets each run's --seed and --out_dir (OUT={tmp_path}/out/seedN)")
               for flag in ("--seed", "--out_dir")),  # (each was overridden in silence)
-            ("seeds.sh", "SEED=1", ["1,b", "--method", "pic"], "seeds 1,b: want whole numbers, like 1337,1,2")):
+            ("seeds.sh", "SEED=1", ["1,b", "--method", "pic"], "seeds 1,b: want whole numbers, like 1337,1,2"),
+            ("seeds.sh", "SEED=1", ["1,01"], "seeds 1,01: 1 twice (two runs would train into one dir)"),  # (they did)
+            ("seeds.sh", "SEED=1", ["1,2", "--eval_examples=0"], "--eval_examples 0: seeds.sh's table reads each "
+                                                                 "run's evaluation"),  # (after every run had trained)
+            ("reproduce.sh", "EXAMPLES=08", [], "EXAMPLES=08: want a whole number > 0 (no leading 0)"),  # (bash: octal)
+            ("real_suite.sh", "ONLY=meanpool gist-4", ["--smoke"],  # (the teacher trained, then no run did)
+             "ONLY=meanpool gist-4: run names separated by commas, like meanpool,ctok-bidir")):
         name, value = setting.split("=")
         env = dict(os.environ, OUT=str(tmp_path / "out"), **{name: value})
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
