@@ -626,16 +626,23 @@ def memory_mismatch(memory, decoder, method):
                 f"{cfg.num_hidden_layers} x {cfg.num_key_value_heads} x {cfg.head_dim}")
     if memory.embeds is not None and memory.embeds.shape[-1] != cfg.hidden_size:
         return f"its embeddings are {memory.embeds.shape[-1]} wide; the decoder's are {cfg.hidden_size}"
+    if int(memory.next_pos.max()) >= cfg.max_position_embeddings:  # (a garbage answer)
+        return f"its next position {int(memory.next_pos.max())} is past the decoder's {cfg.max_position_embeddings}"
     return ""
 
 
 def check_origin(memory, path, run_dir):
     """The run that saved a Memory (--save_memory records it) against the one answering from it, before it loads:
-    another method's is one line, another run of the same method a note; a file saved without it is not checked."""
-    saved_by, name = memory.origin or {}, train.run_config(run_dir)[0].method
+    another method's or another base's is one line, another run of both a note; a file saved without it is not
+    checked."""
+    cfg = train.run_config(run_dir)[0]
+    saved_by, name, base = memory.origin or {}, cfg.method, os.path.realpath(tiny.base_path(cfg.init_from))
     if saved_by.get("method", name) != name:
         raise SystemExit(f"error: --memory {path} was saved by a --method {saved_by['method']} run "
                          f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
+    if saved_by.get("base", base) != base:  # (its answers were garbage, after a note)
+        raise SystemExit(f"error: --memory {path} was saved by a run on the base {saved_by['base']}; {run_dir} "
+                         f"decodes with {base}")
     if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):
         print(f"note: --memory {path} was saved by {saved_by['run']}; answering with {run_dir}", file=sys.stderr)
 
@@ -673,7 +680,8 @@ def one_shot(ecfg, run_dir, device):
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
-        memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method}
+        memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method,
+                         "base": os.path.realpath(tiny.base_path(cfg.init_from))}
         train.atomic_write(ecfg.save_memory, memory.save)
         print(f"saved the compressed context to {ecfg.save_memory}")
 

@@ -184,7 +184,7 @@ class Memory:
     kv: list = None                    # [(k, v)] per layer, each (B, Hkv, C, hd)
     mask: torch.Tensor = None          # (B, C) bool
     next_pos: torch.Tensor = None      # (B,) long
-    origin: dict = None                # the run that saved it: {"run": its dir, "method": ...} (eval.py --save_memory)
+    origin: dict = None                # what saved it: {"run": its dir, "method", "base"} (eval.py --save_memory)
 
     def __post_init__(self):
         if self.mask is None:
@@ -254,8 +254,10 @@ def saved_memory_error(t):
            for x in memory):
         return (f"{'embeds (B, C, d)' if n == 0 else 'K/V (B, Hkv, C, hd), alike in every layer,'} should match its "
                 f"mask (B, C) = {tuple(mask.shape)}")
-    if not all(torch.isfinite(x).all() for x in memory):
-        return "it holds values that are not finite"
+    if not all(x.is_floating_point() and torch.isfinite(x).all() for x in memory):
+        return "it holds values that are not finite floating-point numbers"
+    if not mask.any(1).all():  # (an answer from no slot at all)
+        return "a context's mask keeps no slot"
     return ""
 
 

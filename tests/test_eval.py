@@ -762,13 +762,23 @@ def test_a_saved_memory_says_which_run_saved_it(tmp_path, capsys):
     mem = tmp_path / "doc.mem"
     evaluate.main([str(a) for a in [runs["meanpool"], "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
                                     "--save_memory", mem]])
-    assert Memory.load(str(mem)).origin == {"run": str(runs["meanpool"]), "method": "meanpool"}
+    assert Memory.load(str(mem)).origin == {"run": str(runs["meanpool"]), "method": "meanpool",
+                                            "base": os.path.realpath(tiny.BASE_DIR)}
     line = _one_line(evaluate.main, [runs["pic"], "--memory", mem, "--question", "Where?"])
     assert f"was saved by a --method meanpool run ({runs['meanpool']}); {runs['pic']} is a --method pic run" in line
     shutil.copytree(runs["meanpool"], tmp_path / "copy")
     capsys.readouterr()
     evaluate.main([str(a) for a in [tmp_path / "copy", "--memory", mem, "--question", "Where?", "--max_new_tokens", 2]])
     assert f"was saved by {runs['meanpool']}; answering with {tmp_path / 'copy'}" in capsys.readouterr().err
+    saved = Memory.load(str(mem))  # a run on another base: its answers were garbage after the note
+    saved.origin = dict(saved.origin, base="/another/base")
+    saved.save(str(tmp_path / "other.mem"))
+    line = _one_line(evaluate.main, [tmp_path / "copy", "--memory", tmp_path / "other.mem"])
+    assert "was saved by a run on the base /another/base;" in line, line
+    saved.origin, saved.next_pos = None, torch.tensor([1 << 40])  # past the decoder's positions
+    saved.save(str(tmp_path / "far.mem"))
+    line = _one_line(evaluate.main, [tmp_path / "copy", "--memory", tmp_path / "far.mem"])
+    assert "does not fit" in line and "its next position 1099511627776 is past the decoder's 2048" in line, line
 
 
 def test_a_run_or_ratio_eval_cannot_read_is_one_line_before_any_run_is_evaluated(tmp_path, capsys):

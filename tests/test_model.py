@@ -227,7 +227,9 @@ def test_a_saved_memory_of_the_wrong_shape_is_one_line(tmp_path):
             ("long_mask", lambda t: t.update(mask=torch.ones(1, 5, dtype=torch.bool)), "should match its mask (B, C)"),
             ("layer", lambda t: t.update({"k.1": torch.randn(1, 2, 2, 4)}), "alike in every layer"),
             ("narrow_v", lambda t: t.update({"v.0": torch.randn(1, 2, 3, 2)}), "alike in every layer"),
-            ("nan", lambda t: t["k.0"].view(-1)[0].fill_(float("nan")), "values that are not finite")):
+            ("nan", lambda t: t["k.0"].view(-1)[0].fill_(float("nan")), "values that are not finite"),
+            ("int", lambda t: t.update({"k.0": t["k.0"].int()}), "not finite floating-point"),  # (read as it was)
+            ("no_slot", lambda t: t.update(mask=torch.zeros(1, 3, dtype=torch.bool)), "mask keeps no slot")):
         t = {k: v.clone() for k, v in good.items()}
         change(t)
         save_file(t, str(tmp_path / f"{name}.mem"))
