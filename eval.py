@@ -667,6 +667,10 @@ def one_shot(ecfg, run_dir, device):
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context,
               "question": ecfg.question or "What is this text about?", "answers": [""]}
+    positions, asked = getattr(method, "dec", base).config.max_position_embeddings, len(tok.encode(record["question"]))
+    if asked + ecfg.max_new_tokens > positions // 2:  # (a garbage answer past the positions: the context's are before)
+        raise SystemExit(f"error: --question is {asked} tokens: with --max_new_tokens {ecfg.max_new_tokens}, more than "
+                         f"half of {run_dir}'s decoder's {positions} positions")
     cut = {}
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None), cut)), device)
     if cut:  # collate_qa kept the first max_context tokens, as in training and in evaluating runs
@@ -752,6 +756,8 @@ def main(argv):
                 for p in ([p for p in sorted(glob.glob(spec)) if os.path.isdir(p)] or [spec])]
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
+    if unmatched := [p for p in run_dirs if any(c in p for c in "*?[") and not os.path.exists(p)]:
+        raise SystemExit(f"error: {unmatched[0]!r} matches no run dir")  # (it was "not a run dir")
     device = train.pick_device(ecfg.device)
     if ecfg.one_shot:
         if len(run_dirs) > 1:

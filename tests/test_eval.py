@@ -99,6 +99,8 @@ def test_run_dirs_with_spaces_and_a_glob_of_runs_beside_their_logs(tmp_path):
     assert [res["run"] for res in evaluate.main([str(tmp_path / "run a")])] == [str(tmp_path / "run a")]
     assert [res["run"] for res in evaluate.main([str(tmp_path / "run*")])] == [str(tmp_path / n) for n in ("run a",
                                                                                                          "run b")]
+    with pytest.raises(SystemExit, match=r"zz\*' matches no run dir"):
+        evaluate.main([str(tmp_path / "zz*")])
 
 
 def test_corrupt_metrics_or_unknown_method_is_one_line(tmp_path):
