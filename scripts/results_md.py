@@ -167,6 +167,10 @@ def main(argv):
     if bool(args.section) == bool(args.results) or args.body and not args.section:
         raise SystemExit("error: name the suite's results JSON (eval.py --out), or --section with --body: one of them")
     if args.section:
+        if not args.section.strip() or "\n" in args.section or "-->" in args.section:  # (a heading that broke the file)
+            raise SystemExit(f"error: --section {args.section!r}: a title of one line, without '-->'")
+        if unread := [f for f in ("base", "command", "wall_s") if getattr(args, f)]:
+            raise SystemExit(f"error: --{unread[0]} describes a suite's results JSON, not a --section")
         if not os.path.isfile(args.body):
             raise SystemExit(f"error: --body {args.body!r}: file not found")
         try:

@@ -837,6 +837,10 @@ def test_scripts_bad_input_is_one_line(tmp_path):
             (results_md.main, ["--section", "S", "--body", tmp_path / "empty.md", "--out", out], "empty.md: empty"),
             (results_md.main, ["--section", "S", "--body", tmp_path / "marked.md", "--out", out], "a section marker"),
             (results_md.main, ["--section", "S", "--body", tmp_path / "latin.md", "--out", out], "not UTF-8 text"),
+            # a title that broke the file's section markers; a flag that was ignored
+            (results_md.main, ["--section", "a -->", "--body", tmp_path / "latin.md", "--out", out], "a title of one"),
+            (results_md.main, ["--section", "S", "--body", tmp_path / "latin.md", "--wall_s", "3", "--out", out],
+             "--wall_s describes a suite's results JSON, not a --section"),
             (results_md.main, [tmp_path / "junk.json", "--wall_s", "x"], "argument --wall_s: invalid float value"),
             (hf_generate.main, [tmp_path, "--memory", "m", "--question", "q", "--max_new_tokens", 0],
              "--max_new_tokens 0 must be a positive integer"),
