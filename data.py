@@ -583,6 +583,8 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
         para, qa = item
         context, question = _field(para, "context", str), _field(qa, "question", str)
         answers = _field(qa, "answers", list)
+        if not context.strip():  # (before its answers: "answer_start [36] should lie in the context's 3 characters")
+            raise ValueError("empty context: nothing to compress")
         if qa.get("is_impossible") or not answers:
             _count(stats, "unanswerable")
             if not keep_unanswerable:

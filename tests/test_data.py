@@ -586,6 +586,7 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
     jsonl = {"context": "A b.", "question": "q", "answers": ["A"], "relevant": ["A b."]}
     for name, doc, message in (
             ("c.json", squad(context=""), "c.json:1: empty context"),  # was an IndexError
+            ("w.json", squad(context="   ", start=2), "w.json:1: empty context"),  # (named its answer_start)
             ("q.json", squad(question=" "), "q.json:1: empty question"),
             ("a.json", squad(text=""), 'a.json:1: an empty answer: [""]'),
             ("s.json", squad(start=99), "s.json:1: answer_start [99] should lie in the context's 9 characters"),
