@@ -1340,6 +1340,10 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes it there and saves)
         print("interrupted outside a training step: the checkpoints already written stand", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as e:  # under torchrun every rank finds the same error: rank 0 says it
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            raise SystemExit(1) from None
+        raise
     finally:
         ddp = dist.is_initialized()
         if ddp:

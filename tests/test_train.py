@@ -268,6 +268,8 @@ def test_ddp_two_ranks_equal_one_rank_with_double_batch(base_dir, tmp_path):
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     for k in a:
         assert torch.allclose(a[k], b[k], atol=DDP_ATOL), k
+    p = torchrun(common + ["--batch_size", 3, "--out_dir", tmp_path / "odd"], check=False)  # 3 over 2 ranks
+    assert p.returncode != 0 and p.stderr.count("error: --batch_size 3") == 1, p.stderr[-2000:]  # (once per rank)
 
 
 @pytest.mark.slow
