@@ -585,12 +585,12 @@ def check_inputs(stages, cls):
 
 def check_stage(cfg, mcfg, cls):
     """A resolved stage's values: one-line errors before any work."""
-    for flag in ("max_context", "max_answer"):  # (steps, batch and lr: check_run_flags, then the recipe's)
-        if getattr(cfg, flag) < 1:
-            raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
     ratios_of(cfg.ratio)  # a bad --ratio before any method's own checks
     if cfg.eval_ratio:
         ratios_of(cfg.eval_ratio, "eval_ratio")
+    for flag in ("max_context", "max_answer"):  # (steps, batch and lr: check_run_flags, then the recipe's)
+        if getattr(cfg, flag) < 1:
+            raise SystemExit(f"error: --{flag} {getattr(cfg, flag)} must be a positive integer")
     if cfg.batch_size > 1 << 20:  # (a step materialises its global batch: a typo's 10^20 filled the host's memory)
         raise SystemExit(f"error: --batch_size {cfg.batch_size}: at most 2^20 examples a step")
     for flag in ("min_lr_frac", "warmup_frac", "weight_decay", "grad_clip"):
