@@ -28,6 +28,8 @@ import kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = {"default": (), "linear": ("factor",),  # the numbers each rope type reads (rope_inv_freq)
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # HF Gemma2Config's defaults for keys a gemma2 config.json may leave out
 GEMMA2_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256,
@@ -137,17 +139,33 @@ class ModelConfig:
             if key not in raw:
                 raise ValueError(f"{path}: missing key {key!r}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers v5 | v4
+        if not isinstance(rope, dict):
+            raise ValueError(f"{path}: key 'rope_parameters' is {rope!r:.40}, expected an object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         known("rope type", rope_type, SUPPORTED_ROPE_TYPES, f"{path}: ")
+        for key in ROPE_KEYS[rope_type]:  # (a KeyError or a TypeError at the first step)
+            if not (type(rope.get(key)) in (int, float) and rope[key] > 0):
+                raise ValueError(f"{path}: rope {rope_type} key {key!r} is {rope.get(key)!r:.40}, expected a number > 0")
         if model_type == "gemma2":  # HF's Gemma 2 reads hidden_activation only
             raw = dict(GEMMA2_DEFAULTS, **raw)
             raw["hidden_act"] = raw["hidden_activation"]
         cfg = {f.name: raw[f.name] for f in fields(cls) if raw.get(f.name) is not None}
         cfg["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         cfg["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
-        for key in (*SIZES, "max_position_embeddings", "rms_norm_eps", "rope_theta"):  # (NaN from the first step)
+        for key in (*SIZES, "max_position_embeddings", "rms_norm_eps", "rope_theta", "head_dim", "num_key_value_heads"):
+            # (NaN from the first step, a negative dimension)
             if key in cfg and not (type(cfg[key]) in (int, float) and cfg[key] > 0):
                 raise ValueError(f"{path}: key {key!r} is {cfg[key]!r}, expected > 0")
+        heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        if heads % kv_heads or cfg.get("head_dim", cfg["hidden_size"] // heads) % 2:  # (SDPA's or rope's traceback)
+            raise ValueError(f"{path}: {heads} heads over {kv_heads} K/V heads of head_dim "
+                             f"{cfg.get('head_dim', cfg['hidden_size'] // heads)}: want a whole number of query heads "
+                             "per K/V head, an even head_dim")
+        kinds = cfg.get("layer_types", ["full_attention"] * cfg["num_hidden_layers"])
+        if not (isinstance(kinds, list) and len(kinds) == cfg["num_hidden_layers"] and
+                set(kinds) <= {"full_attention", "sliding_attention"}):  # (an IndexError, or "bogus" read as full)
+            raise ValueError(f"{path}: key 'layer_types' is {kinds!r:.60}, expected full_attention or "
+                             f"sliding_attention for each of the {cfg['num_hidden_layers']} layers")
         id_list(cfg.get("eos_token_id"), f"{path}: ")
         cfg.setdefault("tie_word_embeddings", False)  # HF's default when the key is absent
         if model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, from max_window_layers on
@@ -159,6 +177,10 @@ class ModelConfig:
                                       for i in range(cfg["num_hidden_layers"])]
         if model_type == "mistral":
             cfg.pop("layer_types", None)  # HF's Mistral slides on every layer when it has a window
+        if model_type == "llama":  # HF's Llama has no window (a config's sliding_window applied one: other logits)
+            cfg.pop("sliding_window", None), cfg.pop("layer_types", None)
+        if cfg.get("sliding_window", 1) < 1:  # (a negative one masked every key)
+            raise ValueError(f"{path}: key 'sliding_window' is {cfg['sliding_window']}, expected > 0 (or null: none)")
         return cls(**cfg)
 
     def to_json(self):

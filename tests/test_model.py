@@ -4,6 +4,7 @@ backends agree, invalid memory slots are invisible)."""
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -738,6 +739,30 @@ def test_error_missing_unexpected_misshaped(ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"6 mis-shaped tensors: model\.layers\.0\.mlp\.gate_proj\.weight "
                                          r"\(96, 64\) vs \(32, 64\).*\(\+1 more\)"):
         Transformer.from_pretrained(path)
+
+
+def test_a_config_the_model_cannot_run_is_one_line(ckpt, tmp_path):
+    """config.json values that loaded and then failed (a KeyError in rope, SDPA's or rope's RuntimeError, an
+    IndexError) or ran other than transformers does (a window on Llama, an unknown layer type read as full): one line
+    naming the file and key; Llama ignores a sliding_window, as transformers' Llama does."""
+    def rope(c, **kw):
+        c.pop("rope_scaling", None)
+        c["rope_parameters"] = dict(kw, rope_theta=10000.0)
+    for family, edit, message in (
+            ("llama3", lambda c: rope(c, rope_type="linear"), "rope linear key 'factor' is None, expected a number"),
+            ("llama3", lambda c: rope(c, rope_type="linear", factor="2"), "key 'factor' is '2'"),
+            ("llama3", lambda c: c.update(rope_parameters=[1, 2]), "key 'rope_parameters' is [1, 2], expected an obj"),
+            ("llama3", lambda c: c.update(head_dim=-16), "key 'head_dim' is -16, expected > 0"),
+            ("llama3", lambda c: c.update(num_key_value_heads=3), "want a whole number of query heads per K/V head"),
+            ("qwen2", lambda c: c.update(layer_types=["sliding_attention"]), "for each of the 2 layers"),
+            ("qwen2", lambda c: c.update(layer_types=["full_attention", "bogus"]), "key 'layer_types' is"),
+            ("mistral", lambda c: c.update(sliding_window=-5), "key 'sliding_window' is -5, expected > 0")):
+        (tmp_path / family).mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match=re.escape(message)) as e:
+            Transformer.from_pretrained(edited_checkpoint(ckpt[family][1], tmp_path / family, edit_config=edit))
+        assert str(e.value).startswith(str(tmp_path / family)) and "\n" not in str(e.value), e.value
+    path = edited_checkpoint(ckpt["llama3"][1], tmp_path / "llama3", edit_config=lambda c: c.update(sliding_window=4))
+    assert Transformer.from_pretrained(path).config.sliding_window == 0  # (a window transformers' Llama has not)
 
 
 # -----------------------------------------------------------------------------
