@@ -28,6 +28,7 @@ import kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+UNREAD_PEFT = ("use_dora", "use_rslora", "modules_to_save", "layers_to_transform")  # PEFT options LoRALinear lacks
 ROPE_KEYS = {"default": (), "linear": ("factor",),  # the numbers each rope type reads (rope_inv_freq)
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -841,9 +842,17 @@ class Transformer(nn.Module):
             if key not in c:
                 raise ValueError(f"{config}: missing key {key!r} "
                                  "(a PEFT LoRA adapter has r, lora_alpha, target_modules)")
+        for key, ok, want in (("r", type(c["r"]) is int and c["r"] > 0, "an integer > 0"),  # (a ZeroDivisionError)
+                              ("lora_alpha", type(c["lora_alpha"]) in (int, float) and c["lora_alpha"] > 0, "> 0"),
+                              ("target_modules", isinstance(c["target_modules"], list), "a list of module names"),
+                              ("bias", c.get("bias", "none") == "none", '"none"'),
+                              *((k, not c.get(k), "unset: this LoRA has none") for k in UNREAD_PEFT)):  # (ignored)
+            if not ok:
+                raise ValueError(f"{config}: key {key!r} is {c[key]!r:.40}, expected {want}")
         self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
         views = self.adapter_state(name)
-        for key, t in read_tensors(os.path.join(path, "adapter_model.safetensors")).items():
+        tensors = read_tensors(os.path.join(path, "adapter_model.safetensors"))
+        for key, t in tensors.items():
             module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
             if module not in views or ab[0] not in "AB":
                 raise ValueError(f"{path}: adapter tensor {key} matches no module of this model")
@@ -851,8 +860,15 @@ class Transformer(nn.Module):
             if view.shape != t.shape:
                 raise ValueError(f"{path}: adapter tensor {key} is {tuple(t.shape)}, this model's "
                                  f"{tuple(view.shape)}: an adapter of another base")
+            if not (t.is_floating_point() and torch.isfinite(t).all()):  # (a NaN loss blamed on --lr)
+                raise ValueError(f"{path}: adapter tensor {key} holds values that are not finite floating-point numbers")
             with torch.no_grad():
                 view.copy_(t)
+        missing = [f"{m}.lora_{ab}" for m in views for ab in "AB" if not any(
+            k.removeprefix("base_model.model.").startswith(f"{m}.lora_{ab}") for k in tensors)]
+        if missing:  # (an empty file trained against the plain base)
+            raise ValueError(f"{path}: adapter_model.safetensors lacks {len(missing)} of the tensors its config names: "
+                             f"{', '.join(missing[:3])}")
         return self
 
     @torch.no_grad()

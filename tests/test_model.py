@@ -454,6 +454,32 @@ def test_lora_matches_peft(ckpt, lora):
     close(got, ref)
 
 
+def test_an_adapter_this_lora_cannot_read_is_one_line(llama, tmp_path):
+    """A PEFT adapter load_adapter would misread: r 0 (a ZeroDivisionError), options LoRALinear lacks (ignored), a
+    target_modules string (read letter by letter), tensors left out (an empty file was the plain base) or not
+    finite (a NaN loss blamed on --lr): one line naming the file."""
+    model = copy.deepcopy(llama)
+    model.add_adapter("a", r=2, alpha=4)
+    model.save_adapter("a", str(tmp_path / "good"))
+    good = json.loads((tmp_path / "good" / "adapter_config.json").read_text())
+    tensors = load_file(str(tmp_path / "good" / "adapter_model.safetensors"))
+    nan = {k: v.clone().fill_(float("nan")) if i == 0 else v for i, (k, v) in enumerate(tensors.items())}
+    for name, config, state, message in (
+            ("r0", dict(good, r=0), tensors, "key 'r' is 0, expected an integer > 0"),
+            ("dora", dict(good, use_dora=True), tensors, "key 'use_dora' is True, expected unset"),
+            ("bias", dict(good, bias="all"), tensors, "key 'bias' is 'all'"),
+            ("string", dict(good, target_modules="q_proj"), tensors, "key 'target_modules' is 'q_proj', expected a "),
+            ("empty", good, {}, "adapter_model.safetensors lacks"),
+            ("nan", good, nan, "holds values that are not finite")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+        save_file(state, str(tmp_path / name / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=re.escape(message)) as e:
+            copy.deepcopy(llama).load_adapter(str(tmp_path / name), "t")
+        assert str(tmp_path / name) in str(e.value), e.value
+    copy.deepcopy(llama).load_adapter(str(tmp_path / "good"), "t")
+
+
 def test_gemma2_adapter_loads_in_peft(ckpt, gemma, tmp_path):
     import peft
     model = copy.deepcopy(gemma)
