@@ -733,6 +733,10 @@ def load_base(cfg, device, dtype):
     if adapter and not os.path.exists(os.path.join(adapter, "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
     base = Transformer.from_pretrained(path, dtype=torch.float32 if adapter else dtype, device=device)
+    top = max(i for i in (tok.vocab_size - 1, tok.bos_id, tok.pad_id, *tok.eos_ids) if i is not None)
+    if top >= base.config.vocab_size:  # (an IndexError in the first step)
+        raise SystemExit(f"error: --init_from {path}: token id {top} (of its tokenizer, or a bos / eos / pad id of its "
+                         f"config files) is past config.json's vocab_size {base.config.vocab_size}")
     if adapter:  # merged in fp32, then rounded once: into a bf16 base, W would round twice (4x the KL to it)
         base.load_adapter(adapter, "teacher")
         base.merge_adapter("teacher")
