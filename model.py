@@ -146,7 +146,8 @@ class ModelConfig:
         known("rope type", rope_type, SUPPORTED_ROPE_TYPES, f"{path}: ")
         for key in ROPE_KEYS[rope_type]:  # (a KeyError or a TypeError at the first step)
             if not (type(rope.get(key)) in (int, float) and rope[key] > 0):
-                raise ValueError(f"{path}: rope {rope_type} key {key!r} is {rope.get(key)!r:.40}, expected a number > 0")
+                raise ValueError(f"{path}: rope {rope_type} key {key!r} is {rope.get(key)!r:.40}, expected a number "
+                                 "> 0")
         if model_type == "gemma2":  # HF's Gemma 2 reads hidden_activation only
             raw = dict(GEMMA2_DEFAULTS, **raw)
             raw["hidden_act"] = raw["hidden_activation"]
@@ -861,7 +862,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"{path}: adapter tensor {key} is {tuple(t.shape)}, this model's "
                                  f"{tuple(view.shape)}: an adapter of another base")
             if not (t.is_floating_point() and torch.isfinite(t).all()):  # (a NaN loss blamed on --lr)
-                raise ValueError(f"{path}: adapter tensor {key} holds values that are not finite floating-point numbers")
+                raise ValueError(f"{path}: adapter tensor {key} holds values that are not finite floating-point "
+                                 "numbers")
             with torch.no_grad():
                 view.copy_(t)
         missing = [f"{m}.lora_{ab}" for m in views for ab in "AB" if not any(
