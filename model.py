@@ -151,6 +151,7 @@ class ModelConfig:
         if model_type == "gemma2":  # HF's Gemma 2 reads hidden_activation only
             raw = dict(GEMMA2_DEFAULTS, **raw)
             raw["hidden_act"] = raw["hidden_activation"]
+        known("hidden activation", raw.get("hidden_act", "silu"), ACTIVATIONS, f"{path}: ")
         cfg = {f.name: raw[f.name] for f in fields(cls) if raw.get(f.name) is not None}
         cfg["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         cfg["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
@@ -899,17 +900,25 @@ def read_safetensors(path, device="cpu"):
     """All tensors of an HF checkpoint dir: model.safetensors or the sharded index."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+        files, weight_map = ["model.safetensors"], {}
     elif os.path.exists(index):
         weight_map = read_json(index)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
             raise ValueError(f"{index}: key 'weight_map' should map each tensor's name to its shard file")
         files = sorted(set(weight_map.values()))
+        if outside := [f for f in files if os.path.dirname(os.path.normpath(f)) or f.startswith("..")]:
+            raise ValueError(f"{index}: shard file {outside[0]} is not in the checkpoint's dir")  # (it was read)
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json "
                          "(only safetensors checkpoints are read)")
     for f in files:
         if not os.path.exists(os.path.join(path, f)):
             raise ValueError(f"{index}: shard file {f} is missing")
-    return {k: t for f in files for k, t in read_tensors(os.path.join(path, f), device).items()}
+    state = {}
+    for f in files:
+        for k, t in read_tensors(os.path.join(path, f), device).items():
+            if weight_map.get(k, f) != f:  # (a copy in another shard won, whatever the map said)
+                raise ValueError(f"{index}: tensor {k} is in {f}, its weight_map names {weight_map.get(k)}")
+            state[k] = t
+    return state

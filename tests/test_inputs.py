@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import eval as evaluate
 import train
@@ -50,6 +51,17 @@ def files(tmp_path_factory):
     broken("weights-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:999]))
     broken("tokenizer", lambda d: (d / "tokenizer.json").write_text("{oops"))
     broken("config-list", lambda d: (d / "generation_config.json").write_text("[]"))
+
+    def shards(d, outside=False):  # model.safetensors as two shards, the second with a zeroed copy of the first tensor
+        state = load_file(d / "model.safetensors")
+        (d / "model.safetensors").unlink()
+        (*keys, last), first = state, next(iter(state))
+        save_file({k: state[k] for k in keys}, d / "a.safetensors")
+        save_file({last: state[last], first: state[first] * 0}, d / "b.safetensors")
+        where = {**{k: "../a.safetensors" if outside else "a.safetensors" for k in keys}, last: "b.safetensors"}
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": where}))
+    broken("shard-twice", shards)
+    broken("shard-outside", lambda d: shards(d, outside=True))
     broken("eos-past", lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [1, 9999]}'))
     broken("eos-list", lambda d: config_file(d, "tokenizer_config.json", lambda c: c.update(eos_token=["</s>"])))
     (root / "edited").mkdir()
@@ -74,6 +86,9 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("config range", ["--init_from", "config-eps"], "key 'rms_norm_eps' is -1e-06, expected > 0"),  # was a NaN loss
     ("config eos", ["--init_from", "config-eos"], "config.json: key 'eos_token_id' is [1, 'x'], expected a token id"),
     ("chat template", ["--init_from", "chat-template"], "tokenizer_config.json: key 'chat_template' is 5"),  # was a
+    # a copy in the second shard won; a shard outside the dir was read
+    ("shard twice", ["--init_from", "shard-twice"], "is in b.safetensors, its weight_map names a.safetensors"),
+    ("shard outside", ["--init_from", "shard-outside"], "shard file ../a.safetensors is not in the checkpoint's dir"),
     ("shard index", ["--init_from", "index"], "model.safetensors.index.json: key 'weight_map' should map"),  # traceback
     ("weights", ["--init_from", "weights-cut"], "weights-cut/model.safetensors: not a readable safetensors file"),
     ("tokenizer", ["--init_from", "tokenizer"], "tokenizer/tokenizer.json:1: invalid JSON"),

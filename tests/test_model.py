@@ -779,6 +779,7 @@ def test_a_config_the_model_cannot_run_is_one_line(ckpt, tmp_path):
             ("llama3", lambda c: rope(c, rope_type="linear", factor="2"), "key 'factor' is '2'"),
             ("llama3", lambda c: c.update(rope_parameters=[1, 2]), "key 'rope_parameters' is [1, 2], expected an obj"),
             ("llama3", lambda c: c.update(head_dim=-16), "key 'head_dim' is -16, expected > 0"),
+            ("llama3", lambda c: c.update(hidden_act="gelu"), "unknown hidden activation 'gelu'"),  # (named no file)
             ("llama3", lambda c: c.update(num_key_value_heads=3), "want a whole number of query heads per K/V head"),
             ("qwen2", lambda c: c.update(layer_types=["sliding_attention"]), "for each of the 2 layers"),
             ("qwen2", lambda c: c.update(layer_types=["full_attention", "bogus"]), "key 'layer_types' is"),
