@@ -206,6 +206,9 @@ def _from_tokenizer_json(path):
         raise ValueError(f"{path}: unsupported tokenizer: found model type {kind!r}; {UNSUPPORTED}")
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     added = {t["content"]: t for t in spec.get("added_tokens", [])}
+    if len(added) < len(spec.get("added_tokens", [])):  # (the last one's id won: a wrong EOS)
+        twice = collections.Counter(t["content"] for t in spec["added_tokens"]).most_common(1)[0][0]
+        raise ValueError(f"{path}: added_tokens lists {twice!r} more than once")
     vocab = {p: i for p, i in model["vocab"].items() if p not in added}  # tiktoken keeps special tokens apart
     if bad := next((p for p in vocab if any(c not in byte_of for c in p)), None):
         raise ValueError(f"{path}: vocab entry {bad!r} is not byte-level; {UNSUPPORTED}")

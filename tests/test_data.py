@@ -272,6 +272,11 @@ def test_unsupported_tokenizer_json_is_one_line(tmp_path):
         with pytest.raises(ValueError, match="unsupported") as e:
             data.load_tokenizer(tmp_path)
         assert "\n" not in str(e.value), name
+    twice = {"model": {"type": "BPE", "vocab": {"a": 0, "<e>": 1}, "merges": []}, "pre_tokenizer": {"type": "ByteLevel"},
+             "added_tokens": [{"id": 1, "content": "<e>"}, {"id": 0, "content": "<e>"}]}  # (the last id won)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(twice))
+    with pytest.raises(ValueError, match="tokenizer.json: added_tokens lists '<e>' more than once"):
+        data.load_tokenizer(tmp_path)
 
 
 # -----------------------------------------------------------------------------
