@@ -533,6 +533,9 @@ def inherit_resumed(c, m, explicit, sources):
         if key in state["train"] and not sources.get(key, "").startswith("flag"):
             setattr(c, key, state["train"][key])
             sources[key] = "the run --resume continues"
+    if c.max_iters < state["step"]:  # (it printed "nothing to train" and went on)
+        raise SystemExit(f"error: --max_iters {c.max_iters}: the run --resume continues, {c.out_dir}, is at step "
+                         f"{state['step']} already")
     for key in RESUME_SAME + RESUME_KEEPS:
         now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
         if as_compared(key, now) == as_compared(key, saved):

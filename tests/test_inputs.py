@@ -264,6 +264,8 @@ def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
         assert line.startswith(f"error: {message}") and "conflicts with the run --resume continues" in line, line
     assert in_process(flags + ["--resume", "--max_iters", 3]) == ""
     assert json.loads((out / "run.json").read_text())["step"] == 3
+    line = in_process(flags + ["--resume", "--max_iters", 2])
+    assert line == f"error: --max_iters 2: the run --resume continues, {out}, is at step 3 already", line
 
 
 def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_path):
