@@ -126,6 +126,7 @@ class Probe(nn.Module):
 class ATA(nn.Module):
     Config = ATAConfig
     objectives = ("qa", "rel", "qa+rel")
+    SWITCHED = {"fixed_k": "no_aac"}  # a flag read only under a switch (else the probe picks k): given alone, one line
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
     # the tiny base: `qa` alone, no_prefix (a `rel` stage first, or its BOS sink before the memory, stalled qa)
     TINY = dict(lr=2e-3, max_iters=500, warmup_iters=5, batch_size=16, grad_accum=2, lora_r=16, lora_alpha=32,
@@ -174,8 +175,6 @@ class ATA(nn.Module):
         if not (0 < cfg.huber_delta < math.inf and 0 <= cfg.huber_lambda < math.inf):
             raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be a finite number > 0 and --huber_lambda "
                              f"{cfg.huber_lambda} one >= 0 (eq. 8-10)")
-        if not cfg.no_aac and cfg.fixed_k != ATAConfig.fixed_k:  # the probe picks k
-            raise SystemExit(f"error: --fixed_k {cfg.fixed_k} applies under --no_aac (Table 2's fixed k)")
         if cfg.no_aac and any(len(set(map(int, rs.split(",")))) > 1 for rs in (run.ratio, run.eval_ratio or "0")):
             raise SystemExit(f"error: --no_aac gives every context --fixed_k {cfg.fixed_k} tokens at any ratio: one "
                              f"ratio to train and read at, not --ratio {run.ratio!r} --eval_ratio {run.eval_ratio!r}")

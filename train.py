@@ -571,6 +571,9 @@ def check_inputs(stages, cls):
     stages read of them, before any work."""
     for c, m, sources in stages:
         check_stage(c, m, cls)
+        for flag, switch in getattr(cls, "SWITCHED", {}).items():  # (--fixed_k 6 alone was ignored)
+            if sources.get(flag) == "flag" and not getattr(m, switch):
+                raise SystemExit(f"error: --{flag} {getattr(m, flag)} applies under --{switch}")
         for flag in ("ratio", "eval_ratio"):  # (as eval.py's --ratio; a recipe's R = 4..128 may pass a short context)
             if sources.get(flag) == "flag" and getattr(c, flag) and max(ratios_of(getattr(c, flag))) > c.max_context:
                 raise SystemExit(f"error: --{flag} {getattr(c, flag)!r}: above --max_context {c.max_context}, where "
