@@ -445,9 +445,7 @@ def check_evaluable(run_dir, ratio):
     note_unfinished(run_dir, state)
     if not ratio:
         return
-    if max(train.ratios_of(ratio)) > cfg.max_context:
-        raise SystemExit(f"error: --ratio {ratio!r}: above {run_dir}'s --max_context {cfg.max_context}, "
-                         "where every context is one memory slot")
+    train.check_ratio_fits(ratio, cfg.max_context, whose=f"{run_dir}'s ")
     try:
         if hasattr(cls, "check_config"):
             cls.check_config(replace(cfg, eval_ratio=ratio), mcfg)
@@ -631,12 +629,17 @@ def memory_mismatch(memory, decoder, method):
     return ""
 
 
+def base_of(cfg):
+    """The real path of a run's HF base checkpoint: what a saved Memory records and is checked against."""
+    return os.path.realpath(tiny.base_path(cfg.init_from))
+
+
 def check_origin(memory, path, run_dir):
     """The run that saved a Memory (--save_memory records it) against the one answering from it, before it loads:
     another method's or another base's is one line, another run of both a note; a file saved without it is not
     checked."""
     cfg = train.run_config(run_dir)[0]
-    saved_by, name, base = memory.origin or {}, cfg.method, os.path.realpath(tiny.base_path(cfg.init_from))
+    saved_by, name, base = memory.origin or {}, cfg.method, base_of(cfg)
     if saved_by.get("method", name) != name:
         raise SystemExit(f"error: --memory {path} was saved by a --method {saved_by['method']} run "
                          f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
@@ -685,7 +688,7 @@ def one_shot(ecfg, run_dir, device):
     if ecfg.save_memory:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
         memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method,
-                         "base": os.path.realpath(tiny.base_path(cfg.init_from))}
+                         "base": base_of(cfg)}
         train.atomic_write(ecfg.save_memory, memory.save)
         print(f"saved the compressed context to {ecfg.save_memory}")
 

@@ -853,8 +853,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"{config}: key {key!r} is {c[key]!r:.40}, expected {want}")
         self.add_adapter(name, c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]))
         views = self.adapter_state(name)
-        tensors = read_tensors(os.path.join(path, "adapter_model.safetensors"))
-        for key, t in tensors.items():
+        loaded = set()  # (module, "A" | "B")
+        for key, t in read_tensors(os.path.join(path, "adapter_model.safetensors")).items():
             module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
             if module not in views or ab[0] not in "AB":
                 raise ValueError(f"{path}: adapter tensor {key} matches no module of this model")
@@ -867,8 +867,8 @@ class Transformer(nn.Module):
                                  "numbers")
             with torch.no_grad():
                 view.copy_(t)
-        missing = [f"{m}.lora_{ab}" for m in views for ab in "AB" if not any(
-            k.removeprefix("base_model.model.").startswith(f"{m}.lora_{ab}") for k in tensors)]
+            loaded.add((module, ab[0]))
+        missing = [f"{m}.lora_{ab}" for m in views for ab in "AB" if (m, ab) not in loaded]
         if missing:  # (an empty file trained against the plain base)
             raise ValueError(f"{path}: adapter_model.safetensors lacks {len(missing)} of the tensors its config names: "
                              f"{', '.join(missing[:3])}")

@@ -224,6 +224,13 @@ def configure(argv):
     return cfg, mcfg, explicit, cls
 
 
+def check_ratio_fits(spec, max_context, flag="ratio", whose=""):
+    """A ratio above --max_context (train.py's flag, eval.py's reading of a run) is one line."""
+    if max(ratios_of(spec, flag)) > max_context:
+        raise SystemExit(f"error: --{flag} {spec!r}: above {whose}--max_context {max_context}, where every context is "
+                         "one memory slot")
+
+
 def ratios_of(spec, flag="ratio"):
     if not re.fullmatch(r" *[0-9]+ *(, *[0-9]+ *)*", str(spec)):  # "4,,8", "4," and "4_0" are errors (int reads 4_0)
         raise SystemExit(f"error: --{flag} {spec!r} must be a positive integer or a comma list like 4,8,16")
@@ -574,10 +581,9 @@ def check_inputs(stages, cls):
         for flag, switch in getattr(cls, "SWITCHED", {}).items():  # (--fixed_k 6 alone was ignored)
             if sources.get(flag) == "flag" and not getattr(m, switch):
                 raise SystemExit(f"error: --{flag} {getattr(m, flag)} applies under --{switch}")
-        for flag in ("ratio", "eval_ratio"):  # (as eval.py's --ratio; a recipe's R = 4..128 may pass a short context)
-            if sources.get(flag) == "flag" and getattr(c, flag) and max(ratios_of(getattr(c, flag))) > c.max_context:
-                raise SystemExit(f"error: --{flag} {getattr(c, flag)!r}: above --max_context {c.max_context}, where "
-                                 "every context is one memory slot")
+        for flag in ("ratio", "eval_ratio"):  # (a recipe's R = 4..128 may pass a short context)
+            if sources.get(flag) == "flag" and getattr(c, flag):
+                check_ratio_fits(getattr(c, flag), c.max_context, flag)
     check_files(*stages[0][:2])
     check_out_dirs(stages)
     (cfg, _, _), (last, _, _) = stages[0], stages[-1]
