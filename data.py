@@ -530,6 +530,16 @@ def _open_text(path):
     return gzip.open(path, "rt", encoding="utf-8-sig")
 
 
+def is_json_list(path):
+    """Whether a JSON file's text starts with "[": of the formats read here, HotpotQA's alone (what --hotpot_distractors
+    reads; an unreadable file is False, its reader says why)."""
+    try:
+        with _open_text(path) as f:
+            return file_kind(path) == "json" and f.read(4096).lstrip()[:1] == "["
+    except (OSError, ValueError, EOFError):  # (UnicodeDecodeError, a fake .gz)
+        return False
+
+
 FILE_KINDS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".zip": "zip"}
 
 
@@ -588,6 +598,8 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
         answers = _field(qa, "answers", list)
         if not context.strip():  # (before its answers: "answer_start [36] should lie in the context's 3 characters")
             raise ValueError("empty context: nothing to compress")
+        if qa.get("is_impossible", False) not in (True, False):  # ("no" was truthy: an answered question skipped)
+            raise ValueError(f"field 'is_impossible' should be true or false, got {json.dumps(qa['is_impossible'])[:60]}")
         if qa.get("is_impossible") or not answers:
             _count(stats, "unanswerable")
             if not keep_unanswerable:

@@ -702,7 +702,8 @@ def check_flags(ecfg, given):
     if wrong:
         modes = ("evaluating runs", "one-shot mode (--context, --memory, --question)")
         raise SystemExit(f"error: --{wrong[0]} applies to {modes[not ecfg.one_shot]}, not to {modes[ecfg.one_shot]}")
-    for flag in sorted(given & {"question", "context", "memory"}):  # (an unset shell variable, say)
+    for flag in sorted(given & {"question", "context", "memory", "out", "save_memory", "eval_data"}):  # (an unset
+        # shell variable, say: --out "" wrote nothing, --eval_data "" read the run's own)
         if not getattr(ecfg, flag).strip():
             raise SystemExit(f"error: --{flag} is empty" + (" (leave it out to ask what the text is about)"
                                                                if flag == "question" else ""))

@@ -215,6 +215,10 @@ def configure(argv):
         if key in others:
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, cls.Config)
+    for flag in sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "out_dir", "encoder",
+                                   "decoder"}):  # (--data "$UNSET" trained on the synthetic set)
+        if not getattr(cfg, flag, getattr(mcfg, flag, "")).strip():
+            raise SystemExit(f"error: --{flag} is empty: name a path, or leave the flag out for its default")
     unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
     if unread:  # the teacher and the tiny base compress nothing
         raise SystemExit(f"error: --{unread[0]} does not apply to --method {name}: it reads the whole context")
@@ -432,9 +436,13 @@ def check_run_flags(cfg, explicit):
         raise SystemExit(f"error: --micro_batch {cfg.micro_batch} sets --grad_accum: give one of them")
     if {"warmup_iters", "warmup_frac"} <= explicit:  # (--warmup_iters won)
         raise SystemExit("error: --warmup_iters and --warmup_frac both set the warmup: give one of them")
+    files = [f for f in (cfg.data, cfg.eval_data, cfg.pretrain_data) if f]
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
-        if not (cfg.data or cfg.eval_data or cfg.pretrain_data):
+        if not files:
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
+    if "hotpot_distractors" in explicit and cfg.hotpot_distractors and not any(map(data.is_json_list, files)):
+        raise SystemExit("error: --hotpot_distractors keeps HotpotQA's distractor paragraphs, and no --data, "
+                         "--eval_data or --pretrain_data file is HotpotQA (a JSON list)")
 
 
 def check_run_dirs(cfg, mcfg):

@@ -12,7 +12,7 @@ import data
 import tiny
 import eval as evaluate
 import train
-from common import cli_error, method_smoke, read_params, run, torchrun
+from common import cli_error, method_smoke, read_params, run, squad_file, torchrun
 from model import Memory, Transformer
 
 
@@ -189,6 +189,11 @@ def test_paper_defaults_warmup_steps_and_hotpot_distractors(base_dir, tmp_path):
     gold_only = train.TrainConfig(method="ata", init_from=base_dir, hotpot_distractors=False, data=str(hotpot))
     train.resolve(gold_only, ata.ATAConfig(), {"hotpot_distractors"}, ata.ATA)
     assert len(train.read_records(str(hotpot), gold_only)[0]["chunks"]) == 2
+    squad = squad_file(tmp_path / "squad.json")  # (the flag was read by nothing)
+    assert "no --data, --eval_data or --pretrain_data file is HotpotQA" in cli_error(
+        ["--method", "ata", "--init_from", base_dir, "--data", squad, "--hotpot_distractors"])
+    for given in ([str(hotpot)], [squad, "--eval_data", str(hotpot)], [squad, "--hotpot_distractors", "false"]):
+        train.check_run_flags(*train.configure(["--method", "ata", "--hotpot_distractors", "--data", *given])[::2])
     tiny_cfg = train.TrainConfig(method="ata")  # the shipped tiny base: a short run, a short warmup
     train.resolve(tiny_cfg, ata.ATAConfig(), set(), ata.ATA)
     assert tiny_cfg.warmup_iters < tiny_cfg.max_iters // 10

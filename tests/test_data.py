@@ -429,6 +429,11 @@ def test_read_squad(tmp_path):
     assert recs[1]["relevant"] == ["Yes."] and recs[0]["answers"] == ["Ann"]
     assert len(list(data.read_squad(p, skip_bad=True, keep_unanswerable=True))) == 3
     assert [r["id"] for r in data.read_dataset(p, skip_bad=True)] == ["q1", "q4"]
+    text = json.dumps({"data": [{"paragraphs": [{"context": "Ann.", "qas": [  # ("no" skipped it as unanswerable)
+        {"question": "Who?", "answers": [{"text": "Ann", "answer_start": 0}], "is_impossible": "no"}]}]}]})
+    (tmp_path / "v2.json").write_text(text)
+    with pytest.raises(ValueError, match=r"v2\.json:1: field 'is_impossible' should be true or false, got \"no\""):
+        list(data.read_squad(tmp_path / "v2.json"))
 
 
 def test_read_mrqa(tmp_path):

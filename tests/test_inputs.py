@@ -359,6 +359,9 @@ def test_eval_inputs_are_one_line(files, tmp_path, monkeypatch):
                           ([run_dir, "--n", -1], "--n -1 must lie in 0..2^20"),
                           ([run_dir, "--n", 1 << 21], "--n 2097152 must lie in 0..2^20"),  # (synthetic: a hang)
                           ([run_dir, "--context="], "--context is empty"),  # (was: every run evaluated)
+                          ([run_dir, "--n", 2, "--out="], "--out is empty"),  # (wrote nothing)
+                          ([run_dir, "--n", 2, "--eval_data", ""], "--eval_data is empty"),  # (read the run's own)
+                          ([run_dir, "--context", tmp_path / "doc.txt", "--save_memory="], "--save_memory is empty"),
                           ([run_dir, "--n", 2, "--batch_size", 0], "--batch_size 0 must be a positive integer"),
                           ([run_dir, "--n", 2, "--max_new_tokens", 0], "--max_new_tokens 0 must be a positive"),
                           ([run_dir, "--n", 2, "--split", "dev"], "--split 'dev'; choose from"),

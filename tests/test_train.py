@@ -370,6 +370,8 @@ def test_every_method_runs_on_gemma2(tmp_path):
     (["--micro_batch", "2", "--grad_accum", "2"], "--micro_batch 2 sets --grad_accum: give one of them"),
     (["--method", "ata", "--hotpot_distractors"], "--hotpot_distractors applies to reading a --data file"),  # (ignored)
     (["--skip_bad"], "--skip_bad applies to reading a --data file; the synthetic set is read without it"),  # (ignored)
+    *((["--method", "pic", f"--{flag}", " "], f"--{flag} is empty: name a path") for flag in  # (read as not given:
+      ("data", "eval_data", "teacher", "out_dir", "decoder")),  # the synthetic set, no teacher, out/pic, ...)
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path):
     # --method base takes no --init_from: there a check that fails trains one step in tmp_path, not the repo's out/
