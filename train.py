@@ -1234,7 +1234,9 @@ def main(argv):
     --help or an interrupted stage."""
     if "-h" in argv or "--help" in argv:  # the flags of --method (meanpool unless given)
         cls = configure([a for a in argv if a not in ("-h", "--help")])[3]
-        print(f"methods: {', '.join(method_registry())}; each has its own flags (--method NAME --help)\n")
+        print(f"methods: {', '.join(method_registry())}; each has its own flags (--method NAME --help)\n"
+              "defaults: a flag not given takes the method's paper recipe on a real checkpoint, its tiny settings on "
+              "the tiny base, else the default below; a run prints each value it uses and where it came from\n")
         return make_parser([TrainConfig, cls.Config]).print_help()
     # 1) flags, the recipe, every input checked before any work
     cfg, mcfg, explicit, cls = configure(argv)

@@ -142,6 +142,8 @@ TWINS = {"meanpool kd": hf_meanpool_kd, "pic ae+lm": hf_pic_ae}
 
 
 def main():
+    if {"-h", "--help"} & set(sys.argv[1:]):  # (bench.py's parser printed bench.py's help)
+        return print(f"{__doc__.strip()}\n\nFlags: those of `python benchmarks/bench.py train --help`.")
     bench.configure(["train"] + sys.argv[1:])
     bench.check_args()
     bench.set_threads()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One setting over several seeds, then one table: how much a tiny-base row owes to its seed.
+# One setting over several seeds, then a table per seed: how much a tiny-base row owes to its seed.
 #   bash scripts/seeds.sh 1337,1,2 --method pic --mem single --mask bidir
 #   JOBS=15 bash scripts/seeds.sh 1,2,3,4,5,6,7 --method pic --mem single --mask causal --dtype float32   # a GPU
 # --seed draws the held-out questions too, so rows of different seeds are not paired; to pair

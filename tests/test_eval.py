@@ -850,6 +850,8 @@ def test_scripts_bad_input_is_one_line(tmp_path):
     assert out.read_text() == "kept\n"
     p = subprocess.run([sys.executable, "scripts/claims.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and "python scripts/claims.py out/suite/results.json " in p.stdout, p.stderr
+    p = subprocess.run([sys.executable, "benchmarks/hf_twins.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.startswith("bench.py train's meanpool kd"), p.stdout  # (was bench.py's)
     a = _scores_file(tmp_path / "a.json", {4: {"q0": 1.0}})
     bad = json.load(open(a))
     bad["rows"][0]["scores"]["f1"] = {"q0": "x"}
