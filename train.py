@@ -17,6 +17,7 @@ exactly where a run stopped.
 """
 import argparse
 import copy
+import fcntl
 import filecmp
 import glob
 import inspect
@@ -316,6 +317,17 @@ def teacher_prompt(teacher):
     """The --prompt a --method teacher run was trained with ("" without one): a run distilling it takes it."""
     path = os.path.join(teacher, "run.json")
     return read_json(path)["train"].get("prompt", "") if teacher and os.path.isfile(path) else ""
+
+
+def started_command(cfg):
+    """--resume: the flags and values of the command that started the run in cfg.out_dir (its run.json, or an earlier
+    stage's when the last has not begun: their values, --max_iters or --eval_examples, were the command's), or {}."""
+    out_dir = cfg.out_dir or os.path.join("out", cfg.method)
+    for path in [os.path.join(out_dir, "run.json")] + sorted(glob.glob(os.path.join(out_dir, "*", "run.json"))):
+        state = read_json(path) if os.path.isfile(path) else {}
+        if isinstance(state, dict) and isinstance(state.get("command"), dict):
+            return state["command"]
+    return {}
 
 
 RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
@@ -838,7 +850,7 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
@@ -861,7 +873,8 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe):
     before = run_state(out_dir) if cfg.resume else None  # a resumed run keeps the flags its rows name
     flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
-             "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1])}
+             "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1]),
+             **({"command": command} if command is not None else {})}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
         if (f.startswith(("ckpt-", "optim-")) and f not in files.values()) or f == "metrics.json":
@@ -1240,6 +1253,10 @@ def main(argv):
         return make_parser([TrainConfig, cls.Config]).print_help()
     # 1) flags, the recipe, every input checked before any work
     cfg, mcfg, explicit, cls = configure(argv)
+    if cfg.resume and (started := started_command(cfg)):  # the run's command, then this one's flags (the last wins)
+        argv = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in started.items()] + list(argv)
+        cfg, mcfg, explicit, cls = configure(argv)
+    command = {k: getattr(cfg, k, getattr(mcfg, k, None)) for k in sorted(explicit - {"resume"})}
     stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))
     check_inputs(stages, cls)
     items = [stage_data(c) for c, _, _ in stages]
@@ -1247,12 +1264,37 @@ def main(argv):
     recipe, text = recipe_table(stages)
     if rank == 0:
         print(text)
-    # 2) the stages: each starts from the one before
-    for (c, m, _), stage_items in zip(stages, items):
-        out = train(c, m, explicit, cls, recipe, stage_items, ddp, rank, world, device)
-        if STOP:
-            return None
+    # 2) the stages, each from the one before, one run at a time in the dir (two at once mixed their logs and files)
+    with locked(stages[-1][0].out_dir) if rank == 0 else nullcontext():
+        for i, ((c, m, _), stage_items) in enumerate(zip(stages, items)):
+            later = [s[0].out_dir for s in stages[i + 1:]]
+            out = train(c, m, explicit, cls, recipe, stage_items, ddp, rank, world, device, command, later)
+            if STOP:
+                return None
     return out
+
+
+@contextmanager
+def locked(out_dir):
+    """An exclusive flock on the run dir while the block runs; a run holding it already: one line. The folders made
+    here go again if nothing was written in them (a run that failed to build leaves no empty dir)."""
+    made, there = [], os.path.abspath(out_dir)
+    while not os.path.exists(there):
+        made, there = made + [there], os.path.dirname(there)
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"error: --out_dir {out_dir}: another train.py run is writing into it; wait for it, "
+                             "or name another dir") from None
+        yield
+    finally:
+        os.close(fd)  # (the lock goes with it)
+        for folder in made:
+            if not os.listdir(folder):
+                os.rmdir(folder)
 
 
 def run_dtypes(cfg, device):
@@ -1264,8 +1306,9 @@ def run_dtypes(cfg, device):
     return dtype, torch.bfloat16 if bf16 else torch.float32
 
 
-def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
-    """One stage: build its method, train it for cfg.max_iters steps into cfg.out_dir; returns cfg.out_dir."""
+def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, command=None, later=()):
+    """One stage: build its method, train it for cfg.max_iters steps into cfg.out_dir; returns cfg.out_dir. command:
+    the command's flags and values (run.json keeps them for --resume); later: the dirs of the stages after it."""
     master = rank == 0
     dtype, weights = run_dtypes(cfg, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
@@ -1337,16 +1380,17 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device):
             if checkpoint:
                 record["val_loss"] = val_loss
                 bar.write(f"step {step}: loss {loss:.4f} val {val_loss:.4f}")
-            if step == 1:  # a new run in a used dir starts its own log, and the old run's commit point goes with it
-                for old in ("run.json", "metrics.json"):  # (killed before its first checkpoint: no mixed dir)
-                    Path(cfg.out_dir, old).unlink(missing_ok=True)
+            if step == 1:  # a new run in a used dir starts its own log, and the old run's commit point goes with it,
+                for old in ("run.json", "metrics.json"):  # with those of its later stages, trained from the old one
+                    for d in (cfg.out_dir, *later):  # (killed before its first checkpoint: no mixed dir; --resume
+                        Path(d, old).unlink(missing_ok=True)  # continued this stage, then "finished" the old last)
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
-                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
+                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command)
                 saved = step
         if master and STOP and step < cfg.max_iters:
-            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe)
+            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
         elif master and STOP:  # a signal in its last step: the stage is whole, and the run stops here
             print(f"interrupted: {cfg.out_dir} finished its {step} steps; the run stops here")

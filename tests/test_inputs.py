@@ -234,7 +234,8 @@ def test_resume_keeps_the_runs_method_and_its_config(files, tmp_path):
         line = in_process(common + flags)
         assert line.startswith("error: ") and message in line, line
     state = json.loads(before["run.json"])
-    (out / "run.json").write_text(json.dumps(dict(state, method=dict(state["method"], lora_r=8))))
+    (out / "run.json").write_text(json.dumps(dict(state, method=dict(state["method"], lora_r=8),
+                                                  command=dict(state["command"], lora_r=8))))  # (the command's too)
     line = in_process([a for a in common if a not in ("--lora_r", 4)] + ["--max_iters", 2, "--resume"])
     assert line.startswith("error: ") and "do not match this method's parameters (names or shapes)" in line, line
     (out / "run.json").write_bytes(before["run.json"])
@@ -266,6 +267,44 @@ def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
     assert json.loads((out / "run.json").read_text())["step"] == 3
     line = in_process(flags + ["--resume", "--max_iters", 2])
     assert line == f"error: --max_iters 2: the run --resume continues, {out}, is at step 3 already", line
+
+
+def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(files, tmp_path, monkeypatch):
+    """A run stopped in its first stage, in a dir holding an earlier finished run: --resume finished the first stage,
+    then found the earlier run's last stage "at its step already" and kept its weights; and a last stage not begun
+    took the recipe's steps and evaluation, not the command's. run.json keeps the command; --resume reruns it."""
+    out = tmp_path / "run"
+    flags = ["--method", "ata", "--init_from", files / "hf", "--data", files / "squad.json", "--out_dir", out,
+             "--quiet", "--device", "cpu", "--batch_size", 2, "--lora_r", 4, "--max_context", 64]
+    assert in_process(flags + ["--pretrain", 1, "--max_iters", 1, "--eval_examples", 0]) == ""  # run A: both stages
+    step = train.train_step
+    monkeypatch.setattr(train, "train_step", lambda *a: train.STOP.append(1) or step(*a))  # Ctrl-C in a step
+    assert in_process(flags + ["--pretrain", 2, "--max_iters", 3, "--seed", 5, "--eval_examples", 0]) == ""  # run B
+    assert json.loads((out / "pretrain" / "run.json").read_text())["step"] == 1
+    assert not (out / "run.json").exists()  # A's last stage, trained from A's first: no longer a commit point
+    monkeypatch.undo()
+    assert in_process(["--method", "ata", "--out_dir", out, "--resume"]) == ""
+    first, last = (json.loads((d / "run.json").read_text()) for d in (out / "pretrain", out))
+    assert (first["step"], last["step"]) == (2, 3)  # B's steps (the recipe's: 17,500)
+    assert last["train"]["seed"] == 5 and last["train"]["eval_examples"] == 0 and last["train"]["batch_size"] == 2
+    assert last["command"]["max_iters"] == 3 and last["command"]["pretrain"] == 2
+    assert in_process(["--method", "ata", "--out_dir", out, "--resume", "--max_iters", 4]) == ""  # goes on to 4
+    assert json.loads((out / "run.json").read_text())["step"] == 4
+
+
+def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path):
+    """Two runs started into one --out_dir both trained, their lines mixed in one log.jsonl and either one's files
+    the last written: the second is one line now, the first's dir untouched."""
+    out = tmp_path / "run"
+    with train.locked(str(out)):  # (a flock: another open of the dir, in this process too, cannot take it)
+        (out / "mine").write_text("kept")
+        line = in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                           "--out_dir", out])
+    assert line == f"error: --out_dir {out}: another train.py run is writing into it; wait for it, or name another dir"
+    assert [f.name for f in out.iterdir()] == ["mine"]
+    with train.locked(str(tmp_path / "a" / "b")):  # nothing written: the folders it made go
+        pass
+    assert not (tmp_path / "a").exists()
 
 
 def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_path):

@@ -159,9 +159,14 @@ def test_resume_takes_the_runs_objective_ratio_and_aids(base_dir, tmp_path):
     with pytest.raises(SystemExit, match=r"has no checkpoint \(.*/cut/pretrain has: give the flags its run was"):
         in_process(args(base_dir, tmp_path / "cut", "--max_iters", 3, "--resume"))
     in_process(args(base_dir, tmp_path / "qa", "--max_iters", 2, "--eval_examples", 0, "--objective", "qa"))
+    saved = json.load(open(tmp_path / "qa" / "run.json"))
+    json.dump({k: v for k, v in saved.items() if k != "command"}, open(tmp_path / "qa" / "run.json", "w"))  # older
     with pytest.raises(SystemExit, match=f"--resume: {tmp_path / 'qa'} was trained with objective='qa', this command "
                                          "gives 'kd': give --objective as the run's"):
         in_process(args(base_dir, tmp_path / "qa", "--max_iters", 3, "--resume"))
+    json.dump(saved, open(tmp_path / "qa" / "run.json", "w"))  # its command names --objective qa: --resume reruns it
+    in_process(args(base_dir, tmp_path / "qa", "--max_iters", 3, "--resume"))
+    assert json.load(open(tmp_path / "qa" / "run.json"))["train"]["objective"] == "qa"
     in_process(args(base_dir, out, "--max_iters", 4, "--resume", "--ratio", "4, 8"))  # (the same ratios)
     cfg, mcfg, tok, base, method = train.load_run(str(out))
     method.extra = torch.nn.Parameter(torch.zeros(2))
@@ -566,8 +571,8 @@ def test_every_registered_method_trains_and_is_read_on_its_papers_recipe(tmp_pat
 def test_a_switch_turns_off_a_recipes_true(base_dir, tmp_path):
     """ata's recipe keeps HotpotQA's distractors (hotpot_distractors True): `--hotpot_distractors false` wins, as any
     flag; a bare switch is true, a value other than true / false one line."""
-    argv = ["--method", "ata", "--init_from", base_dir, "--data", squad_file(tmp_path / "squad.json"),
-            "--out_dir", "/o"]
+    (tmp_path / "hotpot.json").write_text("[]")  # (resolve reads no record; a HotpotQA file is a JSON list)
+    argv = ["--method", "ata", "--init_from", base_dir, "--data", str(tmp_path / "hotpot.json"), "--out_dir", "/o"]
     for extra, want in (([], True), (["--hotpot_distractors"], True), (["--hotpot_distractors", "false"], False),
                         (["--hotpot_distractors=0", "--compile"], False)):
         cfg, mcfg, explicit, cls = train.configure(argv + extra)
