@@ -272,7 +272,8 @@ def _pretokenizer(path, spec):
     for step in pre.get("pretokenizers", [pre]):
         kind, gpt2, first = step.get("type"), step.get("use_regex", True), pattern is None and digits is None
         if kind == "Split" and first and step.get("behavior") == "Isolated" and not step.get("invert"):
-            pattern = step["pattern"].get("Regex") or re.escape(step["pattern"].get("String", ""))
+            split = step["pattern"].get("Regex") or re.escape(step["pattern"].get("String", ""))
+            pattern = rf"(?:{split})|(?:(?!(?:{split}))[\s\S])+"  # HF keeps the text between matches as pieces
         elif kind == "Digits" and first:
             digits = bool(step.get("individual_digits"))
         elif kind == "ByteLevel" and not step.get("add_prefix_space") and not (gpt2 and pattern):
@@ -331,13 +332,19 @@ def _apply_checkpoint_config(tok, folder):
     if tcfg:
         template = tcfg.get("chat_template") or ""
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                            "")
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if "default" not in named:  # (transformers refuses it; it read as a base model's: plain prompts)
+                raise ValueError(f"{folder / 'tokenizer_config.json'}: key 'chat_template' lists templates "
+                                 f"{sorted(map(str, named))}, none named 'default'")
+            template = named["default"]
         if not isinstance(template, str):
             raise ValueError(f"{folder / 'tokenizer_config.json'}: key 'chat_template' is {template!r:.40}, "
                              "expected a Jinja text")
         jinja = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
-        tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
+        try:
+            tok.chat_template = jinja.read_text(encoding="utf-8") if jinja.exists() else template
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja}: not UTF-8 text (byte {e.start})") from None
         if "add_bos_token" in tcfg or not tok.bos_from_file:  # else the tokenizer.json's post_processor decides
             bos = token_id("bos_token") if tcfg.get("bos_token") else None
             tok.bos_id = None if tcfg.get("add_bos_token") is False else bos

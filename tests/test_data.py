@@ -84,10 +84,13 @@ def train_hf_bpe(pattern, specials_first, nfc, vocab_size=600):
     return tok
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "letters"])
 def hf_pair(request, tmp_path_factory):
-    llama = request.param == "llama3"
-    hf = train_hf_bpe(data.LLAMA3_PATTERN if llama else data.QWEN2_PATTERN, specials_first=llama, nfc=not llama)
+    """letters: a Split regex that leaves text between its matches, which HF keeps as pieces (tiktoken's findall
+    dropped every space and comma)."""
+    llama = request.param != "qwen2"
+    pattern = {"llama3": data.LLAMA3_PATTERN, "qwen2": data.QWEN2_PATTERN, "letters": "[A-Za-z]+"}[request.param]
+    hf = train_hf_bpe(pattern, specials_first=llama, nfc=not llama)
     d = tmp_path_factory.mktemp(request.param)
     hf.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
@@ -401,6 +404,14 @@ def test_chat_template_picks_the_format(fmt, tmp_path):
     assert bos + want.removesuffix("\n") == tok.decode(f["prefix"] + f["context"] + f["prompt"] + f["answer"])
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=None)))
     assert data.chat_format(data.load_tokenizer(tmp_path)) is None  # a base model: plain QA prompts
+    if fmt == "chatml":  # no "default" among the templates (read as a base model's), a .jinja not UTF-8: one line
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=cfg["chat_template"][:1])))
+        with pytest.raises(ValueError, match=r"lists templates \['tool_use'\], none named 'default'"):
+            data.load_tokenizer(tmp_path)
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (tmp_path / "chat_template.jinja").write_bytes(b"{{ '\xff' }}")
+        with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text \(byte 4\)"):
+            data.load_tokenizer(tmp_path)
 
 
 # -----------------------------------------------------------------------------
