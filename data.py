@@ -209,6 +209,12 @@ def _from_tokenizer_json(path):
     if len(added) < len(spec.get("added_tokens", [])):  # (the last one's id won: a wrong EOS)
         twice = collections.Counter(t["content"] for t in spec["added_tokens"]).most_common(1)[0][0]
         raise ValueError(f"{path}: added_tokens lists {twice!r} more than once")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):  # (ignored: other ids than HF's)
+        if model.get(key):
+            raise ValueError(f"{path}: unsupported tokenizer: found BPE {key} {model[key]!r}; {UNSUPPORTED}")
+    if len(set(model["vocab"].values())) < len(model["vocab"]):  # (a panic in tiktoken)
+        twice = collections.Counter(model["vocab"].values()).most_common(1)[0][0]
+        raise ValueError(f"{path}: vocab gives id {twice} to more than one token")
     vocab = {p: i for p, i in model["vocab"].items() if p not in added}  # tiktoken keeps special tokens apart
     if bad := next((p for p in vocab if any(c not in byte_of for c in p)), None):
         raise ValueError(f"{path}: vocab entry {bad!r} is not byte-level; {UNSUPPORTED}")
@@ -219,13 +225,21 @@ def _from_tokenizer_json(path):
                          f"{len(lacks)} of the 256 single bytes; {UNSUPPORTED}")
     # tiktoken merges by the rank of the merged token; that is HF's merge order when the merged tokens' ids never
     # decrease along the merges list (true for `tokenizers` trainers' files and Llama 3 / Qwen2, from tiktoken).
-    last = -1
-    for m in model.get("merges", []):
-        a, b = m.split(" ") if isinstance(m, str) else m
+    last, merged = -1, set()
+    for n, m in enumerate(model.get("merges", [])):
+        pair = m.split(" ") if isinstance(m, str) else m
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ValueError(f"{path}: merges[{n}] is {m!r:.40}, expected \"a b\" or [a, b]")
+        a, b = pair
+        merged.add(a + b)
         i = model["vocab"].get(a + b, -1)
         if i < last:  # equal: converted tiktoken files list every pair that makes a token
             raise ValueError(f"{path}: merge {a!r} {b!r} is out of vocab-id order; tiktoken ranks would differ")
         last = i
+    unmade = [p for p in vocab if len(p) > 1 and p not in merged]  # HF reaches a token by merges only, tiktoken
+    if unmade and not model.get("ignore_merges"):  # also whole (as HF with ignore_merges): they would differ
+        raise ValueError(f"{path}: vocab token {unmade[0]!r} is made by no merge (and ignore_merges is false); "
+                         f"{UNSUPPORTED}")
     pattern, nfc = _pretokenizer(path, spec)
     specials = {s: t["id"] for s, t in added.items()}
     always = {s for s, t in added.items() if not t.get("special")}
@@ -285,10 +299,31 @@ def _pretokenizer(path, spec):
     return pattern, bool(norms)
 
 
+def _tiktoken_ranks(path):
+    """{token bytes: rank} of a tiktoken file: a line "base64 rank" a token, the ranks 0..n-1 each once (a rank twice
+    was a panic in tiktoken; a token of no bytes, or a rank past the others, a wrong token decoded)."""
+    ranks = {}
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                b64, rank = line.split()
+                piece, rank = base64.b64decode(b64, validate=True), int(rank)
+            except ValueError:  # (binascii.Error is one)
+                got = line[:60].decode("latin-1").strip()
+                raise ValueError(f"{path}:{n}: expected 'base64 rank', got {got!r}") from None
+            if not piece or piece in ranks:
+                raise ValueError(f"{path}:{n}: token {b64.decode()!r} is {'empty' if not piece else 'listed twice'}")
+            ranks[piece] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: its {len(ranks)} ranks should be 0..{len(ranks) - 1}, each once")
+    return ranks
+
+
 def _from_model_file(path):
     if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", path.read_bytes()[:100].split(b"\n")[0]):  # tiktoken: "b64 rank"
-        lines = [line.split() for line in path.read_text(encoding="ascii").splitlines() if line]
-        ranks = {base64.b64decode(b64): int(rank) for b64, rank in lines}
+        ranks = _tiktoken_ranks(path)
         if len(ranks) not in TIKTOKEN_FILES:
             raise ValueError(f"{path}: a tiktoken file with {len(ranks)} ranks; "
                              f"known sizes: 128000 (Llama 3), 151643 (Qwen)")
@@ -606,7 +641,7 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
         if not context.strip():  # (before its answers: "answer_start [36] should lie in the context's 3 characters")
             raise ValueError("empty context: nothing to compress")
         if qa.get("is_impossible", False) not in (True, False):  # ("no" was truthy: an answered question skipped)
-            raise ValueError(f"field 'is_impossible' should be true or false, got {json.dumps(qa['is_impossible'])[:60]}")
+            raise ValueError(f"field 'is_impossible' should be true or false, got {json.dumps(qa['is_impossible']):.60}")
         if qa.get("is_impossible") or not answers:
             _count(stats, "unanswerable")
             if not keep_unanswerable:

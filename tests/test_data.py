@@ -269,7 +269,12 @@ def test_unsupported_tokenizer_json_is_one_line(tmp_path):
         "byte_fallback": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True},
                           "pre_tokenizer": {"type": "ByteLevel"}},
         "prefix space": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
-                         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True}}}
+                         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True}},
+        **{option: {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], option: value},  # (ignored)
+                    "pre_tokenizer": {"type": "ByteLevel"}} for option, value in (
+            ("dropout", 0.9), ("end_of_word_suffix", "</w>"), ("continuing_subword_prefix", "##"))},
+        "unmade": {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "ba": 3}, "merges": ["a b"]},
+                   "pre_tokenizer": {"type": "ByteLevel"}}}  # ("ba": HF never makes it, tiktoken did)
     for name, spec in cases.items():
         (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
         with pytest.raises(ValueError, match="unsupported") as e:
@@ -280,6 +285,21 @@ def test_unsupported_tokenizer_json_is_one_line(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(twice))
     with pytest.raises(ValueError, match="tokenizer.json: added_tokens lists '<e>' more than once"):
         data.load_tokenizer(tmp_path)
+    base = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
+            "pre_tokenizer": {"type": "ByteLevel"}}
+    for change, message in (({"vocab": {"a": 0, "b": 1, "ab": 1}}, "vocab gives id 1 to more than one token"),  # (a
+                            ({"merges": ["a"]}, r"merges\[0\] is 'a', expected")):  # panic; "not enough values")
+        (tmp_path / "tokenizer.json").write_text(json.dumps(dict(base, model=dict(base["model"], **change))))
+        with pytest.raises(ValueError, match=message):
+            data.load_tokenizer(tmp_path)
+    for lines, message in (([b"YQ== 0", b"YQ== 1"], "tokenizer.model:2: token 'YQ==' is listed twice"),  # (a panic)
+                           ([b"YQ== 0", b"Yg== 0"], "its 2 ranks should be 0..1, each once"),
+                           ([b"YQ== 0", b"!!!! 1"], "tokenizer.model:2: expected 'base64 rank', got '!!!! 1'"),
+                           ([b"YQ== 0", b"Yg== five"], "tokenizer.model:2: expected 'base64 rank'"),
+                           ([b"YQ== 0", b"Yg== 1 2"], "tokenizer.model:2: expected 'base64 rank'")):
+        (tmp_path / "tokenizer.model").write_bytes(b"\n".join(lines) + b"\n")
+        with pytest.raises(ValueError, match=message):
+            data.load_tokenizer(tmp_path / "tokenizer.model")
 
 
 # -----------------------------------------------------------------------------
