@@ -641,7 +641,8 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
         if not context.strip():  # (before its answers: "answer_start [36] should lie in the context's 3 characters")
             raise ValueError("empty context: nothing to compress")
         if qa.get("is_impossible", False) not in (True, False):  # ("no" was truthy: an answered question skipped)
-            raise ValueError(f"field 'is_impossible' should be true or false, got {json.dumps(qa['is_impossible']):.60}")
+            got = json.dumps(qa["is_impossible"])
+            raise ValueError(f"field 'is_impossible' should be true or false, got {got:.60}")
         if qa.get("is_impossible") or not answers:
             _count(stats, "unanswerable")
             if not keep_unanswerable:
@@ -770,6 +771,11 @@ def _whole(path, read):
     try:
         return list(read())
     except UnicodeDecodeError as e:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        for kind, start, suffix in (("gzip", b"\x1f\x8b", ".gz"), ("zip", b"PK\x03\x04", ".zip")):
+            if magic.startswith(start) and not str(path).lower().endswith(suffix):  # (read by its name)
+                raise ValueError(f"{path}: a {kind} file: name it {Path(path).name}{suffix}") from None
         where = f"byte {e.start}" if file_kind(path) == "zip" else f"line {_first_non_utf8_line(path)}"
         raise ValueError(f"{path}: not UTF-8 text ({where})") from None
     except (EOFError, zlib.error, gzip.BadGzipFile, zipfile.BadZipFile) as e:

@@ -28,6 +28,7 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
@@ -738,9 +739,12 @@ def check_writable(path, flag, folder=True):
         if os.path.islink(there):  # (makedirs said "File exists" after the model was built)
             raise SystemExit(f"error: {flag} {path!r}: {there} is a link to {os.readlink(there)}, which does not exist")
         there = os.path.dirname(there)
-    if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
-        why = "is not writable" if os.path.isdir(there) else "is a file, not a folder"
-        raise SystemExit(f"error: {flag} {path!r}: {there} {why}")
+    if not os.path.isdir(there):
+        raise SystemExit(f"error: {flag} {path!r}: {there} is a file, not a folder")
+    try:  # (os.access: root may write anywhere, but not into /proc)
+        tempfile.TemporaryFile(dir=there).close()
+    except OSError:
+        raise SystemExit(f"error: {flag} {path!r}: {there} is not writable") from None
 
 
 def not_a_file(path):

@@ -664,11 +664,15 @@ def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "crc.jsonl.gz").write_bytes(bytes(gz))
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (tmp_path / "latin.jsonl").write_bytes(good.encode() * 3000 + b'{"context": "caf\xe9"}\n')
+    (tmp_path / "packed.jsonl").write_bytes(gzip.compress(good.encode()))  # (was "not UTF-8 text (line 1)")
+    (tmp_path / "packed.json").write_bytes(zipped.read_bytes())
     cfg = train.TrainConfig()
     for name, message in (("squad.zip", "squad.zip: a cut or corrupt compressed file (Bad CRC-32"),
                           ("crc.jsonl.gz", "crc.jsonl.gz: a cut or corrupt compressed file (CRC check failed"),
                           ("deep.json", "deep.json: JSON nested too deeply to read"),
-                          ("latin.jsonl", "latin.jsonl: not UTF-8 text (line 3001)")):
+                          ("latin.jsonl", "latin.jsonl: not UTF-8 text (line 3001)"),
+                          ("packed.jsonl", "packed.jsonl: a gzip file: name it packed.jsonl.gz"),
+                          ("packed.json", "packed.json: a zip file: name it packed.json.zip")):
         with pytest.raises(ValueError) as e:
             train.read_records(tmp_path / name, cfg)
         assert str(e.value).startswith(str(tmp_path / name)) and message in str(e.value), e.value

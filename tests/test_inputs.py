@@ -305,6 +305,9 @@ def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path):
     with train.locked(str(tmp_path / "a" / "b")):  # nothing written: the folders it made go
         pass
     assert not (tmp_path / "a").exists()
+    if os.path.isdir("/proc"):  # writable by its mode as root, yet no file can be made there (an OSError later)
+        with pytest.raises(SystemExit, match="error: --out_dir '/proc/x': /proc is not writable"):
+            train.check_writable("/proc/x", "--out_dir")
 
 
 def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_path):
