@@ -472,7 +472,7 @@ def check_run(run_dir, decoder, max_new_tokens):
 
 def evaluate_run(run_dir, ecfg, device, records):
     """Compute and write <run>/metrics.json. records: eval_records's, read before any model loads (main)."""
-    cached = os.path.join(run_dir, "metrics.json")
+    cached, want = os.path.join(run_dir, "metrics.json"), asked(run_dir, ecfg)  # (before its weights load)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     key = teacher_key(cfg, ecfg, records, device, getattr(mcfg, "decoder", ""))
@@ -491,8 +491,11 @@ def evaluate_run(run_dir, ecfg, device, records):
     extra = heldout(list(dict.fromkeys(r["context"] for r in records)), base) if heldout else {}  # each text once
     for row in rows:
         row.update(method=label, run=run_dir, **extra, **teacher_normalised(row, teacher, noctx))
-    result = {"run": run_dir, "asked": asked(run_dir, ecfg), "teacher_key": key, "teacher": teacher,
-              "no_context": noctx, "rows": rows}
+    result = {"run": run_dir, "asked": want, "teacher_key": key, "teacher": teacher, "no_context": noctx, "rows": rows}
+    if asked(run_dir, ecfg)["ckpt"] != want["ckpt"]:  # (they were kept as the newer checkpoint's, and served)
+        print(f"note: {run_dir} saved another checkpoint while it was evaluated: its rows (of either one) are not "
+              "kept in its metrics.json", file=sys.stderr)
+        return result
     saved = result if ecfg.recompute else with_other_ratios(cached, result)  # (--recompute: every cached row goes)
     try:
         train.atomic_write(cached, lambda p: Path(p).write_text(json.dumps(saved, indent=1)))

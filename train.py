@@ -201,6 +201,9 @@ def parse_args(argv, *configs, positional=None, usage=USAGE):
     return instances, set(given) - {positional}
 
 
+PATH_FLAGS = ("init_from", "teacher", "data", "eval_data", "pretrain_data", "out_dir", "encoder", "decoder")
+
+
 def configure(argv):
     """(cfg, mcfg, explicit flags, method class) from argv; --method decides which flags exist."""
     methods = method_registry()
@@ -217,8 +220,7 @@ def configure(argv):
         if key in others:
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, cls.Config)
-    for flag in sorted(explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "out_dir", "encoder",
-                                   "decoder"}):  # (--data "$UNSET" trained on the synthetic set)
+    for flag in sorted(explicit & set(PATH_FLAGS)):  # (--data "$UNSET" trained on the synthetic set)
         if not getattr(cfg, flag, getattr(mcfg, flag, "")).strip():
             raise SystemExit(f"error: --{flag} is empty: name a path, or leave the flag out for its default")
     unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
@@ -320,15 +322,33 @@ def teacher_prompt(teacher):
     return read_json(path)["train"].get("prompt", "") if teacher and os.path.isfile(path) else ""
 
 
-def started_command(cfg):
-    """--resume: the flags and values of the command that started the run in cfg.out_dir (its run.json, or an earlier
-    stage's when the last has not begun: their values, --max_iters or --eval_examples, were the command's), or {}."""
-    out_dir = cfg.out_dir or os.path.join("out", cfg.method)
-    for path in [os.path.join(out_dir, "run.json")] + sorted(glob.glob(os.path.join(out_dir, "*", "run.json"))):
+def started_command(argv):
+    """--resume: (the flags of the command that started the run in --out_dir as arguments, the run.json they come
+    from), from its run.json or, when the last stage has not begun, an earlier stage's (their values, --max_iters or
+    --eval_examples, were the command's); else ([], ""). Its paths are absolute: a run resumed from another folder
+    reads the files it was started with; its --out_dir is left out: a run dir may move."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.error = lambda message: sys.exit(f"error: {message}")
+    pre.add_argument("--resume", nargs="?", const=True, default=False, type=switch)
+    pre.add_argument("--out_dir", default="")
+    pre.add_argument("--method", default=TrainConfig.method)
+    given = pre.parse_known_args(argv)[0]
+    out_dir = given.out_dir or os.path.join("out", given.method)
+    top = os.path.join(out_dir, "run.json")
+    for path in [top] + sorted(glob.glob(os.path.join(out_dir, "*", "run.json"))) if given.resume else []:
         state = read_json(path) if os.path.isfile(path) else {}
-        if isinstance(state, dict) and isinstance(state.get("command"), dict):
-            return state["command"]
-    return {}
+        if not isinstance(state, dict) or not isinstance(state.get("command"), dict):
+            continue
+        if path == top or state.get("last_stage") is False:  # (not a run of its own nested in the dir)
+            return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in state["command"].items()
+                    if k != "out_dir"], path
+    return [], ""
+
+
+def command_of(cfg, mcfg, explicit):
+    """The flags a command gave and their values, paths made absolute (run.json keeps them for --resume)."""
+    values = {k: getattr(cfg, k, getattr(mcfg, k, None)) for k in sorted(explicit - {"resume"})}
+    return {k: os.path.abspath(v) if k in PATH_FLAGS and v else v for k, v in values.items()}
 
 
 RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
@@ -387,6 +407,14 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         steps[fixed:] = split_steps(cfg.max_iters, steps[fixed:])
     out_dir = cfg.out_dir or os.path.join("out", cfg.method)
     resolved, init_from = [], cfg.init_from
+    dirs = [os.path.join(out_dir, s.name) for s in stages[:-1]] + [out_dir]
+    begun = [i for i, d in enumerate(dirs) if cfg.resume and os.path.exists(os.path.join(d, "run.json"))
+             and run_config(d)[0].method == cfg.method]  # (run_config: an edited run.json is one line)
+    if begun and begun[-1] > 0:  # --resume: the stages before the last one begun stand (their steps, a --pretrain
+        j, init_from = begun[-1], dirs[begun[-1] - 1]  # or --max_iters of another split, retrained them under it)
+        if not os.path.exists(os.path.join(init_from, "run.json")):  # (it trained the first stage anew, then failed)
+            raise SystemExit(f"error: --resume: {dirs[j]} began from {init_from}, which holds no checkpoint now")
+        stages, steps, recipe_steps, fixed = stages[j:], steps[j:], recipe_steps[j:], 0
     for i, (stage, n, n_recipe) in enumerate(zip(stages, steps, recipe_steps)):
         c, m, sources = stage_values(cfg, mcfg, explicit, stage, source, n, n_recipe)
         if fixed and i == 0:
@@ -407,7 +435,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
         if first:  # a second stage: its own flags (cls.STAGE_FLAGS: gist's --stage) may differ
             inherit_method_config(first, f"the first stage {c.init_from}", m, explicit, getattr(cls, "STAGE_FLAGS", ()))
         if c.resume:
-            inherit_resumed(c, m, explicit, sources)
+            inherit_resumed(c, m, explicit, sources, own_start=c.init_from in dirs)
         set_micro_batches(c, cfg.micro_batch, explicit, world, sources)
         resolved.append((c, m, sources))
         init_from = c.out_dir
@@ -550,7 +578,7 @@ def set_micro_batches(c, micro_batch, explicit, world, sources):
                          f"{world} ranks x --grad_accum {c.grad_accum}")
 
 
-def inherit_resumed(c, m, explicit, sources):
+def inherit_resumed(c, m, explicit, sources, own_start=False):
     """--resume: the stage takes the run.json of the run it continues (what shaped its tensors, its data and its loss;
     a flag given with another value is one line) and its schedule, where no flag gives another."""
     state = run_state(c.out_dir, c.method)  # its run.json, when a run of this method
@@ -565,6 +593,8 @@ def inherit_resumed(c, m, explicit, sources):
         raise SystemExit(f"error: --max_iters {c.max_iters}: the run --resume continues, {c.out_dir}, is at step "
                          f"{state['step']} already")
     for key in RESUME_SAME + RESUME_KEEPS:
+        if key == "init_from" and own_start:  # an earlier stage of this run: its dir, however --out_dir is spelled
+            continue
         now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
         if as_compared(key, now) == as_compared(key, saved):
             continue
@@ -854,7 +884,7 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None, last_stage=True):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
@@ -878,7 +908,7 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, comman
     flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1]),
-             **({"command": command} if command is not None else {})}
+             **({"command": command, "last_stage": last_stage} if command is not None else {})}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
         if (f.startswith(("ckpt-", "optim-")) and f not in files.values()) or f == "metrics.json":
@@ -1191,8 +1221,8 @@ def diverged(loss, which, step, saved, out_dir):
 
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
     """One optimizer step over this rank's micro-batches; returns (loss per token, metrics,
-    tokens seen). Gradients are sums over tokens, scaled by the global token count (DDP
-    already averaged over ranks); one all_reduce carries loss, count and rank 0's Ctrl-C."""
+    tokens seen, whether a rank got Ctrl-C). Gradients are sums over tokens, scaled by the global token count
+    (DDP already averaged over ranks); one all_reduce carries loss, count and every rank's Ctrl-C."""
     total, count, metrics, tokens = 0.0, 0.0, {}, 0
     for i, mb in enumerate(micro):
         mb = to_device(mb, device)
@@ -1208,14 +1238,23 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
     counts = torch.tensor([total, count, len(STOP)], device=device, dtype=torch.float64)
     if ddp:
         dist.all_reduce(counts)
-        if counts[2] > 0 and not STOP:
-            STOP.append(1)
     torch._foreach_mul_([p.grad for p in params if p.grad is not None], world / max(counts[1].item(), 1.0))
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
     opt.zero_grad()
-    return counts[0].item() / max(counts[1].item(), 1.0), metrics, tokens
+    return counts[0].item() / max(counts[1].item(), 1.0), metrics, tokens, counts[2].item() > 0
+
+
+def stop_together(ddp, device):
+    """Whether a rank got Ctrl-C / SIGTERM (one may, as `kill -INT` on rank 0's process): after it every rank's STOP
+    says so (a rank that left its loop alone left the others waiting in their next all_reduce)."""
+    if ddp:
+        flag = torch.tensor([float(len(STOP))], device=device)
+        dist.all_reduce(flag)
+        if flag.item() > 0 and not STOP:
+            STOP.append(1)
+    return bool(STOP)
 
 
 @torch.no_grad()
@@ -1256,20 +1295,22 @@ def main(argv):
               "the tiny base, else the default below; a run prints each value it uses and where it came from\n")
         return make_parser([TrainConfig, cls.Config]).print_help()
     # 1) flags, the recipe, every input checked before any work
-    cfg, mcfg, explicit, cls = configure(argv)
-    if cfg.resume and (started := started_command(cfg)):  # the run's command, then this one's flags (the last wins)
-        argv = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in started.items()] + list(argv)
-        cfg, mcfg, explicit, cls = configure(argv)
-    command = {k: getattr(cfg, k, getattr(mcfg, k, None)) for k in sorted(explicit - {"resume"})}
+    started, source = started_command(argv)  # --resume: the run's command, then this one's flags (the last wins)
+    try:
+        cfg, mcfg, explicit, cls = configure(started + list(argv))
+    except SystemExit as e:
+        raise SystemExit(f"{e.code} (with the command {source} keeps for --resume)" if source else e.code) from None
+    command = command_of(cfg, mcfg, explicit)
     stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))
-    check_inputs(stages, cls)
-    items = [stage_data(c) for c, _, _ in stages]
-    ddp, rank, world, device = init_distributed(cfg)
-    recipe, text = recipe_table(stages)
-    if rank == 0:
-        print(text)
-    # 2) the stages, each from the one before, one run at a time in the dir (two at once mixed their logs and files)
-    with locked(stages[-1][0].out_dir) if rank == 0 else nullcontext():
+    # one run at a time in a run's dirs (two at once mixed their logs and files): rank 0 holds them from here
+    with locked([c.out_dir for c, _, _ in stages]) if os.environ.get("RANK", "0") == "0" else nullcontext():
+        check_inputs(stages, cls)
+        items = [stage_data(c) for c, _, _ in stages]
+        ddp, rank, world, device = init_distributed(cfg)
+        recipe, text = recipe_table(stages)
+        if rank == 0:
+            print(text)
+        # 2) the stages, each from the one before
         for i, ((c, m, _), stage_items) in enumerate(zip(stages, items)):
             later = [s[0].out_dir for s in stages[i + 1:]]
             out = train(c, m, explicit, cls, recipe, stage_items, ddp, rank, world, device, command, later)
@@ -1279,25 +1320,29 @@ def main(argv):
 
 
 @contextmanager
-def locked(out_dir):
-    """An exclusive flock on the run dir while the block runs; a run holding it already: one line. The folders made
-    here go again if nothing was written in them (a run that failed to build leaves no empty dir)."""
-    made, there = [], os.path.abspath(out_dir)
-    while not os.path.exists(there):
-        made, there = made + [there], os.path.dirname(there)
-    os.makedirs(out_dir, exist_ok=True)
-    fd = os.open(out_dir, os.O_RDONLY)
+def locked(out_dirs):
+    """Exclusive flocks on a run's dirs (its stages') while the block runs; a dir another run holds: one line. The
+    folders made here go again if nothing was written in them (a run that stopped before it wrote leaves none)."""
+    made, fds = [], []
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SystemExit(f"error: --out_dir {out_dir}: another train.py run is writing into it; wait for it, "
-                             "or name another dir") from None
+        for out_dir in out_dirs:
+            check_writable(out_dir, "--out_dir")
+            there = os.path.abspath(out_dir)
+            while not os.path.exists(there):
+                made, there = made + [there], os.path.dirname(there)
+            os.makedirs(out_dir, exist_ok=True)
+            fds.append(os.open(out_dir, os.O_RDONLY))
+            try:
+                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SystemExit(f"error: {out_dir}: another train.py run is writing into it; wait for it, or name "
+                                 "another --out_dir") from None
         yield
     finally:
-        os.close(fd)  # (the lock goes with it)
-        for folder in made:
-            if not os.listdir(folder):
+        for fd in fds:
+            os.close(fd)  # (its lock goes with it)
+        for folder in sorted(made, key=len, reverse=True):  # (the deepest first)
+            if os.path.isdir(folder) and not os.listdir(folder):
                 os.rmdir(folder)
 
 
@@ -1365,11 +1410,13 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     STOP.clear()
     handlers = {sig: signal.signal(sig, lambda *a: STOP.append(1)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while step < cfg.max_iters and not STOP:
+        stopping = False  # under DDP what every rank knows from the last step's all_reduce, else a signal here
+        while step < cfg.max_iters and not (stopping if ddp else STOP):
             lr = lr_at(step, cfg, getattr(method, "lr_schedule", "cosine"))
             for g in opt.param_groups:
                 g["lr"] = lr
-            loss, metrics, n = train_step(model, batches(step), params, opt, ratios, device, autocast, ddp, world, cfg)
+            loss, metrics, n, stopping = train_step(model, batches(step), params, opt, ratios, device, autocast, ddp,
+                                                    world, cfg)
             step, tokens = step + 1, tokens + n
             diverged(loss, "training", step, saved, cfg.out_dir)
             checkpoint = step % eval_every == 0 or step == cfg.max_iters
@@ -1391,10 +1438,11 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
-                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command)
+                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later)
                 saved = step
+        stop_together(ddp, device)  # (a signal after the last all_reduce, on some ranks)
         if master and STOP and step < cfg.max_iters:
-            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command)
+            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
         elif master and STOP:  # a signal in its last step: the stage is whole, and the run stops here
             print(f"interrupted: {cfg.out_dir} finished its {step} steps; the run stops here")

@@ -288,6 +288,15 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     assert list(ratios) == ids and sum(ratios.values()) / 6 == pytest.approx(res["rows"][0]["ratio"])
     assert len(set(ratios.values())) > 1  # (one slot each here: a question's ratio is its context's length)
 
+    def load_then_save(run_dir, device):  # the run's training saves its next checkpoint while this evaluates
+        state = json.load(open(run / "run.json"))
+        (run / "run.json").write_text(json.dumps(dict(state, files={"ckpt": "ckpt-2.safetensors"})))
+        return cfg, None, tok, base, method
+    monkeypatch.setattr(train, "load_run", load_then_save)
+    (run / "metrics.json").unlink()  # (kept as the new checkpoint's rows, then served for it)
+    res = evaluate.main([str(run), "--batch_size", "4"])
+    assert not (run / "metrics.json").exists() and res[0]["asked"]["ckpt"] == "ckpt.safetensors"
+
 
 def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
     """A run trained at one ratio is read at its --eval_ratio ("" = the trained ones), and an

@@ -290,20 +290,31 @@ def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(file
     assert last["command"]["max_iters"] == 3 and last["command"]["pretrain"] == 2
     assert in_process(["--method", "ata", "--out_dir", out, "--resume", "--max_iters", 4]) == ""  # goes on to 4
     assert json.loads((out / "run.json").read_text())["step"] == 4
+    first = (out / "pretrain" / "run.json").read_bytes()  # the last stage has begun: the first stands as it is (a
+    assert in_process(["--method", "ata", "--out_dir", out, "--resume", "--pretrain", 3, "--max_iters", 5]) == ""
+    assert (out / "pretrain" / "run.json").read_bytes() == first  # 3 retrained it under the last one's weights)
+    nested = tmp_path / "nested"  # a run of its own inside a dir is not the dir's run (a stopped first stage's)
+    (nested / "aaa").mkdir(parents=True)
+    (nested / "aaa" / "run.json").write_text(json.dumps({"command": {"lr": 0.01}, "last_stage": True}))
+    assert train.started_command(["--resume", "--out_dir", str(nested)]) == ([], "")
 
 
 def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path):
     """Two runs started into one --out_dir both trained, their lines mixed in one log.jsonl and either one's files
     the last written: the second is one line now, the first's dir untouched."""
     out = tmp_path / "run"
-    with train.locked(str(out)):  # (a flock: another open of the dir, in this process too, cannot take it)
+    with train.locked([str(out)]):  # (a flock: another open of the dir, in this process too, cannot take it)
         (out / "mine").write_text("kept")
         line = in_process(["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
                            "--out_dir", out])
-    assert line == f"error: --out_dir {out}: another train.py run is writing into it; wait for it, or name another dir"
+    assert line == f"error: {out}: another train.py run is writing into it; wait for it, or name another --out_dir"
     assert [f.name for f in out.iterdir()] == ["mine"]
-    with train.locked(str(tmp_path / "a" / "b")):  # nothing written: the folders it made go
-        pass
+    with train.locked([str(out / "pretrain")]):  # a stage dir of a run: one ata into out would write there too
+        line = in_process(["--method", "ata", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
+                           "--pretrain", 1, "--out_dir", out])
+    assert line.startswith(f"error: {out / 'pretrain'}: another train.py run is writing into it"), line
+    with train.locked([str(tmp_path / "a" / "b" / "c"), str(tmp_path / "a" / "b")]):  # nothing written: the
+        pass  # folders it made go
     assert not (tmp_path / "a").exists()
     if os.path.isdir("/proc"):  # writable by its mode as root, yet no file can be made there (an OSError later)
         with pytest.raises(SystemExit, match="error: --out_dir '/proc/x': /proc is not writable"):
