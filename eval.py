@@ -492,7 +492,11 @@ def evaluate_run(run_dir, ecfg, device, records):
     for row in rows:
         row.update(method=label, run=run_dir, **extra, **teacher_normalised(row, teacher, noctx))
     result = {"run": run_dir, "asked": want, "teacher_key": key, "teacher": teacher, "no_context": noctx, "rows": rows}
-    if asked(run_dir, ecfg)["ckpt"] != want["ckpt"]:  # (they were kept as the newer checkpoint's, and served)
+    try:
+        now = asked(run_dir, ecfg)["ckpt"]
+    except (ValueError, OSError):  # (a new run in the dir removed run.json at its first step)
+        now = None
+    if now != want["ckpt"]:  # (they were kept as the newer checkpoint's, and served)
         print(f"note: {run_dir} saved another checkpoint while it was evaluated: its rows (of either one) are not "
               "kept in its metrics.json", file=sys.stderr)
         return result

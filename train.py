@@ -21,6 +21,7 @@ import fcntl
 import filecmp
 import glob
 import inspect
+import itertools
 import json
 import math
 import os
@@ -221,8 +222,11 @@ def configure(argv):
             raise SystemExit(f"error: --{key} does not apply to --method {name}")
     (cfg, mcfg), explicit = parse_args(argv, TrainConfig, cls.Config)
     for flag in sorted(explicit & set(PATH_FLAGS)):  # (--data "$UNSET" trained on the synthetic set)
-        if not getattr(cfg, flag, getattr(mcfg, flag, "")).strip():
+        config = cfg if hasattr(cfg, flag) else mcfg
+        if not getattr(config, flag).strip():
             raise SystemExit(f"error: --{flag} is empty: name a path, or leave the flag out for its default")
+        if flag != "out_dir":  # absolute in run.json: a run resumed or read from another folder finds its files
+            setattr(config, flag, os.path.abspath(getattr(config, flag)))
     unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
     if unread:  # the teacher and the tiny base compress nothing
         raise SystemExit(f"error: --{unread[0]} does not apply to --method {name}: it reads the whole context")
@@ -323,32 +327,41 @@ def teacher_prompt(teacher):
 
 
 def started_command(argv):
-    """--resume: (the flags of the command that started the run in --out_dir as arguments, the run.json they come
-    from), from its run.json or, when the last stage has not begun, an earlier stage's (their values, --max_iters or
-    --eval_examples, were the command's); else ([], ""). Its paths are absolute: a run resumed from another folder
-    reads the files it was started with; its --out_dir is left out: a run dir may move."""
+    """--resume: the command that started the run in --out_dir, as arguments to put before argv's (argparse: the last
+    value wins), and the run.json it comes from; else ([], ""). It comes from the newest run.json of the run's stages
+    (a stage not begun takes the command's values: --max_iters, --eval_examples). Left out of it: --out_dir (a run
+    dir may move) and the flag of a pair argv gives the other of (--micro_batch sets --grad_accum)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.error = lambda message: sys.exit(f"error: {message}")
     pre.add_argument("--resume", nargs="?", const=True, default=False, type=switch)
     pre.add_argument("--out_dir", default="")
     pre.add_argument("--method", default=TrainConfig.method)
     given = pre.parse_known_args(argv)[0]
+    if not given.resume:
+        return [], ""
     out_dir = given.out_dir or os.path.join("out", given.method)
     top = os.path.join(out_dir, "run.json")
-    for path in [top] + sorted(glob.glob(os.path.join(out_dir, "*", "run.json"))) if given.resume else []:
+    found = []
+    for path in [top] + glob.glob(os.path.join(out_dir, "*", "run.json")):
         state = read_json(path) if os.path.isfile(path) else {}
-        if not isinstance(state, dict) or not isinstance(state.get("command"), dict):
-            continue
-        if path == top or state.get("last_stage") is False:  # (not a run of its own nested in the dir)
-            return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in state["command"].items()
-                    if k != "out_dir"], path
-    return [], ""
+        if isinstance(state, dict) and isinstance(state.get("command"), dict) and (
+                path == top or state.get("last_stage") is False):  # (not a run of its own nested in the dir)
+            found.append((os.path.getmtime(path), path, state["command"]))
+    if not found:
+        return [], ""
+    _, path, command = max(found)
+    now = {a[2:].split("=")[0] for a in argv if str(a).startswith("--")}
+    skip = {"out_dir"} | {flag for flag, other in PAIRS.items() if other in now}
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in command.items() if k not in skip], path
+
+
+PAIRS = {"micro_batch": "grad_accum", "grad_accum": "micro_batch", "warmup_iters": "warmup_frac",
+         "warmup_frac": "warmup_iters"}  # flags that set one value: a command gives one of them
 
 
 def command_of(cfg, mcfg, explicit):
-    """The flags a command gave and their values, paths made absolute (run.json keeps them for --resume)."""
-    values = {k: getattr(cfg, k, getattr(mcfg, k, None)) for k in sorted(explicit - {"resume"})}
-    return {k: os.path.abspath(v) if k in PATH_FLAGS and v else v for k, v in values.items()}
+    """The flags a command gave and their values (paths absolute: configure): what run.json keeps for --resume."""
+    return {k: getattr(cfg, k, getattr(mcfg, k, None)) for k in sorted(explicit - {"resume"})}
 
 
 RESUME_SAME = ("objective", "init_from", "no_aids")  # --resume: the command's must be the run's (its recipe follows)
@@ -362,8 +375,7 @@ def as_compared(key, value):
     """A flag's value as --resume compares it: ratios as numbers, paths as real paths."""
     if key in ("ratio", "eval_ratio") and value:
         return ratios_of(value, key)
-    paths = ("init_from", "teacher", "data", "eval_data", "pretrain_data")
-    return os.path.realpath(value) if key in paths and value else value
+    return os.path.realpath(value) if key in PATH_FLAGS and value else value
 
 
 def inherit_method_config(state, what, mcfg, explicit, skip=()):
@@ -410,17 +422,23 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     dirs = [os.path.join(out_dir, s.name) for s in stages[:-1]] + [out_dir]
     begun = [i for i, d in enumerate(dirs) if cfg.resume and os.path.exists(os.path.join(d, "run.json"))
              and run_config(d)[0].method == cfg.method]  # (run_config: an edited run.json is one line)
-    if begun and begun[-1] > 0:  # --resume: the stages before the last one begun stand (their steps, a --pretrain
-        j, init_from = begun[-1], dirs[begun[-1] - 1]  # or --max_iters of another split, retrained them under it)
+    n_stages = len(stages)
+    if begun and begun[-1] > 0:  # --resume: the stages before the last one begun stand as they are (another split
+        j, init_from = begun[-1], dirs[begun[-1] - 1]  # of --max_iters retrained them under the later one's weights)
         if not os.path.exists(os.path.join(init_from, "run.json")):  # (it trained the first stage anew, then failed)
             raise SystemExit(f"error: --resume: {dirs[j]} began from {init_from}, which holds no checkpoint now")
+        first = run_config(dirs[0])[0].init_from if os.path.exists(os.path.join(dirs[0], "run.json")) else None
+        if "init_from" in explicit and first is not None and as_compared("init_from", cfg.init_from) != \
+                as_compared("init_from", first):  # (the first stage's base, which the stages after it stand on)
+            raise SystemExit(f"error: --init_from {cfg.init_from!r} conflicts with the run --resume continues, "
+                             f"{dirs[0]} (init_from={first!r})")
         stages, steps, recipe_steps, fixed = stages[j:], steps[j:], recipe_steps[j:], 0
     for i, (stage, n, n_recipe) in enumerate(zip(stages, steps, recipe_steps)):
         c, m, sources = stage_values(cfg, mcfg, explicit, stage, source, n, n_recipe)
         if fixed and i == 0:
             sources["max_iters"] = "flag (--pretrain)"
         elif "max_iters" in explicit:
-            sources["max_iters"] = "flag (--max_iters, shared by the stages)" if len(stages) > 1 else "flag"
+            sources["max_iters"] = "flag (--max_iters, shared by the stages)" if n_stages > 1 else "flag"
         if "ratio" in explicit and "eval_ratio" not in explicit:
             c.eval_ratio = ""  # a method's reading ratios go with its default --ratio
         c.pretrain, c.init_from = 0, init_from
@@ -481,7 +499,8 @@ def check_run_flags(cfg, explicit):
     for flag in sorted(explicit & {"hotpot_distractors", "skip_bad"}):
         if not files:
             raise SystemExit(f"error: --{flag} applies to reading a --data file; the synthetic set is read without it")
-    if "hotpot_distractors" in explicit and cfg.hotpot_distractors and not any(map(data.is_json_list, files)):
+    if "hotpot_distractors" in explicit and cfg.hotpot_distractors and all(map(os.path.isfile, files)) and \
+            not any(map(data.is_json_list, files)):  # (a missing file: check_files says so)
         raise SystemExit("error: --hotpot_distractors keeps HotpotQA's distractor paragraphs, and no --data, "
                          "--eval_data or --pretrain_data file is HotpotQA (a JSON list)")
 
@@ -1298,7 +1317,7 @@ def main(argv):
     started, source = started_command(argv)  # --resume: the run's command, then this one's flags (the last wins)
     try:
         cfg, mcfg, explicit, cls = configure(started + list(argv))
-    except SystemExit as e:
+    except SystemExit as e:  # (a flag of an older version in the command, say)
         raise SystemExit(f"{e.code} (with the command {source} keeps for --resume)" if source else e.code) from None
     command = command_of(cfg, mcfg, explicit)
     stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))
@@ -1337,6 +1356,9 @@ def locked(out_dirs):
             except BlockingIOError:
                 raise SystemExit(f"error: {out_dir}: another train.py run is writing into it; wait for it, or name "
                                  "another --out_dir") from None
+            except OSError as e:  # (NFS, Lustre without -o flock)
+                print(f"note: {out_dir}: no lock on this filesystem ({e.strerror}): run one train.py at a time in it",
+                      file=sys.stderr)
         yield
     finally:
         for fd in fds:
@@ -1410,7 +1432,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     STOP.clear()
     handlers = {sig: signal.signal(sig, lambda *a: STOP.append(1)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        stopping = False  # under DDP what every rank knows from the last step's all_reduce, else a signal here
+        stopping = False  # DDP: a signal every rank knows of (the last step's all_reduce); alone: one here
         while step < cfg.max_iters and not (stopping if ddp else STOP):
             lr = lr_at(step, cfg, getattr(method, "lr_schedule", "cosine"))
             for g in opt.param_groups:
@@ -1431,20 +1453,20 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
             if checkpoint:
                 record["val_loss"] = val_loss
                 bar.write(f"step {step}: loss {loss:.4f} val {val_loss:.4f}")
-            if step == 1:  # a new run in a used dir starts its own log, and the old run's commit point goes with it,
-                for old in ("run.json", "metrics.json"):  # with those of its later stages, trained from the old one
-                    for d in (cfg.out_dir, *later):  # (killed before its first checkpoint: no mixed dir; --resume
-                        Path(d, old).unlink(missing_ok=True)  # continued this stage, then "finished" the old last)
+            if step == 1:  # a new run in a used dir starts its own log; the old run's commit points go, this
+                # stage's and its later stages' (trained from the old one: --resume would have kept their weights)
+                for d, old in itertools.product((cfg.out_dir, *later), ("run.json", "metrics.json")):
+                    Path(d, old).unlink(missing_ok=True)
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
                 save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later)
                 saved = step
-        stop_together(ddp, device)  # (a signal after the last all_reduce, on some ranks)
-        if master and STOP and step < cfg.max_iters:
+        stopped = stop_together(ddp, device)  # (a signal after the last all_reduce, on some ranks)
+        if master and stopped and step < cfg.max_iters:
             save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
-        elif master and STOP:  # a signal in its last step: the stage is whole, and the run stops here
+        elif master and stopped:  # a signal in its last step: the stage is whole, and the run stops here
             print(f"interrupted: {cfg.out_dir} finished its {step} steps; the run stops here")
     finally:
         bar.close()

@@ -216,7 +216,7 @@ def main(argv):
     for flag in ("out_dir", "gguf", "squad", "teacher"):  # (an explicit "", an unset shell variable: read as not given)
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise SystemExit(f"error: {'--' * (flag != 'out_dir')}{flag} is empty: name a path")
-    args.squad, args.teacher = args.squad or "", args.teacher or ""
+    args.gguf, args.squad, args.teacher = args.gguf or "", args.squad or "", args.teacher or ""  # (None: not given)
     for flag, path in (("--gguf", args.gguf), ("--squad", args.squad)):
         if path and not os.path.isfile(path):
             raise SystemExit(f"error: {flag} {path}: file not found")

@@ -293,13 +293,39 @@ def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(file
     first = (out / "pretrain" / "run.json").read_bytes()  # the last stage has begun: the first stands as it is (a
     assert in_process(["--method", "ata", "--out_dir", out, "--resume", "--pretrain", 3, "--max_iters", 5]) == ""
     assert (out / "pretrain" / "run.json").read_bytes() == first  # 3 retrained it under the last one's weights)
+    line = in_process(["--method", "ata", "--out_dir", out, "--resume", "--max_iters", 6, "--init_from", files])
+    assert line.startswith(f"error: --init_from '{files}' conflicts with the run --resume continues"), line  # (kept)
     nested = tmp_path / "nested"  # a run of its own inside a dir is not the dir's run (a stopped first stage's)
     (nested / "aaa").mkdir(parents=True)
     (nested / "aaa" / "run.json").write_text(json.dumps({"command": {"lr": 0.01}, "last_stage": True}))
     assert train.started_command(["--resume", "--out_dir", str(nested)]) == ([], "")
 
 
-def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path):
+def test_resume_from_another_folder_with_relative_paths_and_the_other_flag_of_a_pair(files, tmp_path, monkeypatch):
+    """A run started with relative paths resumes from another folder (they are absolute in run.json: a relative
+    --decoder conflicted with its absolute self); --micro_batch given on --resume replaces the run's --grad_accum
+    (both counted as given: "give one of them"); the newest stage's command is the one rerun."""
+    here = tmp_path / "here"  # the folder the run starts in, with its files
+    shutil.copytree(files / "hf", here / "hf")
+    shutil.copy(files / "squad.json", here)
+    monkeypatch.chdir(here)
+    flags = ["--method", "pic", "--init_from", "hf", "--decoder", "hf", "--data", "squad.json", "--out_dir", "run",
+             "--quiet", "--device", "cpu", "--batch_size", 2, "--lora_r", 4, "--max_context", 64, "--eval_examples", 0]
+    assert in_process(flags + ["--pretrain", 1, "--max_iters", 1, "--grad_accum", 2]) == ""
+    state = json.loads((here / "run" / "run.json").read_text())
+    assert state["train"]["data"] == str(here / "squad.json") and state["method"]["decoder"] == str(here / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert in_process(["--method", "pic", "--out_dir", here / "run", "--resume", "--max_iters", 2,
+                       "--micro_batch", 1]) == ""
+    assert json.loads((here / "run" / "run.json").read_text())["step"] == 2
+    (here / "run" / "run.json").unlink()  # as if the last stage had not begun: the first stage's command
+    assert train.started_command(["--resume", "--out_dir", str(here / "run")])[1].endswith("pretrain/run.json")
+    line = in_process(["--method", "ata", "--init_from", files / "hf", "--data", tmp_path / "nope.json",
+                       "--hotpot_distractors"])  # (a missing file: "no ... file is HotpotQA")
+    assert line.startswith("error: --data") and "nope.json" in line and "HotpotQA" not in line, line
+
+
+def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path, monkeypatch, capsys):
     """Two runs started into one --out_dir both trained, their lines mixed in one log.jsonl and either one's files
     the last written: the second is one line now, the first's dir untouched."""
     out = tmp_path / "run"
@@ -315,6 +341,11 @@ def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path):
     assert line.startswith(f"error: {out / 'pretrain'}: another train.py run is writing into it"), line
     with train.locked([str(tmp_path / "a" / "b" / "c"), str(tmp_path / "a" / "b")]):  # nothing written: the
         pass  # folders it made go
+    def no_locks(fd, operation):  # NFS, Lustre without -o flock: every run stopped at the lock
+        raise OSError(37, "No locks available")
+    monkeypatch.setattr(train.fcntl, "flock", no_locks)
+    with train.locked([str(out)]):
+        assert "no lock on this filesystem (No locks available): run one train.py at a time" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
     if os.path.isdir("/proc"):  # writable by its mode as root, yet no file can be made there (an OSError later)
         with pytest.raises(SystemExit, match="error: --out_dir '/proc/x': /proc is not writable"):
