@@ -575,9 +575,11 @@ def _open_text(path):
 def is_json_list(path):
     """Whether a JSON file's text starts with "[": of the formats read here, HotpotQA's alone (what --hotpot_distractors
     reads; an unreadable file is False, its reader says why)."""
+    if file_kind(path) != "json":
+        return False
     try:
         with _open_text(path) as f:
-            return file_kind(path) == "json" and f.read(4096).lstrip()[:1] == "["
+            return f.read(4096).lstrip()[:1] == "["
     except (OSError, ValueError, EOFError):  # (UnicodeDecodeError, a fake .gz)
         return False
 
