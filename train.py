@@ -205,13 +205,19 @@ def parse_args(argv, *configs, positional=None, usage=USAGE):
 PATH_FLAGS = ("init_from", "teacher", "data", "eval_data", "pretrain_data", "out_dir", "encoder", "decoder")
 
 
-def configure(argv):
-    """(cfg, mcfg, explicit flags, method class) from argv; --method decides which flags exist."""
-    methods = method_registry()
+def early_flags(argv):
+    """--method, --out_dir and --resume of argv, read before the rest (which flags exist depends on --method)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.error = lambda message: sys.exit(f"error: {message}")
     pre.add_argument("--method", default=TrainConfig.method)
-    name = pre.parse_known_args(argv)[0].method
+    pre.add_argument("--out_dir", default="")
+    pre.add_argument("--resume", nargs="?", const=True, default=False, type=switch)
+    return pre.parse_known_args(argv)[0]
+
+
+def configure(argv):
+    """(cfg, mcfg, explicit flags, method class) from argv; --method decides which flags exist."""
+    methods, name = method_registry(), early_flags(argv).method
     if name not in methods:
         raise SystemExit(f"error: unknown --method {name!r}; choose from {', '.join(methods)}")
     cls = methods[name]
@@ -331,12 +337,7 @@ def started_command(argv):
     value wins), and the run.json it comes from; else ([], ""). It comes from the newest run.json of the run's stages
     (a stage not begun takes the command's values: --max_iters, --eval_examples). Left out of it: --out_dir (a run
     dir may move) and the flag of a pair argv gives the other of (--micro_batch sets --grad_accum)."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.error = lambda message: sys.exit(f"error: {message}")
-    pre.add_argument("--resume", nargs="?", const=True, default=False, type=switch)
-    pre.add_argument("--out_dir", default="")
-    pre.add_argument("--method", default=TrainConfig.method)
-    given = pre.parse_known_args(argv)[0]
+    given = early_flags(argv)
     if not given.resume:
         return [], ""
     out_dir = given.out_dir or os.path.join("out", given.method)
