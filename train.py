@@ -357,7 +357,8 @@ def started_command(argv):
 
 
 PAIRS = {"micro_batch": "grad_accum", "grad_accum": "micro_batch", "warmup_iters": "warmup_frac",
-         "warmup_frac": "warmup_iters"}  # flags that set one value: a command gives one of them
+         "warmup_frac": "warmup_iters", "pretrain": "objective"}  # a flag, and the one given now that replaces it
+# (both set one value; --objective picks the stage to run, --pretrain is a first stage's steps)
 
 
 def command_of(cfg, mcfg, explicit):

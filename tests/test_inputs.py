@@ -295,6 +295,9 @@ def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(file
     assert (out / "pretrain" / "run.json").read_bytes() == first  # 3 retrained it under the last one's weights)
     line = in_process(["--method", "ata", "--out_dir", out, "--resume", "--max_iters", 6, "--init_from", files])
     assert line.startswith(f"error: --init_from '{files}' conflicts with the run --resume continues"), line  # (kept)
+    assert in_process(["--method", "ata", "--out_dir", out, "--resume", "--objective", "qa", "--init_from",
+                       out / "pretrain", "--max_iters", 6]) == ""  # its last stage alone (the command's --pretrain
+    assert json.loads((out / "run.json").read_text())["step"] == 6  # 2 gives way to --objective)
     nested = tmp_path / "nested"  # a run of its own inside a dir is not the dir's run (a stopped first stage's)
     (nested / "aaa").mkdir(parents=True)
     (nested / "aaa" / "run.json").write_text(json.dumps({"command": {"lr": 0.01}, "last_stage": True}))
