@@ -422,14 +422,15 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     out_dir = cfg.out_dir or os.path.join("out", cfg.method)
     resolved, init_from = [], cfg.init_from
     dirs = [os.path.join(out_dir, s.name) for s in stages[:-1]] + [out_dir]
-    begun = [i for i, d in enumerate(dirs) if cfg.resume and os.path.exists(os.path.join(d, "run.json"))
-             and run_config(d)[0].method == cfg.method]  # (run_config: an edited run.json is one line)
+    ran = [run_config(d)[0] if cfg.resume and os.path.exists(os.path.join(d, "run.json")) else None
+           for d in dirs]  # --resume: each stage's run so far (run_config: an edited run.json is one line)
+    begun = [i for i, r in enumerate(ran) if r and r.method == cfg.method]
     n_stages = len(stages)
     if begun and begun[-1] > 0:  # --resume: the stages before the last one begun stand as they are (another split
         j, init_from = begun[-1], dirs[begun[-1] - 1]  # of --max_iters retrained them under the later one's weights)
-        if not os.path.exists(os.path.join(init_from, "run.json")):  # (it trained the first stage anew, then failed)
+        if not ran[j - 1]:  # (it trained the first stage anew, then failed)
             raise SystemExit(f"error: --resume: {dirs[j]} began from {init_from}, which holds no checkpoint now")
-        first = run_config(dirs[0])[0].init_from if os.path.exists(os.path.join(dirs[0], "run.json")) else None
+        first = ran[0].init_from if ran[0] else None
         if "init_from" in explicit and first is not None and as_compared("init_from", cfg.init_from) != \
                 as_compared("init_from", first):  # (the first stage's base, which the stages after it stand on)
             raise SystemExit(f"error: --init_from {cfg.init_from!r} conflicts with the run --resume continues, "
@@ -749,7 +750,6 @@ def check_files(cfg, mcfg):
         if as_read(taught) != as_read(cfg.prompt):
             raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
                              "prompts (drop the flag to take its format)")
-    check_writable(cfg.out_dir, "--out_dir")
 
 
 def check_out_dirs(stages):
