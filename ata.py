@@ -12,11 +12,12 @@ Tables 2, 4-6, Fig. 10.
     qa             L = -sum_j log P(a_j | KV, q, a_<j)   (+ the probe's lam * Huber, see below)   (eq. 11)
 
 Choices the paper leaves open, made here:
-- Chunks: the records' "chunks" in the truncated context (a cut one re-decoded), space-joined, tags as text (Fig. 7-9).
-  The paper keeps only inputs within 600 tokens (§4.1.4); here the context is cut, and a training batch warns when
-  an example keeps no gold chunk.
-- C_rel: the gold chunks joined by spaces, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS;
-  L_rel: its length.
+- Chunks: the records' "chunks", space-joined, tags as text (Fig. 7-9); HotpotQA's: data.read_hotpot's "Title:
+  sentences" (Fig. 7: no titles) and its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8; a --data
+  batch of only gold chunks warns). Training keeps only encoder inputs within --max_context (§4.1.4: 600), a longer
+  one first losing its chunks that are not relevant, last first (ten HotpotQA paragraphs rarely fit); eval cuts.
+- C_rel: the gold chunks space-joined, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS; L_rel:
+  its length. c_j start at the embeddings' scale; the probe's MLP is min(4d, 1024) wide, its output in 64 tokens.
 - [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); a BOS also starts the encoder input.
 - Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
 - In `rel` and `qa+rel`, lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8, §A.1);
@@ -29,10 +30,7 @@ Choices the paper leaves open, made here:
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
 - `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.
 - r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
-- AdamW's betas (Tables 4-5 name AdamW alone): train.py's 0.9, 0.95 for every method.
-- HotpotQA keeps its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8): a --data batch of only gold
-  chunks warns. Its chunks are data.read_hotpot's "Title: sentences" (Fig. 7 shows no titles).
-- Objectives: `qa` (eq. 11, the probe beside it), `rel` (eq. 8), `qa+rel` (one-stage rel -> qa).
+- AdamW's betas and clip (Tables 4-5 name AdamW alone): train.py's 0.9, 0.95 and 1.0, as for every method.
 - Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
   chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
 - Ablations (Table 2): --no_aac (k = --fixed_k, 6: Table 2's "w/o AAC" row; SPEC §3.5's k_max is --fixed_k 8),
@@ -125,7 +123,7 @@ class Probe(nn.Module):
 
 class ATA(nn.Module):
     Config = ATAConfig
-    objectives = ("qa", "rel", "qa+rel")
+    objectives = ("qa", "rel", "qa+rel")  # qa+rel: both losses in each step
     SWITCHED = {"fixed_k": "no_aac"}  # a flag read only under a switch (else the probe picks k): given alone, one line
     memory_kind = "kv"  # what its Memory holds: per-layer K/V
     # the tiny base: `qa` alone, no_prefix (a `rel` stage first, or its BOS sink before the memory, stalled qa)
@@ -181,6 +179,16 @@ class ATA(nn.Module):
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:
             raise SystemExit(f"error: --fixed_k {cfg.fixed_k} (--no_aac) must lie in 1..--k_max {cfg.k_max}")
 
+    def training_records(self, records):
+        """(the training records whose encoder input fits --max_context once their chunks that are not relevant go,
+        last first; a note): §4.1.4's filter. Training only: every method is read on the same questions."""
+        tok, limit = self.tok, self.run.max_context
+        kept, trimmed = data.fit_chunks(records, limit, lambda r: (tok.bos_id is not None) + len(tok.encode(
+            encoder_prompt(r["question"], r.get("chunks") or [r["context"]]))),
+            lambda chunk: len(tok.encode(f" <PA> {chunk} </PA>", start=False)))
+        return kept, (f"ata: {len(kept):,} of {len(records):,} training records fit --max_context {limit} tokens "
+                      f"(§4.1.4), {trimmed:,} after dropping chunks that are not relevant")
+
     def prepare(self, batch):
         """At collate time, adds enc_ids (B, T) left-padded encoder prompts, enc_len (B,), rel_ids / rel_labels
         (B, R) = [BOS] C_rel [EOS] with next-token labels, rel_len (B,) = L_rel."""
@@ -203,11 +211,9 @@ class ATA(nn.Module):
             rel_len.append(len(target) - 1)
         if all_relevant and self.training and not self.cfg.no_selective and self.run.data:  # not the synthetic default
             warnings.warn("ata: every chunk of this training batch is relevant, so selective reconstruction is "
-                          "--no_selective; for HotpotQA use --hotpot_distractors")
+                          "--no_selective (HotpotQA: --hotpot_distractors, and a --max_context with room for some)")
         if no_gold and self.training and not self.cfg.no_selective:
-            warnings.warn(f"ata: {no_gold} example(s) of this training batch keep no relevant chunk (none marked, "
-                          f"or none within --max_context {self.run.max_context} tokens): C_rel is empty (the paper "
-                          "keeps only inputs within its limit, §4.1.4)")
+            warnings.warn(f"ata: {no_gold} example(s) of this training batch keep no relevant chunk: C_rel is empty")
         pad = self.run.pad_multiple
         batch["enc_ids"] = data.pad_rows(enc, tok.pad_id, pad, left=True)
         batch["enc_len"] = torch.tensor([len(e) for e in enc])
@@ -241,10 +247,9 @@ class ATA(nn.Module):
         kv, mask = behind_prefix_kv(self.base, prefix, [(kk[:, :, :C], vv[:, :, :C]) for kk, vv in kv], mask)
         return Memory(kv=kv, mask=mask, next_pos=enc_len + k)
 
-    def policy_k(self, L, r):
-        if self.cfg.no_aac:
-            return torch.full_like(L, self.cfg.fixed_k, dtype=torch.long)
-        return policy(L, r, self.cfg.k_max)
+    def policy_k(self, L, r):  # --no_aac: fixed_k for every example
+        fixed = torch.full_like(L, self.cfg.fixed_k, dtype=torch.long)
+        return fixed if self.cfg.no_aac else policy(L, r, self.cfg.k_max)
 
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""

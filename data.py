@@ -446,6 +446,38 @@ def chunk_ends(context, chunks):
     return ends
 
 
+def keep_chunks(record, keep):
+    """The record with only its chunks numbered in `keep`: its context their text, each after the separator that came
+    before it in the context (the first kept one after the context's lead), then the context's tail."""
+    context, chunks = record["context"], record["chunks"]
+    ends = chunk_ends(context, chunks)
+    starts = [end - len(c) for end, c in zip(ends, chunks)]
+    before = [context[:starts[0]]] + [context[ends[i - 1]:starts[i]] for i in range(1, len(chunks))]
+    kept = sorted(keep)
+    text = before[0] + "".join(before[i] * (j > 0) + chunks[i] for j, i in enumerate(kept)) + context[ends[-1]:]
+    return dict(record, context=text, chunks=[chunks[i] for i in kept])
+
+
+def fit_chunks(records, limit, size, chunk_size):
+    """(the records with size(record) <= limit, each first losing its chunks that are not relevant, last first, while
+    it is longer; how many lost one). chunk_size(chunk): about what dropping the chunk saves (then size checks)."""
+    kept, trimmed = [], 0
+    for rec in records:
+        whole, gold, n = rec, rec.get("relevant"), size(rec)
+        spare = [i for i, c in enumerate(rec.get("chunks") or []) if gold is not None and c not in gold]
+        keep = set(range(len(rec.get("chunks") or [])))
+        trimmed += n > limit and len(spare) > 0
+        while n > limit and spare:
+            i = spare.pop()
+            keep.discard(i)
+            n -= chunk_size(whole["chunks"][i])
+            if n <= limit or not spare:  # the estimate checked whole (tokens may merge across a join)
+                rec = keep_chunks(whole, keep)
+                n = size(rec)
+        kept += [rec] if n <= limit else []
+    return kept, trimmed
+
+
 def encode_chunks(tok, context, chunks=None, start=True):
     """Tokens of `context` and the (start, end) token span of each chunk (no chunks: one). Each chunk is tokenized
     with the text before it (its separator, e.g. "\\n"): the spans are exact and tile the context up to the last."""

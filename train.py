@@ -1414,6 +1414,12 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     ddp_ids = [device] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(method, device_ids=ddp_ids) if ddp else method
     records, val_records, val_text = items
+    if records is not None and hasattr(method, "training_records"):  # ata: the paper's length filter
+        records, note = method.training_records(records)
+        if not records:
+            raise SystemExit(f"error: {note}")
+        if master:
+            print(note)
     tok.memo = {} if records is not None else None
     batches = Batches(cfg, tok, method, records, rank, world)
     val = Batches(cfg, tok, method, val_records, rank, world, split="val")

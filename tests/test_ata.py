@@ -3,6 +3,7 @@
 path and DDP."""
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import data
 import tiny
 import eval as evaluate
 import train
+from conftest import ASSETS
 from common import cli_error, method_smoke, read_params, run, squad_file, torchrun
 from model import Memory, Transformer
 
@@ -237,8 +239,65 @@ def test_training_batch_whose_gold_chunk_is_cut_warns(base_dir):
         m.prepare(data.collate_qa(recs, m.tok, max_context=12, pad_multiple=8))  # evaluation: the row says it
     m.train()
     unmarked = [dict(r, relevant=[]) for r in recs[:3]]  # (MS MARCO: no passage selected)
-    with pytest.warns(UserWarning, match="3 example\\(s\\) of this training batch keep no relevant chunk \\(none marked"):
+    with pytest.warns(UserWarning, match="3 example\\(s\\) of this training batch keep no relevant chunk: C_rel"):
         m.prepare(data.collate_qa(unmarked, m.tok, pad_multiple=8))
+
+
+def test_fit_chunks_drops_chunks_that_are_not_relevant_last_first():
+    """§4.1.4 keeps only inputs within the limit: a longer record loses its chunks that are not relevant, last first
+    (each kept one after its own separator), and one whose relevant chunks alone exceed it goes (hand-counted)."""
+    rec = {"context": "> A a.\nB bb.\nC c.\nD dd. <", "chunks": ["A a.", "B bb.", "C c.", "D dd."],
+           "relevant": ["B bb."], "question": "?"}  # 25 characters
+    size, chunk_size = (lambda r: len(r["context"])), (lambda c: len(c) + 1)  # noqa: E731
+    assert data.keep_chunks(rec, {1, 3})["context"] == "> B bb.\nD dd. <"
+    for limit, want in ((25, rec["context"]), (24, "> A a.\nB bb.\nC c. <"), (14, "> A a.\nB bb. <"),
+                        (13, "> B bb. <"), (9, "> B bb. <")):
+        (got,), trimmed = data.fit_chunks([rec], limit, size, chunk_size)
+        assert got["context"] == want and trimmed == (limit < 25) and got["relevant"] == ["B bb."]
+        assert data.chunk_ends(got["context"], got["chunks"])  # the chunks in the new context, in order
+    assert data.fit_chunks([rec], 8, size, chunk_size) == ([], 1)
+    whole = dict(rec, relevant=None)  # every chunk relevant: nothing to drop
+    assert data.fit_chunks([whole, dict(whole, chunks=None)], 24, size, chunk_size) == ([], 0)
+    assert data.fit_chunks([whole, rec], 25, size, chunk_size) == ([whole, rec], 0)
+
+
+def test_training_records_fit_max_context_on_hotpotqa():
+    """Real HotpotQA with its distractors and Llama 2's tokenizer: the cut context had lost every gold paragraph of
+    a third of the records at 600 tokens; now each kept record's encoder input fits and keeps its gold paragraphs."""
+    path = ASSETS / "qa" / "hotpotqa" / "hotpot_dev_distractor_v1_first53.json"
+    if not path.exists():
+        pytest.skip(f"asset {path} not present")
+    tok = data.load_tokenizer(str(ASSETS / "tokenizers" / "llama2_tokenizer.model"))
+    records = data.read_dataset(str(path), distractors=True)
+    m = SimpleNamespace(tok=tok, run=SimpleNamespace(max_context=600))
+    kept, note = ata.ATA.training_records(m, records)
+    assert len(kept) > len(records) // 2 and note.startswith(f"ata: {len(kept)} of {len(records)} training records")
+    ids = [r["id"] for r in records]
+    assert [ids.index(r["id"]) for r in kept] == sorted(ids.index(r["id"]) for r in kept)  # in order
+    stats = {}
+    for r in kept:
+        assert 1 + len(tok.encode(ata.encoder_prompt(r["question"], r["chunks"]))) <= 600
+        assert all(g in r["chunks"] for g in r["relevant"])
+        assert len(data.collate_qa([r], tok, max_context=600, stats=stats)["relevant_idx"][0]) == len(r["relevant"])
+    assert not stats and sum(len(r["chunks"]) > len(r["relevant"]) for r in kept) > len(kept) // 2  # distractors too
+
+
+def test_a_run_trains_on_the_records_within_max_context(base_dir, tmp_path, capsys):
+    """train.py filters ata's training records (a note), and one whose gold paragraphs alone do not fit is an error."""
+    hotpot = tmp_path / "hotpot.json"
+    paragraphs = [["A", ["Ann wrote A."]], ["B", ["Ann wrote B."]], ["C", ["Cid slept in a long chair all day."]]]
+    hotpot.write_text(json.dumps([{"_id": "h1", "question": "Who wrote both?", "answer": "Ann",
+                                   "supporting_facts": [["A", 0], ["B", 0]], "context": paragraphs}]))
+    tok = data.load_tokenizer(base_dir)
+    gold = 1 + len(tok.encode(ata.encoder_prompt("Who wrote both?", ["A: Ann wrote A.", "B: Ann wrote B."])))
+    run = ["--method", "ata", "--init_from", base_dir, "--data", hotpot, "--hotpot_distractors", "--max_iters", 1,
+           "--batch_size", 1, "--eval_examples", 0, "--quiet", "--out_dir", tmp_path / "run"]
+    assert cli_error(run + ["--max_context", gold - 1]) == (
+        f"error: ata: 0 of 1 training records fit --max_context {gold - 1} tokens (§4.1.4), 1 after dropping "
+        "chunks that are not relevant")
+    with pytest.warns(UserWarning, match="every chunk of this training batch is relevant"):  # (room for no distractor)
+        train.main([str(a) for a in run + ["--max_context", gold]])
+    assert f"ata: 1 of 1 training records fit --max_context {gold} tokens" in capsys.readouterr().out
 
 
 def test_probe_runs_in_fp32_under_autocast():
