@@ -166,8 +166,7 @@ class ATA(nn.Module):
             raise SystemExit(f"error: --k_max {cfg.k_max}: 1 to --max_context {run.max_context} compression tokens")
         rs = [int(r) if r.strip().isascii() and r.strip().isdigit() else 0 for r in cfg.rel_ratios.split(",")]
         if not all(0 < r <= 1 << 20 for r in rs) or len(set(rs)) < len(rs):
-            raise SystemExit(f"error: --rel_ratios {cfg.rel_ratios!r}: a comma list of distinct integers in 1..2^20, "
-                             "like 1,5,10")
+            raise SystemExit(f"error: --rel_ratios {cfg.rel_ratios!r}: distinct integers in 1..2^20, like 1,5,10")
         if not 0 <= cfg.lora_dropout < 1:
             raise SystemExit(f"error: --lora_dropout {cfg.lora_dropout} must lie in [0, 1)")
         if not (0 < cfg.huber_delta < math.inf and 0 <= cfg.huber_lambda < math.inf):

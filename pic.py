@@ -28,7 +28,8 @@ Choices the paper leaves open, made here:
 - Eq. 6-7 are per-example means, so a batch sums eq. 8 over examples and counts them (exact under DDP, accumulation).
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
 - Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it; ae+lm at batch 16, where the
-  paper states none but its 90k steps over one epoch of 11.52M texts imply 128 (8x a step's compute; 1/8 the data).
+  paper states none but its 90k steps over one epoch of 11.52M texts imply 128 (8x a step's compute; 1/8 the data);
+  qa at lr 1e-4, batch 16, one pass of SQuAD's 86,821 (§4.2.1 defers to PCC, which states none of them).
 - Unstated values: train.py's (cosine to 0.1 lr, 5 % warmup, no decay, clip 1, betas 0.9/0.95), LoRA 16/16, 1024 tokens.
 - Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
@@ -121,8 +122,7 @@ class PIC(nn.Module):
             paper = {**TABLE6, "ratio": "4,8,16,32,64,128", "mem_pos": "after"}
             return [dict(objective="kd", cite="meanpool Table 6, §5.1", paper=paper)]
         pretrain = dict(lr=1e-4, max_iters=90_000, ratio="16")
-        qa_ours = dict(lr=1e-4, max_iters=5427, batch_size=16)  # PCC's unstated settings: its lr, SQuAD's 86,821 once
-        # batch 16 (ours: the paper gives none; 90k steps over its 11.52M FineWeb texts in one epoch would be 128)
+        qa_ours = dict(lr=1e-4, max_iters=5427, batch_size=16)  # SQuAD's 86,821 once (the docstring's "Two stages")
         return [dict(objective="ae+lm", cite="§4.1.2, Fig. 7; Table 4", paper=pretrain, ours=dict(batch_size=16)),
                 dict(objective="qa", cite="§4.2.1; Table 4", paper=dict(ratio="16"), ours=qa_ours)]
 
