@@ -543,7 +543,7 @@ class AttentionDistillation:
 
     def __init__(self, method, weight, max_iters=0):
         self.base = getattr(method, "dec", method.base)  # the decoder: pic's --decoder, else the shared base
-        self.weight, self.slots = weight, method.token_slots
+        self.weight, self.slots = weight, getattr(method, "token_slots", None)
         self.slot_steps = round(SLOT_STAGE * max_iters) if self.slots is not None else 0
         self.adapter = method.dec_adapter  # the student's head 0 is read under the adapter it decodes with
         self.n_gists, self.tok = getattr(method.cfg, "gists", 0), getattr(method, "tok", None)
@@ -690,6 +690,7 @@ def add_decoder_adapter(method):
 
 def w_from_identity(method):
     """Aid 5: meanpool's W starts at I, the encoder's scale, not at the embeddings' (the real path's s I:
-    meanpool.py)."""
-    if getattr(method, "proj", None) is not None:
-        torch.nn.init.eye_(method.proj.weight)
+    meanpool.py); a method's `proj` that does not start as a multiple of I keeps its start."""
+    w = getattr(getattr(method, "proj", None), "weight", None)
+    if w is not None and w.shape[0] == w.shape[1] and torch.equal(w, w[0, 0] * torch.eye(len(w)).to(w)):
+        torch.nn.init.eye_(w)

@@ -342,13 +342,17 @@ def check_args():
 
 
 def selected_rows():
-    """The ROWS that --methods names (by row or method), all without it."""
-    names = {name for r in ROWS for name in (r[0], r[1].split()[0])}
+    """The ROWS that --methods names (by row or method), all without it; a registered compressor with no row of its
+    own (a method just added) gets one: its first objective at ratios 4,8,16."""
+    listed = {r[1].split()[0] for r in ROWS}
+    rows = ROWS + [(f"{m} {cls.objectives[0]}", m, cls.objectives[0], "4,8,16")
+                   for m, cls in train.method_registry().items() if hasattr(cls, "compress") and m not in listed]
+    names = {name for r in rows for name in (r[0], r[1].split()[0])}
     unknown = set(args.methods.split(",")) - names if args.methods else set()
     if unknown:
         sys.exit(f"error: --methods {', '.join(sorted(unknown))}: no such row or method; the rows: "
-                 f"{', '.join(r[0] for r in ROWS)}")
-    return [r for r in ROWS if not args.methods or {r[0], r[1].split()[0]} & set(args.methods.split(","))]
+                 f"{', '.join(r[0] for r in rows)}")
+    return [r for r in rows if not args.methods or {r[0], r[1].split()[0]} & set(args.methods.split(","))]
 
 
 def bench_train():

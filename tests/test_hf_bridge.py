@@ -15,6 +15,8 @@ from model import Memory
 hf_generate = load_script("hf_generate")
 METHODS = [("meanpool", dict(), "4"), ("pic", dict(), "4"), ("pic", dict(mem="single", mask="bidir"), "4"),
            ("sac", dict(), "5"), ("ata", dict(lora_dropout=0.0), "10")]
+METHODS += [(name, dict(), "4") for name, cls in train.method_registry().items()  # a method added later
+            if hasattr(cls, "compress") and name not in {m[0] for m in METHODS} | {"sentence_gist"}]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -119,6 +119,14 @@ def test_bench_names_an_unknown_row_before_any_work(monkeypatch):
     assert str(e.value).startswith("error: --methods pik: no such row or method; the rows: meanpool kd, ")
     monkeypatch.setattr(bench.args, "methods", "sac,ata qa")  # a method's rows, a row by name
     assert [r[0] for r in bench.selected_rows()] == ["sac qa", "ata qa"]
+    import meanpool
+    import train
+    registry = train.method_registry()  # a method just added gets a row of its own (it had to be listed in ROWS)
+    monkeypatch.setattr(train, "method_registry", lambda: {**registry, "lastk": type("LastK", (meanpool.MeanPool,), {})})
+    monkeypatch.setattr(bench.args, "methods", "lastk")
+    assert bench.selected_rows() == [("lastk kd", "lastk", "kd", "4,8,16")]
+    monkeypatch.setattr(bench.args, "methods", "")
+    assert [r[0] for r in bench.selected_rows()][-2:] == ["tokens kd per ratio", "lastk kd"]
 
 
 def test_bench_flags_are_one_line_before_any_work():

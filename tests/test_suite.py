@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common import ROOT
+from common import ROOT, squad_file
 
 
 @pytest.mark.slow
@@ -300,6 +300,7 @@ def test_suite_scripts_answer_help_and_refuse_unknown_arguments_before_any_work(
 
 
 def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work(tmp_path):
+    squad = squad_file(tmp_path / "squad.json")
     for script, setting, args, want in (
             ("smollm2_squad.sh", "ITERS=-1", [], "ITERS=-1: want a whole number > 0"),  # (it converted first)
             ("smollm2_squad.sh", "COMPRESS=yes", [], "COMPRESS=yes: want 0 or 1"),
@@ -322,7 +323,7 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             ("real_suite.sh", "ONLY=meanpool gist-4", ["--smoke"],  # (the teacher trained, then no run did)
              "ONLY=meanpool gist-4: run names separated by commas, like meanpool,ctok-bidir")):
         name, value = setting.split("=")
-        env = dict(os.environ, OUT=str(tmp_path / "out"), **{name: value})
+        env = dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=squad, **{name: value})  # (a clone without ../shared)
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                            text=True, env=env)
         assert p.returncode == 1 and p.stderr == f"error: {want}\n" and not (tmp_path / "out").exists(), p.stderr

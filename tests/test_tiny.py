@@ -510,3 +510,19 @@ def test_a_base_trained_again_starts_from_a_new_model_of_its_shape(tmp_path):
     assert all(torch.equal(v, init[k]) for k, v in load_file(path).items())
     tiny.init_base(str(tmp_path), tiny.BaseConfig(d_model=64, n_heads=2, vocab_size=600), seed=0)
     assert load_file(path)["model.embed_tokens.weight"].shape == (600, 64)
+
+
+def test_aid_5_starts_only_a_w_that_starts_as_a_multiple_of_i_at_i():
+    """Aid 5 resets meanpool's W (s I) to I and leaves a `proj` of another start alone (a forked method's, which it
+    used to overwrite in silence)."""
+    from types import SimpleNamespace
+    torch.manual_seed(0)
+    scaled = SimpleNamespace(proj=torch.nn.Linear(4, 4, bias=False))
+    torch.nn.init.eye_(scaled.proj.weight).data.mul_(0.07)
+    tiny.w_from_identity(scaled)
+    assert torch.equal(scaled.proj.weight, torch.eye(4))
+    for proj in (torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 3, bias=False)):
+        before = proj.weight.clone()
+        tiny.w_from_identity(SimpleNamespace(proj=proj))
+        assert torch.equal(proj.weight, before)
+    tiny.w_from_identity(SimpleNamespace(proj=None))  # --no_linear: nothing to start
