@@ -458,23 +458,26 @@ def keep_chunks(record, keep):
     return dict(record, context=text, chunks=[chunks[i] for i in kept])
 
 
-def fit_chunks(records, limit, size, chunk_size):
+def fit_chunks(records, tok, limit, size, chunk_size):
     """(the records with size(record) <= limit, each first losing its chunks that are not relevant, last first, while
-    it is longer; how many lost one). chunk_size(chunk): about what dropping the chunk saves (then size checks)."""
+    it is longer; how many of them lost one). A record's context counts too: collate_qa cuts it at `limit` tokens.
+    chunk_size(chunk): about what dropping the chunk saves (then size checks). No relevant chunk marked: none drops."""
     kept, trimmed = [], 0
+    measure = lambda r: max(size(r), len(tok.encode(r["context"])))  # noqa: E731
     for rec in records:
-        whole, gold, n = rec, rec.get("relevant"), size(rec)
-        spare = [i for i, c in enumerate(rec.get("chunks") or []) if gold is not None and c not in gold]
+        whole, gold, n = rec, rec.get("relevant"), measure(rec)
+        spare = [i for i, c in enumerate(rec.get("chunks") or []) if gold and c not in gold]
         keep = set(range(len(rec.get("chunks") or [])))
-        trimmed += n > limit and len(spare) > 0
         while n > limit and spare:
             i = spare.pop()
             keep.discard(i)
             n -= chunk_size(whole["chunks"][i])
             if n <= limit or not spare:  # the estimate checked whole (tokens may merge across a join)
                 rec = keep_chunks(whole, keep)
-                n = size(rec)
-        kept += [rec] if n <= limit else []
+                n = measure(rec)
+        if n <= limit:
+            kept.append(rec)
+            trimmed += rec is not whole
     return kept, trimmed
 
 
@@ -653,8 +656,8 @@ def _jsonl(path):
 
 
 def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=None):
-    """SQuAD v1.1 / v2.0 JSON (or a .zip of it), a record per question; chunks = sentences, relevant = the first
-    answer's. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question index.
+    """SQuAD v1.1 / v2.0 JSON (or a .zip of it), a record per question; chunks = sentences, relevant = those the first
+    answer overlaps. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question index.
     doc: the file's JSON where the caller has read it (read_dataset)."""
     doc = _load_json(path) if doc is None else doc
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
@@ -690,7 +693,10 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
             chunks = [s for s in re.split(r"(?<=[.!?])\s+", context) if s] or [context]  # after . ! ? and whitespace
             sentences[context] = chunks, chunk_ends(context, chunks)
         chunks, ends = sentences[context]
-        relevant = [next((c for c, e in zip(chunks, ends) if e > starts[0]), chunks[-1])] if starts else None
+        relevant = None
+        if starts:  # the sentences the first answer overlaps ("C. J. Anderson" spans three)
+            stop = starts[0] + len(texts[0])
+            relevant = [c for c, e in zip(chunks, ends) if e > starts[0] and e - len(c) < stop] or chunks[-1:]
         record = _record(qa.get("id"), context, question, texts, relevant, chunks)
         if any(context[s:s + len(t)] != t for s, t in zip(starts, texts)):  # (relevant reads the start)
             _count(stats, "answer_not_at_its_start")

@@ -690,7 +690,7 @@ def add_decoder_adapter(method):
 
 def w_from_identity(method):
     """Aid 5: meanpool's W starts at I, the encoder's scale, not at the embeddings' (the real path's s I:
-    meanpool.py); a method's `proj` that does not start as a multiple of I keeps its start."""
+    meanpool.py); a method's `proj` that does not start as s I (s != 0) keeps its start."""
     w = getattr(getattr(method, "proj", None), "weight", None)
-    if w is not None and w.shape[0] == w.shape[1] and torch.equal(w, w[0, 0] * torch.eye(len(w)).to(w)):
+    if w is not None and w.shape[0] == w.shape[1] and w[0, 0] and torch.equal(w, w[0, 0] * torch.eye(len(w)).to(w)):
         torch.nn.init.eye_(w)

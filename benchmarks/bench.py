@@ -341,12 +341,26 @@ def check_args():
     selected_rows()
 
 
+def added_row(name, cls):
+    """The row of a registered compressor that ROWS lacks (a method just added): its recipe's last stage, at the
+    stage's ratio (else --ratio's default), checked by the method before any work."""
+    stage = cls.recipe(cls.Config())[-1]
+    ratio = {**stage.get("ours", {}), **stage.get("paper", {})}.get("ratio", train.TrainConfig.ratio)
+    row = (f"{name} {stage['objective']}", name, stage["objective"], ratio)
+    try:
+        if hasattr(cls, "check_config"):
+            cls.check_config(train.TrainConfig(method=name, objective=row[2], ratio=ratio), cls.Config())
+    except SystemExit as e:
+        why = str(e.code).removeprefix("error: ")
+        sys.exit(f"error: bench row {row[0]!r} (ROWS has none for --method {name}): {why}; add one to ROWS")
+    return row
+
+
 def selected_rows():
-    """The ROWS that --methods names (by row or method), all without it; a registered compressor with no row of its
-    own (a method just added) gets one: its first objective at ratios 4,8,16."""
+    """The ROWS that --methods names (by row or method), all without it, and added_row's."""
     listed = {r[1].split()[0] for r in ROWS}
-    rows = ROWS + [(f"{m} {cls.objectives[0]}", m, cls.objectives[0], "4,8,16")
-                   for m, cls in train.method_registry().items() if hasattr(cls, "compress") and m not in listed]
+    rows = ROWS + [added_row(m, cls) for m, cls in train.method_registry().items()
+                   if hasattr(cls, "compress") and m not in listed]
     names = {name for r in rows for name in (r[0], r[1].split()[0])}
     unknown = set(args.methods.split(",")) - names if args.methods else set()
     if unknown:

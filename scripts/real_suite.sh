@@ -175,6 +175,7 @@ for spec in "${RUNS[@]}"; do
   steps=$STEPS
   [[ " ${words[*]} " != *" --pretrain "* ]] || steps=$(( STEPS - HALF ))
   more=()  # the smoke's --max_context 96 holds no ata encoder prompt (§4.1.4's filter): its instruction alone is longer
+  # (so the smoke's ata rows read 512 tokens, and their teacher rows are their own)
   [ -z "$SMOKE" ] || [ "${words[1]} ${words[2]}" != "--method ata" ] || more=(--max_context 512)
   wait_for_a_slot
   run_one "${words[0]}" "${words[@]:1}" "${more[@]}" --teacher "$OUT/teacher" --max_iters "$steps" --micro_batch "$MICRO" &

@@ -248,17 +248,23 @@ def test_fit_chunks_drops_chunks_that_are_not_relevant_last_first():
     (each kept one after its own separator), and one whose relevant chunks alone exceed it goes (hand-counted)."""
     rec = {"context": "> A a.\nB bb.\nC c.\nD dd. <", "chunks": ["A a.", "B bb.", "C c.", "D dd."],
            "relevant": ["B bb."], "question": "?"}  # 25 characters
+    chars = SimpleNamespace(encode=list)  # a token a character
     size, chunk_size = (lambda r: len(r["context"])), (lambda c: len(c) + 1)  # noqa: E731
     assert data.keep_chunks(rec, {1, 3})["context"] == "> B bb.\nD dd. <"
     for limit, want in ((25, rec["context"]), (24, "> A a.\nB bb.\nC c. <"), (14, "> A a.\nB bb. <"),
                         (13, "> B bb. <"), (9, "> B bb. <")):
-        (got,), trimmed = data.fit_chunks([rec], limit, size, chunk_size)
+        (got,), trimmed = data.fit_chunks([rec], chars, limit, size, chunk_size)
         assert got["context"] == want and trimmed == (limit < 25) and got["relevant"] == ["B bb."]
         assert data.chunk_ends(got["context"], got["chunks"])  # the chunks in the new context, in order
-    assert data.fit_chunks([rec], 8, size, chunk_size) == ([], 1)
+    assert data.fit_chunks([rec], chars, 8, size, chunk_size) == ([], 0)  # (counted: kept ones only)
     whole = dict(rec, relevant=None)  # every chunk relevant: nothing to drop
-    assert data.fit_chunks([whole, dict(whole, chunks=None)], 24, size, chunk_size) == ([], 0)
-    assert data.fit_chunks([whole, rec], 25, size, chunk_size) == ([whole, rec], 0)
+    assert data.fit_chunks([whole, dict(whole, chunks=None)], chars, 24, size, chunk_size) == ([], 0)
+    assert data.fit_chunks([whole, rec], chars, 25, size, chunk_size) == ([whole, rec], 0)
+    unmarked = dict(rec, relevant=[])  # (MS MARCO, no passage selected): it lost every chunk and trained on nothing
+    assert data.fit_chunks([unmarked], chars, 24, size, chunk_size) == ([], 0)
+    prompt = lambda r: 2 + sum(map(len, r["chunks"]))  # noqa: E731  (a prompt of the chunks alone, not the lead)
+    lead = dict(rec, context="a long lead of forty characters or so ... " + rec["context"])
+    assert data.fit_chunks([lead], chars, 24, prompt, chunk_size) == ([], 0)  # collate_qa would cut its gold chunk
 
 
 def test_training_records_fit_max_context_on_hotpotqa():
@@ -293,7 +299,7 @@ def test_a_run_trains_on_the_records_within_max_context(base_dir, tmp_path, caps
     run = ["--method", "ata", "--init_from", base_dir, "--data", hotpot, "--hotpot_distractors", "--max_iters", 1,
            "--batch_size", 1, "--eval_examples", 0, "--quiet", "--out_dir", tmp_path / "run"]
     assert cli_error(run + ["--max_context", gold - 1]) == (
-        f"error: ata: 0 of 1 training records fit --max_context {gold - 1} tokens (§4.1.4), 1 after dropping "
+        f"error: ata: 0 of 1 training records fit --max_context {gold - 1} tokens (§4.1.4), 0 after dropping "
         "chunks that are not relevant")
     with pytest.warns(UserWarning, match="every chunk of this training batch is relevant"):  # (room for no distractor)
         train.main([str(a) for a in run + ["--max_context", gold]])

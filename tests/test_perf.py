@@ -120,13 +120,22 @@ def test_bench_names_an_unknown_row_before_any_work(monkeypatch):
     monkeypatch.setattr(bench.args, "methods", "sac,ata qa")  # a method's rows, a row by name
     assert [r[0] for r in bench.selected_rows()] == ["sac qa", "ata qa"]
     import meanpool
+    import sentence_gist
     import train
     registry = train.method_registry()  # a method just added gets a row of its own (it had to be listed in ROWS)
     monkeypatch.setattr(train, "method_registry", lambda: {**registry, "lastk": type("LastK", (meanpool.MeanPool,), {})})
     monkeypatch.setattr(bench.args, "methods", "lastk")
-    assert bench.selected_rows() == [("lastk kd", "lastk", "kd", "4,8,16")]
+    assert bench.selected_rows() == [("lastk kd", "lastk", "kd", "4,8,16,32,64,128")]  # its recipe's stage
     monkeypatch.setattr(bench.args, "methods", "")
     assert [r[0] for r in bench.selected_rows()][-2:] == ["tokens kd per ratio", "lastk kd"]
+    gist = type("Gistx", (sentence_gist.SentenceGist,), {})
+    monkeypatch.setattr(train, "method_registry", lambda: {**registry, "gistx": gist})
+    assert bench.selected_rows()[-1] == ("gistx lm", "gistx", "lm", "1")  # its recipe's ratio (4,8,16 failed)
+    gist.recipe = staticmethod(lambda mcfg: [dict(objective="lm", cite="ours", paper={})])  # no ratio: refused
+    with pytest.raises(SystemExit) as e:
+        bench.selected_rows()
+    assert str(e.value).startswith("error: bench row 'gistx lm' (ROWS has none for --method gistx): --ratio 4,8,16 "
+                                   "does not apply") and str(e.value).endswith("; add one to ROWS")
 
 
 def test_bench_flags_are_one_line_before_any_work():

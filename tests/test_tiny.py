@@ -521,7 +521,9 @@ def test_aid_5_starts_only_a_w_that_starts_as_a_multiple_of_i_at_i():
     torch.nn.init.eye_(scaled.proj.weight).data.mul_(0.07)
     tiny.w_from_identity(scaled)
     assert torch.equal(scaled.proj.weight, torch.eye(4))
-    for proj in (torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 3, bias=False)):
+    zero = torch.nn.Linear(4, 4, bias=False)
+    torch.nn.init.zeros_(zero.weight)
+    for proj in (torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 3, bias=False), zero):
         before = proj.weight.clone()
         tiny.w_from_identity(SimpleNamespace(proj=proj))
         assert torch.equal(proj.weight, before)
