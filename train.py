@@ -273,6 +273,7 @@ class Stage:
     ours: dict = field(default_factory=dict)
     official: dict = field(default_factory=dict)  # from the authors' code, where the paper is silent
     name: str = "pretrain"  # its run dir under --out_dir when a later stage follows
+    scaled: tuple = ()  # --no_aids on the tiny base: the keys of `paper` that hold TINY's other values (SCALE)
 
 
 # what --no_aids keeps of the tiny recipe: a 1.1M-parameter base on a CPU needs its own steps, batch and lr
@@ -538,7 +539,9 @@ def recipe_stages(cfg, mcfg, explicit, cls):
             scale = {k: v for k, v in scaled[-1].paper.items() if k in SCALE and k != "max_iters"}
             steps = split_steps(sum(s.paper.get("max_iters", 1) for s in scaled),
                                 [s.paper.get("max_iters", 1) for s in stages])
-            stages = [replace(s, paper={**s.paper, **scale, "max_iters": n}) for s, n in zip(stages, steps)]
+            stages = [replace(s, paper={**s.paper, **scale, "max_iters": n},
+                              scaled=tuple(k for k, v in {**scale, "max_iters": n}.items() if s.paper.get(k) != v))
+                      for s, n in zip(stages, steps)]
     done = run_state(cfg.init_from, cfg.method)  # --init_from an earlier stage's run dir: the stages after it
     if done:  # that stage: its objective and (sentence_gist's three are all `lm`) its --stage; the last: it again
         ran = [s.objective == done["train"]["objective"] and s.paper.get("stage", 0) == done["method"].get("stage", 0)
@@ -572,6 +575,7 @@ def stage_values(cfg, mcfg, explicit, stage, source, n, n_recipe):
             if key not in explicit and (hasattr(c, key) or hasattr(m, key)):
                 setattr(c if hasattr(c, key) else m, key, val)
                 sources[key] = origin
+    sources.update({key: "tiny (--no_aids: the tiny base's scale)" for key in stage.scaled})
     sources.update({key: "flag" for key in explicit})
     c.objective, c.max_iters = stage.objective, n
     if c.warmup_iters and "warmup_iters" not in explicit and n != n_recipe:  # a count keeps its share of the stage

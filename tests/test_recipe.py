@@ -66,7 +66,9 @@ def test_the_tiny_base_keeps_its_own_recipe_and_no_aids_is_the_papers_at_its_sca
     assert sources["lr"] == sources["lora_r"] == "tiny"
     (c, m, sources), = resolved(["--method", "meanpool", "--no_aids"])  # the paper's, but the steps, batch, lr
     assert (c.lr, c.max_iters, c.batch_size, c.ratio, m.lora_r, c.max_answer) == (2e-3, 700, 8, "4,8,16", 16, 256)
-    assert sources["lora_r"].startswith("paper")
+    assert sources["lora_r"].startswith("paper") and sources["min_lr_frac"].startswith("paper")
+    scale = "tiny (--no_aids: the tiny base's scale)"  # (they were labelled the paper's: Table 6's lr is 2e-4)
+    assert sources["lr"] == sources["max_iters"] == sources["batch_size"] == scale
     tiny_gist, = resolved(["--method", "sentence_gist"])  # qa, stage 2, LoRA
     assert (tiny_gist[0].objective, tiny_gist[1].stage, tiny_gist[1].lora_r) == ("qa", 2, 16)
     paper_gist = resolved(["--method", "sentence_gist", "--no_aids"])  # lm, three stages, every weight
