@@ -18,8 +18,8 @@ Choices the paper leaves open (or that differ from it), made here:
 - A sentence ends at its . ! ? token, decided there as generation must (3.14, U.S. split: what follows is unseen).
 - Targets (App. C.3): a sentence's final gist predicts the next one's first token, its last token and other gists
   nothing: each regular token once, our reading of Fig. 2's "no Gist Tokens" (perplexity: of a second half here).
-- The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take position ids. A guard
-  (not in the paper) ends a sentence at `max_sentence_len` tokens; a context's end ends its last sentence.
+- The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take position ids. A guard (not
+  in the paper) ends a sentence at `max_sentence_len` tokens, and a context's end its last (a question follows).
 - Stages (§3.5, `recipe`): 1 the gist rows; 2 and every weight (`--lora_r 0`; `--lora_r R`: a LoRA `gist`); 3 as 2,
   lr to 0; one command runs all three, `--stage N` one; text: --pretrain_data / --data (the paper's: FineWeb-Edu).
 - Objectives: `lm` (the paper's), `qa` (the tiny base's: stage 2, N_g 2, LoRA, tiny.py's aids). --ratio does
