@@ -19,6 +19,7 @@ Choices, each marked paper, official code (the authors' public repository, where
 - Anchor embedding: `--anchor_emb one`, eq. 1's e_A (paper); `table`, row k to every sub-context's anchor k (official).
 - Encoder LoRA: `--lora_targets` q_proj,v_proj on a real checkpoint (official; the paper gives only r 128, alpha 256),
   all seven on the tiny base (ours); none on the last layer's q, o and MLP (ours): they cannot reach the K/V memory.
+  No LoRA dropout (the paper names none).
 - Start (ours): e_A and LoRA B are zero (the table is N(0, 0.02)): the base's K/V of the anchors, read bidirectionally.
 - Prefix (ours; BOS, a chat header): it leads every sub-context in the encoder; the memory's first P slots are the
   frozen base's causal K/V of it, so r = 1, a causal encoder and no adapter give the teacher on a context of one
