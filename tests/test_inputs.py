@@ -275,7 +275,7 @@ def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(file
     took the recipe's steps and evaluation, not the command's. run.json keeps the command; --resume reruns it."""
     out = tmp_path / "run"
     flags = ["--method", "ata", "--init_from", files / "hf", "--data", files / "squad.json", "--out_dir", out,
-             "--quiet", "--device", "cpu", "--batch_size", 2, "--lora_r", 4, "--max_context", 64]
+             "--quiet", "--device", "cpu", "--batch_size", 2, "--lora_r", 4, "--max_context", 256]  # (its prompt fits)
     assert in_process(flags + ["--pretrain", 1, "--max_iters", 1, "--eval_examples", 0]) == ""  # run A: both stages
     step = train.train_step
     monkeypatch.setattr(train, "train_step", lambda *a: train.STOP.append(1) or step(*a))  # Ctrl-C in a step
