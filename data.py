@@ -454,7 +454,7 @@ def keep_chunks(record, keep):
     starts = [end - len(c) for end, c in zip(ends, chunks)]
     before = [context[:starts[0]]] + [context[ends[i - 1]:starts[i]] for i in range(1, len(chunks))]
     kept = sorted(keep)
-    text = before[0] + "".join(before[i] * (j > 0) + chunks[i] for j, i in enumerate(kept)) + context[ends[-1]:]
+    text = before[0] + "".join((before[i] if j else "") + chunks[i] for j, i in enumerate(kept)) + context[ends[-1]:]
     return dict(record, context=text, chunks=[chunks[i] for i in kept])
 
 
@@ -657,8 +657,8 @@ def _jsonl(path):
 
 def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=None):
     """SQuAD v1.1 / v2.0 JSON (or a .zip of it), a record per question; chunks = sentences, relevant = those the first
-    answer overlaps. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question index.
-    doc: the file's JSON where the caller has read it (read_dataset)."""
+    answer overlaps. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question
+    index. doc: the file's JSON where the caller has read it (read_dataset)."""
     doc = _load_json(path) if doc is None else doc
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
