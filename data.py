@@ -462,12 +462,16 @@ def fit_chunks(records, tok, limit, size, chunk_size):
     """(the records with size(record) <= limit, each first losing its chunks that are not relevant, last first, while
     it is longer; how many of them lost one). A record's context counts too: collate_qa cuts it at `limit` tokens.
     chunk_size(chunk): about what dropping the chunk saves (then size checks). No relevant chunk marked: none drops."""
-    kept, trimmed = [], 0
-    measure = lambda r: max(size(r), len(tok.encode(r["context"])))  # noqa: E731
+    kept, trimmed, context_len = [], 0, {}  # a context's tokens, once for all its questions (SQuAD: about 5)
+
+    def measure(r):
+        if r["context"] not in context_len:
+            context_len[r["context"]] = len(tok.encode(r["context"]))
+        return max(size(r), context_len[r["context"]])
     for rec in records:
-        whole, gold, n = rec, rec.get("relevant"), measure(rec)
-        spare = [i for i, c in enumerate(rec.get("chunks") or []) if gold and c not in gold]
-        keep = set(range(len(rec.get("chunks") or [])))
+        whole, gold, n, chunks = rec, rec.get("relevant"), measure(rec), rec.get("chunks") or []
+        spare = [i for i, c in enumerate(chunks) if gold and c not in gold]
+        keep = set(range(len(chunks)))
         while n > limit and spare:
             i = spare.pop()
             keep.discard(i)
