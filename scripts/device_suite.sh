@@ -33,7 +33,7 @@ run_suite() {  # the suite on $STATE's GGUF and SQuAD, in $STATE/real; exits wit
   local results=${OUT:-$STATE/results} status=0  # the device tool's $OUT comes back: keep it to a few small files
   mkdir -p "$results"
   rm -f "$STATE/real/results.json" "$STATE/real/section.md"  # an earlier call's: not returned as this one's
-  local deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 90 ))}  # then up to 30 s to stop, the table, the copies
+  local deadline=${DEADLINE:-$(( ${LIMIT:-600} - SECONDS - 90 ))}  # then up to GRACE (30 s) to stop, the table, the copies
   echo "suite runs end ${deadline} s after they start"
   DEADLINE=$deadline GGUF="$STATE/smollm2.gguf" SQUAD="$DIR/dev-v1.1.json.zip" OUT="$STATE/real" RESULTS="$STATE/real/RESULTS.md" \
     ${SUITE:-bash scripts/real_suite.sh} 2>&1 | tee "$results/suite.log" || status=$?

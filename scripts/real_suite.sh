@@ -34,6 +34,7 @@ MICRO=${MICRO:-16}               # --micro_batch of the compressors, JOBS at a t
 EVAL_BATCH=${EVAL_BATCH:-64}     # eval.py --batch_size: questions answered at a time
 SEED=${SEED:-1337}
 DEADLINE=${DEADLINE:-}           # seconds after the start by which every run ends ("": none)
+GRACE=${GRACE:-30}               # seconds a run has after the deadline's signal to save its step; then it is killed
 ONLY=${ONLY:-}                   # a later part of the suite: the names of the runs it trains, comma-separated
 PRIOR=${PRIOR:-}                 # an earlier part's results.json: its runs head the table and join the claims
 SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
@@ -49,7 +50,7 @@ if [ "$JOBS" = auto ]; then  # six runs at MICRO=16 hold about 107 GiB (BENCHMAR
   fi
 fi
 EXTRA=() SMOKE=""
-given="${DEADLINE:+DEADLINE=$DEADLINE }${ONLY:+ONLY=$ONLY }${PRIOR:+PRIOR=$PRIOR }"
+given="${DEADLINE:+DEADLINE=$DEADLINE GRACE=$GRACE }${ONLY:+ONLY=$ONLY }${PRIOR:+PRIOR=$PRIOR }"
 CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES MICRO=$MICRO EVAL_BATCH=$EVAL_BATCH SEED=$SEED ${given}bash scripts/real_suite.sh"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke CMD="${given}bash scripts/real_suite.sh --smoke"
@@ -58,7 +59,7 @@ if [ "${1:-}" = "--smoke" ]; then
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
-whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE
+whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE GRACE
 [ "$STEPS" -ge 2 ] ||
   { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
 HALF=$(( STEPS / 2 ))            # a pretraining stage's steps; its QA stage gets the rest
@@ -112,15 +113,15 @@ fi
 wait_for_a_slot() {  # at most JOBS runs at a time (nvidia-smi's sampler aside)
   while [ "$(jobs -rp | grep -v "^${smi:-none}$" | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
 }
-limited() {  # SIGNAL COMMAND...: runs it; with DEADLINE, sent SIGNAL then (exit 124, as `timeout`) and killed 30 s
-  # on, or not started after it. train.py takes INT as Ctrl-C: it saves at the end of the step it is in
+limited() {  # SIGNAL COMMAND...: runs it; with DEADLINE, sent SIGNAL then (exit 124, as `timeout`) and killed GRACE
+  # s on, or not started after it. train.py takes INT as Ctrl-C: it saves at the end of the step it is in
   local signal=$1; shift
   [ -n "$DEADLINE" ] || { "$@"; return; }
   local left=$(( DEADLINE - ($(date +%s) - start) ))
   [ "$left" -gt 0 ] || return 124
   local rc=0
-  timeout -s "$signal" -k 30 "$left" "$@" || rc=$?
-  [ "$rc" != 137 ] || [ $(( $(date +%s) - start )) -lt "$DEADLINE" ] || rc=124  # killed 30 s after it: stopped too
+  timeout -s "$signal" -k "$GRACE" "$left" "$@" || rc=$?
+  [ "$rc" != 137 ] || [ $(( $(date +%s) - start )) -lt "$DEADLINE" ] || rc=124  # killed GRACE s after it: stopped too
   return $rc
 }
 train_one() {  # NAME FLAGS...: a run dir, its output in NAME.log; a run (or its first stage) already there resumes

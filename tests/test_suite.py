@@ -244,7 +244,7 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
 
 
 def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
-    for setting in ("STEPS=abc", "JOBS=0", "SEED=-1", "DEADLINE=-5", "TEACHER_STEPS=1.5", "EVAL_BATCH=0"):
+    for setting in ("STEPS=abc", "JOBS=0", "SEED=-1", "DEADLINE=-5", "GRACE=0", "TEACHER_STEPS=1.5", "EVAL_BATCH=0"):
         name, value = setting.split("=")
         env = dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=str(ROOT / "README.md"), **{name: value})
         p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh")], cwd=ROOT, capture_output=True,
@@ -357,15 +357,15 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
 @pytest.mark.slow
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
 def test_real_suite_counts_a_run_killed_after_the_deadline_as_stopped(tmp_path):
-    """A run still going 30 s after the deadline's signal is killed (`timeout -k`, 137): stopped, as one that saved
-    its step, not failed (the same command again continues it from its last checkpoint)."""
+    """A run still going GRACE s after the deadline's signal is killed (`timeout -k`, 137): stopped, as one that
+    saved its step, not failed (the same command again continues it from its last checkpoint)."""
     stub = tmp_path / "bin" / "python"
     stub.parent.mkdir()
     stub.write_text(f'#!/bin/bash\ncase "$*" in\n  *"/meanpool "*) trap "" INT; sleep 100 ;;\nesac\n'
                     f'exec {sys.executable} "$@"\n')
     stub.chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", DEADLINE="15",
-               PATH=f"{stub.parent}:{os.environ['PATH']}")
+               GRACE="2", PATH=f"{stub.parent}:{os.environ['PATH']}")
     p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert "   meanpool: stopped at the deadline" in p.stdout and "failed" not in p.stderr, p.stdout + p.stderr
