@@ -1437,7 +1437,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps; Ctrl-C (SIGINT)
     # or SIGTERM stops it at the end of a step, which it saves
     saved = step
-    eval_every = cfg.eval_interval or max(1, cfg.max_iters // 4)
+    eval_every = cfg.eval_interval or max(1, math.ceil(cfg.max_iters / 4))
     bar = tqdm(total=cfg.max_iters, initial=step, disable=not master or cfg.quiet, desc=cfg.method, dynamic_ncols=True)
     t0, tokens = time.time(), 0
     method.train()
