@@ -37,6 +37,13 @@ def test_twenty_steps_lower_the_loss(base_dir, tmp_path):
     assert len(log) == 20 and last < first
 
 
+def test_a_run_validates_about_four_times_by_default(base_dir, tmp_path):
+    """--eval_interval 0: every ceil(max_iters / 4) steps and at the last (6 steps: 2, 4, 6; not every step)."""
+    in_process(args(base_dir, tmp_path / "r", "--max_iters", 6, "--eval_examples", 0))
+    log = [json.loads(line) for line in open(tmp_path / "r" / "log.jsonl")]
+    assert [r["step"] for r in log if "val_loss" in r] == [2, 4, 6], log
+
+
 def test_training_again_into_a_run_dir_drops_its_stale_metrics(base_dir, tmp_path):
     """eval.py serves <run>/metrics.json from cache: a new checkpoint in the same dir must not keep
     the scores of the one before it."""
