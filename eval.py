@@ -567,18 +567,20 @@ def table(results):
     """One markdown table: a row per run x ratio, under the teacher and no-context rows it is measured against,
     shown again where a run's differ from those above (other questions or another base: its F1/teacher is its own)."""
     head = "| method | ratio | EM | F1 | F1/teacher | memory bytes | TTFT ms | examples/s | method-specific |"
-    lines, rows, shown = [head, "|" + "---|" * 9], [], None
+    lines, rows, shown, runs = [head, "|" + "---|" * 9], [], None, {}
     for res in results:
         controls = [res["teacher"], res["no_context"]]
         if [c.get("scores") for c in controls] != shown:
-            rows, shown = rows + controls, [c.get("scores") for c in controls]
-        rows += res["rows"]
-    for r in rows:
+            rows, shown = rows + [(c, None) for c in controls], [c.get("scores") for c in controls]
+        rows += [(r, res["run"]) for r in res["rows"]]
+        runs.setdefault(res["rows"][0]["method"], set()).add(res["run"])
+    for r, run in rows:  # two runs of one label (another --lr, --seed, ...): each named by its run dir
+        name = r["method"] + (f" [{run}]" if run and len(runs[r["method"]]) > 1 else "")
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"
         norm = f"{r['f1_norm']:.2f}" if math.isfinite(r.get("f1_norm", math.nan)) else "-"  # nan: no teacher gain
         mem = r.get("memory_bytes", r.get("context_bytes"))  # the teacher's: its full context's K/V
         cells = [f"{mem:.0f}" if mem is not None else "-", f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else "-"]
-        lines.append(f"| {r['method']} | {ratio} | {with_ci(r, 'em')} | {with_ci(r, 'f1')} | {norm} | "
+        lines.append(f"| {name} | {ratio} | {with_ci(r, 'em')} | {with_ci(r, 'f1')} | {norm} | "
                      f"{' | '.join(cells)} | {r['examples_per_s']:.1f} | {extra_text(r)} |")
     return "\n".join(lines)
 

@@ -79,6 +79,10 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     assert [l.split("|")[1].strip() for l in body] == ["teacher", "no-context", "meanpool", "meanpool", "pic"]
     assert "| 8.0x |" in body[3] and "| 52.0 |" in body[3]
     assert json.load(open(tmp_path / "all.json"))[1]["rows"][0]["method"] == "pic"
+    _fake_run(tmp_path / "c", "pic", [16])  # two runs of one label (say, another --lr): each named by its dir
+    two = evaluate.main([str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")])
+    assert [l.split("|")[1].strip() for l in evaluate.table(two).splitlines()[2:]] == \
+        ["teacher", "no-context", "meanpool", "meanpool", f"pic [{tmp_path / 'b'}]", f"pic [{tmp_path / 'c'}]"]
     again = evaluate.main([str(tmp_path / "all.json"), "--out", str(tmp_path / "again.json")])  # read as it is
     assert again == json.load(open(tmp_path / "all.json"))
     with pytest.raises(SystemExit, match=r"^error: --n evaluates run dirs; .*all.json is an earlier --out JSON"):
@@ -374,7 +378,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
     assert a["teacher_key"] == b["teacher_key"] and a["teacher"] == b["teacher"]
     c = json.load(open(tmp_path / "c" / "metrics.json"))  # 3 questions: its F1/teacher is against its own rows
     methods = [line.split(" | ")[0] for line in evaluate.table([a, b, c]).splitlines()[2:]]
-    assert methods == ["| teacher", "| no-context", "| meanpool", "| meanpool", "| teacher", "| no-context", "| meanpool"]
+    assert methods == ["| teacher", "| no-context", f"| meanpool [{tmp_path / 'a'}]", f"| meanpool [{tmp_path / 'b'}]",
+                       "| teacher", "| no-context", f"| meanpool [{tmp_path / 'c'}]"]
     for extra, computed in (([], False), (["--n", 3], True), (["--n", 3], False), ([], True), (["--ratio", 8], True),
                             (["--ratio", "4,8"], False), (["--ratio", 4, "--max_new_tokens", 5], True),
                             (["--batch_size", 2], True), ([], True)):  # a cached metrics.json: what it was asked
