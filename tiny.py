@@ -204,7 +204,6 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
     return data.load_tokenizer(out)
 
 
-
 def base_path(init_from):
     """The HF checkpoint dir behind --init_from: itself, or the base of a run dir."""
     path = init_from or BASE_DIR
@@ -225,8 +224,13 @@ def aided(cfg):
 
 
 def needs_training(init_from):
-    """True only when a run uses the shipped base and it has been deleted."""
-    return base_path(init_from) == BASE_DIR and not os.path.exists(os.path.join(BASE_DIR, "model.safetensors"))
+    """True when a run uses the shipped base and it is gone or short of its steps (Ctrl-C as a run trained it)."""
+    if base_path(init_from) != BASE_DIR:
+        return False
+    if not all(os.path.exists(os.path.join(BASE_DIR, f)) for f in ("model.safetensors", "run.json")):
+        return True
+    run = read_json(os.path.join(BASE_DIR, "run.json"))
+    return run["step"] < run["train"]["max_iters"]
 
 
 # -----------------------------------------------------------------------------

@@ -1174,11 +1174,17 @@ def prepare_base(cfg, mcfg, master, ddp):
             tiny.init_base(cfg.out_dir, mcfg, cfg.seed, cfg.resume)
         cfg.init_from = cfg.out_dir
     elif ddp and tiny.needs_training(cfg.init_from):
-        raise SystemExit(f"error: no {tiny.BASE_DIR}: train it first without torchrun (python train.py --method base)")
+        raise SystemExit(f"error: {tiny.BASE_DIR} is missing or part-trained: run once without torchrun, which "
+                         "trains it first")
     elif master and tiny.needs_training(cfg.init_from):
-        print(f"no {tiny.BASE_DIR}: training the tiny base first (~75 min on 2 CPU cores)")
-        main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
-              "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []))
+        stopped = all(os.path.exists(os.path.join(tiny.BASE_DIR, f)) for f in ("run.json", "model.safetensors"))
+        print(f"{tiny.BASE_DIR}: {'continuing' if stopped else 'none yet:'} training the tiny base first (~75 min "
+              "on 2 CPU cores in all)")
+        if not main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
+                     "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []) + (["--resume"] if stopped else [])):
+            print(f"interrupted while training {tiny.BASE_DIR}: this run did not start; the same command again "
+                  "continues the base", file=sys.stderr)
+            raise SystemExit(130)  # as any interrupted run: not on a part-trained base
     if ddp:
         dist.barrier()
 

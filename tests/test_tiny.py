@@ -1,5 +1,7 @@
 """tiny.py: the embedded default's base (its targets, curriculum), the compressors'
 curriculum, the attention-distillation aid, and the shipped tiny_base/."""
+import json
+
 import pytest
 import torch
 
@@ -194,6 +196,31 @@ def test_a_run_on_another_tiny_base_trains_nothing_and_writes_nothing_in_the_rep
     assert not tiny.needs_training(str(base)) and not tiny.needs_training(str(out))
     monkeypatch.setattr(tiny, "BASE_DIR", str(tmp_path / "deleted"))
     assert tiny.needs_training("") and not tiny.needs_training(str(out))
+
+
+def test_a_base_stopped_while_a_run_trained_it_is_continued_not_used(tmp_path, monkeypatch, capsys):
+    """Ctrl-C as a run trains the deleted shipped base first: that run exits 130 instead of training on the part-
+    trained base, and the next run continues the base (--resume) before it starts."""
+    base = tmp_path / "tiny_base"
+    monkeypatch.setattr(tiny, "BASE_DIR", str(base))
+    train.main(["--method", "base", "--out_dir", str(base), "--max_iters", "2", "--batch_size", "2", "--quiet"])
+    assert not tiny.needs_training("")
+    state = json.load(open(base / "run.json"))
+    state["step"] = 1  # as if stopped after step 1 of 2
+    (base / "run.json").write_text(json.dumps(state))
+    assert tiny.needs_training("")
+    mp = ["--method", "meanpool", "--out_dir", str(tmp_path / "mp"), "--max_iters", "1", "--batch_size", "2",
+          "--eval_examples", "0", "--quiet"]
+    real = train.main
+    monkeypatch.setattr(train, "main", lambda argv: None)  # the base's run, interrupted again
+    with pytest.raises(SystemExit) as e:
+        real(mp)
+    assert e.value.code == 130 and "interrupted while training" in capsys.readouterr().err
+    assert not (tmp_path / "mp" / "run.json").exists()
+    monkeypatch.setattr(train, "main", real)
+    real(mp)
+    assert f"resuming {base} from step 1" in capsys.readouterr().out and not tiny.needs_training("")
+    assert json.load(open(tmp_path / "mp" / "run.json"))["step"] == 1
 
 
 def _with_aid(base_dir, name, **kw):
