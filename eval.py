@@ -332,7 +332,7 @@ NUMBER = (int, float)
 
 
 def is_number(v, finite=True):
-    return isinstance(v, NUMBER) and not isinstance(v, bool) and (not finite or math.isfinite(v))
+    return isinstance(v, NUMBER) and not isinstance(v, bool) and (not finite or -math.inf < v < math.inf)  # (NaN: no)
 
 
 def key_error(obj, where, kinds):

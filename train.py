@@ -475,7 +475,7 @@ def check_run_flags(cfg, explicit):
     """The run-wide flags resolve reads, one line each; a 0 that means "the recipe's" counts as not given."""
     for flag in ("max_iters", "batch_size", "lr", "pretrain"):  # 0 = the recipe's (--pretrain 0: no first stage)
         value = getattr(cfg, flag)
-        if not (math.isfinite(value) and value >= 0):
+        if not 0 <= value < math.inf:  # (NaN fails; a 400-digit integer, which isfinite cannot take, passes)
             zero = "0: no first stage" if flag == "pretrain" else "0: the recipe's"
             raise SystemExit(f"error: --{flag} {value} must be a finite number >= 0 ({zero})")
         if flag == "lr" and value > torch.finfo(torch.float32).max / 10:  # (AdamW's first step: lr / (1 - beta1))
