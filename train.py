@@ -1251,9 +1251,10 @@ def diverged(loss, which, step, saved, out_dir):
 
 
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
-    """One optimizer step over this rank's micro-batches; returns (loss per token, metrics,
-    tokens seen, whether a rank got Ctrl-C). Gradients are sums over tokens, scaled by the global token count
-    (DDP already averaged over ranks); one all_reduce carries loss, count and every rank's Ctrl-C."""
+    """One optimizer step over this rank's micro-batches; returns (loss per token, metrics, the input tokens its
+    passes read (padding included, labels not), whether a rank got Ctrl-C). Gradients are sums over tokens, scaled by
+    the global token count (DDP already averaged over ranks); one all_reduce carries loss, count and every rank's
+    Ctrl-C."""
     total, count, metrics, tokens = 0.0, 0.0, {}, 0
     for i, mb in enumerate(micro):
         mb = to_device(mb, device)
@@ -1264,7 +1265,8 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
             loss, n, m = model(mb, ratios)
         loss.backward()
         total, count = total + loss.item(), count + float(n)
-        tokens += sum(v.numel() for v in mb.values() if torch.is_tensor(v) and v.dim() == 2 and v.dtype == torch.long)
+        tokens += sum(v.numel() for k, v in mb.items() if torch.is_tensor(v) and v.dim() == 2 and v.dtype == torch.long
+                      and not k.endswith("labels"))
         metrics.update(m)
     counts = torch.tensor([total, count, len(STOP)], device=device, dtype=torch.float64)
     if ddp:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,17 @@ def test_a_run_validates_about_four_times_by_default(base_dir, tmp_path):
     in_process(args(base_dir, tmp_path / "r", "--max_iters", 6, "--eval_examples", 0))
     log = [json.loads(line) for line in open(tmp_path / "r" / "log.jsonl")]
     assert [r["step"] for r in log if "val_loss" in r] == [2, 4, 6], log
+
+
+def test_a_step_counts_the_input_tokens_its_passes_read_not_their_labels():
+    """The bar's tok_s: ids and every pass's input (padding included), not the labels beside them."""
+    w = torch.nn.Parameter(torch.ones(()))
+    long = lambda b, t: torch.zeros(b, t, dtype=torch.long)
+    mb = {"ids": long(2, 5), "labels": long(2, 5), "qa": long(2, 3), "qa_labels": long(2, 3), "len": torch.ones(2)}
+    opt = train.AdamW([{"params": [w], "weight_decay": 0.0}], lr=0.0, betas=(0.9, 0.95))
+    out = train.train_step(lambda mb, ratios: (w * 2, 1, {}), [mb], [w], opt, [4], torch.device("cpu"),
+                           nullcontext(), False, 1, train.TrainConfig())
+    assert out[0] == 2.0 and out[2] == 2 * 5 + 2 * 3
 
 
 def test_training_again_into_a_run_dir_drops_its_stale_metrics(base_dir, tmp_path):
