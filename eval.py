@@ -464,8 +464,8 @@ def note_unfinished(run_dir, state):
 
 def check_run(run_dir, decoder, max_new_tokens):
     """--max_new_tokens against the decoder loaded from run_dir, before it answers: one line."""
-    config = getattr(decoder, "config", None)  # (None: a test's stand-in decoder)
-    if config and max_new_tokens > config.max_position_embeddings:
+    config = decoder.config
+    if max_new_tokens > config.max_position_embeddings:
         raise SystemExit(f"error: --max_new_tokens {max_new_tokens}: above the {config.max_position_embeddings} "
                          f"positions of {run_dir}'s decoder")
 

@@ -402,12 +402,9 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     3. on a real checkpoint: the paper's stages (cls.recipe): the values its paper states, then ours;
     4. the dataclass defaults.
     Which stages run: recipe_stages. --pretrain N gives the first of several stages N steps; --max_iters N is shared by
-    the others (all, without --pretrain N) in their recipe's proportion, each at least one step; a warmup given in
-    steps (SAC's and ATA's 300) scales with its stage's steps (left at 300, it outlasted a stage cut to 200, whose lr
-    never reached the paper's).
-    A stage before the last trains into OUT_DIR/<its name>, and the next starts from it; --init_from such a dir runs
-    the stages after it (a run of the last stage: that stage again, from it).
-    cfg and mcfg become the last stage's (cfg.pretrain: the steps of the stages before it)."""
+    the others (all, without --pretrain N) in their recipe's proportion, each at least one step (stage_values scales
+    a warmup given in steps with them). A stage before the last trains into OUT_DIR/<its name>. cfg and mcfg become
+    the last stage's (cfg.pretrain: the steps of the stages before it)."""
     check_run_flags(cfg, explicit)
     check_run_dirs(cfg, mcfg)
     taught = teacher_prompt(cfg.teacher)  # the format its adapter learned answers in
