@@ -752,7 +752,7 @@ def questions_of(run_dir, ecfg, given):
     flag, path = ("--eval_data", what["eval_data"]) if what["eval_data"] else ("--data", what.get("held_out_of"))
     if path and not os.path.isfile(path):
         raise SystemExit(f"error: {run_dir}'s {flag} {path!r}: {train.not_a_file(path)} (name one with --eval_data)")
-    if path and "split" in given:  # (ignored before)
+    if path and "split" in given:  # (a file has no synthetic split)
         whose = "--eval_data" if ecfg.eval_data else f"its {flag}"  # (the command's, or the run's own)
         raise SystemExit(f"error: --split picks synthetic questions; {run_dir} is read on {whose} {path}")
     records = eval_records(train.run_config(run_dir)[0], ecfg)
@@ -770,7 +770,7 @@ def main(argv):
     if not run_dirs:
         raise SystemExit("error: name at least one run dir: python eval.py out/meanpool")
     if unmatched := [p for p in run_dirs if any(c in p for c in "*?[") and not os.path.exists(p)]:
-        raise SystemExit(f"error: {unmatched[0]!r} matches no run dir")  # (it was "not a run dir")
+        raise SystemExit(f"error: {unmatched[0]!r} matches no run dir")  # (the shell left the pattern as it is)
     device = train.pick_device(ecfg.device)
     if ecfg.one_shot:
         if len(run_dirs) > 1:
@@ -781,7 +781,7 @@ def main(argv):
     # every results file read, every run dir seen and its questions read, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
     unread = sorted(given - {"runs", "out"})
-    if unread and all(r.endswith(".json") for r in run_dirs):  # (they were ignored)
+    if unread and all(r.endswith(".json") for r in run_dirs):  # (no run is evaluated, so none reads them)
         raise SystemExit(f"error: --{unread[0]} evaluates run dirs; {run_dirs[0]} is an earlier --out JSON, read as "
                          "it is")
     records = {}

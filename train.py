@@ -236,7 +236,7 @@ def configure(argv):
     unread = sorted(explicit & {"ratio", "eval_ratio"}) if not hasattr(cls, "compress") else []
     if unread:  # the teacher and the tiny base compress nothing
         raise SystemExit(f"error: --{unread[0]} does not apply to --method {name}: it reads the whole context")
-    if not hasattr(cls, "compress") and "eval_examples" in explicit and cfg.eval_examples:  # (it was ignored)
+    if not hasattr(cls, "compress") and "eval_examples" in explicit and cfg.eval_examples:  # (nothing would read it)
         raise SystemExit(f"error: --eval_examples: a --method {name} run is not evaluated (eval.py reads the teacher "
                          "with a compressor's run)")
     return cfg, mcfg, explicit, cls
@@ -426,7 +426,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     n_stages = len(stages)
     if begun and begun[-1] > 0:  # --resume: the stages before the last one begun stand as they are (another split
         j, init_from = begun[-1], dirs[begun[-1] - 1]  # of --max_iters retrained them under the later one's weights)
-        if not ran[j - 1]:  # (it trained the first stage anew, then failed)
+        if not ran[j - 1]:  # (else the first stage would train anew, then this one fail)
             raise SystemExit(f"error: --resume: {dirs[j]} began from {init_from}, which holds no checkpoint now")
         first = ran[0].init_from if ran[0] else None
         if "init_from" in explicit and first is not None and as_compared("init_from", cfg.init_from) != \
@@ -487,7 +487,7 @@ def check_run_flags(cfg, explicit):
         raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a positive integer")
     unread = sorted(f for f in explicit & {"init_from", "teacher", "data", "eval_data", "pretrain_data", "max_context",
                                            "max_answer", "prompt"} if getattr(cfg, f) != getattr(TrainConfig, f))
-    if cfg.method == "base" and unread:  # (--data reached the first batch, the others were ignored)
+    if cfg.method == "base" and unread:  # (the base reads none of them)
         raise SystemExit(f"error: --{unread[0]} does not apply to --method base: it trains a tiny base from scratch on "
                          "tiny.py's synthetic set (--resume continues one)")
     if cfg.micro_batch < 0:
@@ -612,7 +612,7 @@ def inherit_resumed(c, m, explicit, sources, own_start=False):
         if key in state["train"] and not sources.get(key, "").startswith("flag"):
             setattr(c, key, state["train"][key])
             sources[key] = "the run --resume continues"
-    if c.max_iters < state["step"]:  # (it printed "nothing to train" and went on)
+    if c.max_iters < state["step"]:  # (not "nothing to train": the flag asks for fewer steps than were run)
         raise SystemExit(f"error: --max_iters {c.max_iters}: the run --resume continues, {c.out_dir}, is at step "
                          f"{state['step']} already")
     for key in RESUME_SAME + RESUME_KEEPS:
@@ -652,9 +652,9 @@ def check_inputs(stages, cls):
     stages read of them, before any work."""
     for c, m, sources in stages:
         check_stage(c, m, cls)
-        for flag, switch in getattr(cls, "SWITCHED", {}).items():  # (--fixed_k 6 alone was ignored)
-            if sources.get(flag) == "flag" and not getattr(m, switch):
-                raise SystemExit(f"error: --{flag} {getattr(m, flag)} applies under --{switch}")
+        for flag, needs in getattr(cls, "SWITCHED", {}).items():  # a flag that only acts under another switch
+            if sources.get(flag) == "flag" and not getattr(m, needs):
+                raise SystemExit(f"error: --{flag} {getattr(m, flag)} applies under --{needs}")
         for flag in ("ratio", "eval_ratio"):  # (a recipe's R = 4..128 may pass a short context)
             if sources.get(flag) == "flag" and getattr(c, flag):
                 check_ratio_fits(getattr(c, flag), c.max_context, flag)
@@ -691,9 +691,9 @@ def check_stage(cfg, mcfg, cls):
         raise SystemExit(f"error: --eval_examples {cfg.eval_examples} must lie in 0..2^20")
     if not -(1 << 63) <= cfg.seed < 1 << 63:  # (torch's generator takes 64 bits)
         raise SystemExit(f"error: --seed {cfg.seed} must lie in -2^63..2^63-1")
-    if cfg.prompt not in ("auto", "plain", "sac", *data.CHAT_FORMATS):
-        formats = ", ".join(("auto", "plain", "sac", *data.CHAT_FORMATS))
-        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {formats}")
+    formats = ("auto", "plain", "sac", *data.CHAT_FORMATS)
+    if cfg.prompt not in formats:
+        raise SystemExit(f"error: --prompt {cfg.prompt!r}; choose from {', '.join(formats)}")
     if cfg.dtype not in ("", "float32", "bfloat16"):
         raise SystemExit(f"error: --dtype {cfg.dtype!r}; choose float32 or bfloat16")
     cuda = pick_device(cfg.device).type == "cuda"
@@ -788,7 +788,7 @@ def check_writable(path, flag, folder=True):
             raise SystemExit(f"error: {flag} {path!r} is a file of the run {run_dir}; name another")
     there = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
     while not os.path.exists(there):  # the nearest folder that exists: the rest is made in it
-        if os.path.islink(there):  # (makedirs said "File exists" after the model was built)
+        if os.path.islink(there):  # (makedirs would fail on it, after the model is built)
             raise SystemExit(f"error: {flag} {path!r}: {there} is a link to {os.readlink(there)}, which does not exist")
         there = os.path.dirname(there)
     if not os.path.isdir(there):
