@@ -1,19 +1,18 @@
 """The embedded default: a tiny base that runs on a CPU, and the aids it needs beyond the papers.
-Everything here concerns the tiny base (`tiny_base/`, or any `--method base` run dir) and
-the synthetic benchmark (the tiny world's data: here, not in data.py as SPEC §2 has it); nothing here runs on a
-real checkpoint.
+Everything here concerns the tiny base (`tiny_base/`, or any `--method base` run dir) and the synthetic benchmark
+(the tiny world's data: here, not in data.py as SPEC §2 has it); nothing here runs on a real checkpoint.
 
-- `tiny_base/` ships with the repo (`python train.py --method base --out_dir tiny_base`);
-  if it is deleted, the first run that needs it trains it again.
+- `tiny_base/` ships with the repo (`python train.py --method base --out_dir tiny_base`); if it is deleted (or
+  part-trained), the first run that needs it trains it.
 - `Base` (`--method base`): that model's objective and curriculum (SPEC §2.6).
 - Aids, the same for every compression method, on the tiny base only (`--no_aids`: none of them, and the papers'
   recipes at the tiny base's scale, train.SCALE):
   1. `compressor_curriculum`: short contexts first, then a ramp to the eval set's mix.
-  2. `AttentionDistillation`: the decoder's head 0 learns from the teacher's: where it looks, over
-     the memory slots that hold each context token, where the paper's layout fixes them (a method's token_slots);
-     elsewhere (compression tokens that read the whole context) what it outputs. sentence_gist's
-     gists also learn the last-layer K/V of the answer in their sentence (gist_kv_loss); ATA's
-     compression tokens, to read the answer one layer below the last (writer_loss).
+  2. `AttentionDistillation`: the decoder's head 0 learns from the teacher's: where it looks, over the memory slots
+     that hold each context token, where the paper's layout fixes them (a method's token_slots); elsewhere
+     (compression tokens that read the whole context) what it outputs. sentence_gist's gists also learn the
+     last-layer K/V of the answer in their sentence (gist_kv_loss); ATA's compression tokens, to read the answer
+     one layer below the last (writer_loss).
   3. `add_questions`: every QA pair of a context after one memory (QUESTIONS).
   4. `add_decoder_adapter`: a LoRA decoder for the methods whose paper freezes it (a real LLM
      reads soft memory frozen, a tiny base trained from scratch does not).
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
-
 import torch
 import torch.nn.functional as F
 
@@ -205,10 +203,14 @@ def train_default_tokenizer(out_path, seed=0, vocab_size=1024, n_chars=400_000):
 
 
 def base_path(init_from):
-    """The HF checkpoint dir behind --init_from: itself, or the base of a run dir."""
-    path = init_from or BASE_DIR
+    """The HF checkpoint dir behind --init_from: itself, or the base of a run dir (a `--method base` run is its own:
+    without config.json, or in a loop of run dirs, that dir, which train.check_files then refuses)."""
+    path, seen = init_from or BASE_DIR, set()
     while os.path.exists(os.path.join(path, "run.json")) and not os.path.exists(os.path.join(path, "config.json")):
-        path = read_json(os.path.join(path, "run.json"))["train"]["init_from"] or BASE_DIR
+        run, seen = read_json(os.path.join(path, "run.json"))["train"], seen | {path}
+        if run["method"] == "base" or (run["init_from"] or BASE_DIR) in seen:
+            return path
+        path = run["init_from"] or BASE_DIR
     return path
 
 
@@ -308,14 +310,12 @@ class BaseConfig:
 
 
 class Base(torch.nn.Module):
-    """`--method base`: the tiny Llama-config model trained from scratch on synthetic contexts
-    followed by question-answer pairs (SPEC §2.6): CE on every token, answers weighted 1 and the
-    rest ``context_weight``. Plus attention supervision (``attn_weight``; ours, as CE alone finds
-    the circuit that picks the asked person only after >10^5 examples): -log of the attention mass
-    head 0 puts on collate_base's keys, binding in layer 0 and pointing in the last two layers (the
-    lower copy is one that ATA's compression tokens, whose last-layer K/V precede the last layer, can
-    learn to make: AttentionDistillation.writer_loss; pointing in the last layer alone kept ATA at
-    0.06 of the teacher's gain). It needs 3,000 steps: at 2,000 its teacher F1 was 81.8 (seed 1337)."""
+    """`--method base`: the tiny Llama-config model trained from scratch on synthetic contexts followed by
+    question-answer pairs (SPEC §2.6): CE on every token, answers weighted 1 and the rest ``context_weight``. Plus
+    attention supervision (``attn_weight``; ours, as CE alone finds the circuit that picks the asked person only
+    after >10^5 examples): -log of the attention mass head 0 puts on collate_base's keys, binding in layer 0 and
+    pointing in the last two layers (the lower copy is one ATA's compression tokens, whose last-layer K/V precede the
+    last layer, can learn to make: AttentionDistillation.writer_loss). 3,000 steps: fewer left its teacher short."""
     Config = BaseConfig
     objectives = ("lm",)
     TINY = dict(max_iters=3000, batch_size=16, lr=3e-3, weight_decay=0.1)

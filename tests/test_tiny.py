@@ -223,6 +223,16 @@ def test_a_base_stopped_while_a_run_trained_it_is_continued_not_used(tmp_path, m
     assert json.load(open(tmp_path / "mp" / "run.json"))["step"] == 1
 
 
+def test_base_path_stops_at_a_base_run_without_config_and_at_a_loop_of_run_dirs(tmp_path):
+    """A `--method base` run dir is its own checkpoint (config.json gone: that dir, which check_files refuses, not
+    the shipped base behind its init_from ""); run dirs naming each other end (the walk looped forever)."""
+    base, a, b = tmp_path / "base", tmp_path / "a", tmp_path / "b"
+    for run, method, init_from in ((base, "base", ""), (a, "meanpool", b), (b, "meanpool", a)):
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({"train": {"method": method, "init_from": str(init_from)}}))
+    assert tiny.base_path(str(base)) == str(base) and tiny.base_path(str(a)) == str(b)
+
+
 def _with_aid(base_dir, name, **kw):
     import ata
     import data
