@@ -62,6 +62,7 @@ fi
 whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE GRACE
 [ "$STEPS" -ge 2 ] ||
   { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
+python scripts/results_md.py --check RESULTS --out "$RESULTS"  # the report it writes last: checked before any run
 HALF=$(( STEPS / 2 ))            # a pretraining stage's steps; its QA stage gets the rest
 RUNS=(  # name and flags, in the order they start; names as scripts/claims.py's rows
   "meanpool         --method meanpool --ratio 4,8,16"          # Table 1 (R of 3 ratios: the claims' 4x and 16x)

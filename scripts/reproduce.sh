@@ -31,6 +31,7 @@ for var in DATA EVAL_DATA; do  # the tiny base's suite reads its synthetic set: 
     echo "error: $var=${!var} without INIT_FROM: the tiny base's suite trains on its synthetic set" >&2; exit 1
   fi
 done
+python scripts/results_md.py --check RESULTS --out "$RESULTS"  # the report it writes last: checked before any run
 CORES=$(getconf _NPROCESSORS_ONLN)    # nproc would read OMP_NUM_THREADS back
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}
 start=$(date +%s)

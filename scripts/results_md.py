@@ -119,7 +119,7 @@ SECTION = re.compile(r"^<!-- section: (?P<title>.+?) -->\n.*?^<!-- end section -
 
 
 def read(path):
-    return open(path).read() if os.path.exists(path) else ""
+    return open(path, encoding="utf-8").read() if os.path.exists(path) else ""
 
 
 def write(path, text):
@@ -159,9 +159,20 @@ def main(argv):
     parser.add_argument("--wall_s", type=float, default=0, help="the suite's wall time in seconds")
     parser.add_argument("--section", default="", help="instead: put --body into --out as the section of this title")
     parser.add_argument("--body", default="", help="--section: a markdown file")
+    parser.add_argument("--check", default="", metavar="NAME",
+                        help="only check --out, named NAME in an error (a suite script's RESULTS, before its runs)")
     parser.error = lambda message: sys.exit(f"error: {message}")
     args = parser.parse_args(argv)
-    train.check_writable(args.out, "--out", folder=False)
+    name = args.check or "--out"
+    train.check_writable(args.out, name, folder=False)
+    if not args.out.endswith(".md"):  # (a results JSON or a dataset named here would be overwritten)
+        raise SystemExit(f"error: {name} {args.out!r}: name a markdown file (.md)")
+    try:
+        read(args.out)
+    except UnicodeDecodeError:
+        raise SystemExit(f"error: {name} {args.out!r}: not UTF-8 text, so not a report this writes into") from None
+    if args.check:
+        return None
     if not 0 <= args.wall_s < float("inf"):
         raise SystemExit(f"error: --wall_s {args.wall_s}: seconds, >= 0")
     if bool(args.section) == bool(args.results) or args.body and not args.section:

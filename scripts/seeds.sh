@@ -16,8 +16,20 @@ for flag in "$@"; do  # each run's own; a second one would be overridden in sile
     echo "error: $flag: seeds.sh sets each run's --seed and --out_dir (OUT=$OUT/seedN)" >&2; exit 1 ;;
   esac
 done
-case " $* " in *" --eval_examples 0 "*|*" --eval_examples=0 "*)  # (it failed after every run had trained)
-  echo "error: --eval_examples 0: seeds.sh's table reads each run's evaluation" >&2; exit 1 ;;
+last() {  # FLAG ARGS...: the value FLAG is given last ("--flag V" or "--flag=V"), or ""
+  local flag=$1 value="" before=""; shift
+  for arg in "$@"; do
+    if [ "$before" = "$flag" ]; then value=$arg; fi
+    case $arg in "$flag="*) value=${arg#*=} ;; esac
+    before=$arg
+  done
+  echo "$value"
+}
+if [[ $(last --eval_examples "$@") =~ ^0+$ ]]; then  # (checked before any run trains: the table comes after all)
+  echo "error: --eval_examples 0: seeds.sh's table reads each run's evaluation" >&2; exit 1
+fi
+case $(last --method "$@") in teacher|base)
+  echo "error: --method $(last --method "$@"): seeds.sh's table reads a compressor's evaluation (eval.py)" >&2; exit 1 ;;
 esac
 JOBS=${JOBS:-2}                  # runs at a time, one thread each
 whole_numbers JOBS

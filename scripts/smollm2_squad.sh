@@ -31,6 +31,7 @@ whole_numbers ITERS BATCH EXAMPLES
 [[ $LR =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)(e-?[0-9]+)?$ ]] && awk -v lr="$LR" 'BEGIN { exit !(lr + 0 > 0) }' ||
   { echo "error: LR=$LR: want a learning rate > 0, like 5e-4" >&2; exit 1; }  # (0 failed after the conversion)
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
+python scripts/results_md.py --check RESULTS --out "$RESULTS"  # the report it writes last: checked before any run
 clock() { date +%s; }
 python scripts/smollm2.py "$OUT/model" --squad "$SQUAD"
 COMMON=(--init_from "$OUT/model" --data "$OUT/model/squad-train.json" --eval_data "$OUT/model/squad-heldout.json"

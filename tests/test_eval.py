@@ -657,6 +657,16 @@ def test_results_md_keeps_other_commands_sections(tmp_path):
         with pytest.raises(SystemExit, match="error: (name the suite's results JSON .*: one of them|--wall_s)"):
             results_md.main(args + ["--out", str(out)])
     assert out.read_text() == before
+    data = tmp_path / "squad.json"  # an --out that is not a report is not overwritten or appended to
+    data.write_text('{"data": []}')
+    (tmp_path / "latin1.md").write_bytes(b"Caf\xe9\n")
+    for target, why in ((data, "name a markdown file"), (tmp_path / "latin1.md", "not UTF-8 text")):
+        with pytest.raises(SystemExit, match=f"^error: --out '{target}': {why}"):
+            results_md.main(["--section", "x", "--body", str(body), "--out", str(target)])
+    assert data.read_text() == '{"data": []}' and (tmp_path / "latin1.md").read_bytes() == b"Caf\xe9\n"
+    with pytest.raises(SystemExit, match=f"^error: RESULTS '{data}': name a markdown file"):  # a script's check
+        results_md.main(["--check", "RESULTS", "--out", str(data)])
+    assert results_md.main(["--check", "RESULTS", "--out", str(tmp_path / "new" / "R.md")]) is None
 
 
 # -----------------------------------------------------------------------------

@@ -319,7 +319,14 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             ("seeds.sh", "SEED=1", ["1,01"], "seeds 1,01: 1 twice (two runs would train into one dir)"),  # (they did)
             ("seeds.sh", "SEED=1", ["1,2", "--eval_examples=0"], "--eval_examples 0: seeds.sh's table reads each "
                                                                  "run's evaluation"),  # (after every run had trained)
+            ("seeds.sh", "SEED=1", ["1,2", "--eval_examples", "00"], "--eval_examples 0: seeds.sh's table reads each "
+                                                                      "run's evaluation"),
+            ("seeds.sh", "SEED=1", ["1", "--method=teacher"], "--method teacher: seeds.sh's table reads a compressor's "
+                                                             "evaluation (eval.py)"),
             ("reproduce.sh", "EXAMPLES=08", [], "EXAMPLES=08: want a whole number > 0 (no leading 0)"),  # (bash: octal)
+            *((script, f"RESULTS={tmp_path / 'squad.json' / 'R.md'}", args,  # (it failed after every run)
+               f"RESULTS '{tmp_path / 'squad.json' / 'R.md'}': {tmp_path / 'squad.json'} is a file, not a folder")
+              for script, args in (("reproduce.sh", ["--smoke"]), ("real_suite.sh", []), ("smollm2_squad.sh", []))),
             ("real_suite.sh", "ONLY=meanpool gist-4", ["--smoke"],  # (the teacher trained, then no run did)
              "ONLY=meanpool gist-4: run names separated by commas, like meanpool,ctok-bidir")):
         name, value = setting.split("=")
