@@ -744,6 +744,10 @@ def check_files(cfg, mcfg):
                          f"run starts from a checkpoint dir or an earlier {cfg.method} stage")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
+    if cfg.teacher and (state := run_state(cfg.teacher)):  # its adapter merges into this run's base: the same one
+        theirs, ours = (os.path.realpath(tiny.base_path(p)) for p in (state["train"]["init_from"], cfg.init_from))
+        if theirs != ours and os.path.isdir(theirs):  # (gone: moved, or on another machine; not checked)
+            raise SystemExit(f"error: --teacher {cfg.teacher} was trained on the base {theirs}; this run's is {ours}")
     taught = teacher_prompt(cfg.teacher)
     if taught and taught != cfg.prompt and not tiny.needs_training(cfg.init_from):
         tok = data.load_tokenizer(tiny.base_path(cfg.init_from))

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import eval as evaluate
+import tiny
 import train
 from common import ROOT, hf_checkpoint, run, squad_file
 from model import Memory
@@ -357,15 +358,22 @@ def test_a_second_run_into_a_dir_in_use_is_one_line(files, tmp_path, monkeypatch
 
 
 def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_path):
-    """A teacher run dir given as --init_from, or as --teacher of a base of another shape (the shipped tiny base's
-    MLP is 384 wide; the teacher's base's, 128): one line each, nothing written."""
-    teacher = tmp_path / "teacher"
-    assert in_process(["--method", "teacher", "--init_from", files / "hf", "--data", files / "squad.json", *FAST,
-                       "--out_dir", teacher]) == ""
+    """A teacher run dir given as --init_from, or as --teacher of another base (its adapter merged into the shipped
+    tiny base in silence where the shapes matched); a teacher whose base is gone (moved) meets the shape check (the
+    shipped tiny base's MLP is 384 wide; the teacher's base's, 128): one line each, nothing written."""
+    teacher, moved = tmp_path / "teacher", tmp_path / "moved"
+    shutil.copytree(files / "hf", tmp_path / "hf")
+    for run, base in ((teacher, files / "hf"), (moved, tmp_path / "hf")):
+        assert in_process(["--method", "teacher", "--init_from", base, "--data", files / "squad.json", *FAST,
+                           "--out_dir", run]) == ""
+    shutil.rmtree(tmp_path / "hf")
+    ours = os.path.realpath(tiny.BASE_DIR)
     for flags, message in ((["--init_from", teacher], f"--init_from '{teacher}' is a --method teacher run: pass it as "
                                                       "--teacher"),
-                           (["--teacher", teacher], "down_proj.lora_A.weight is (4, 128), this model's (4, 384): an adapter of "
-                                                    "another base")):
+                           (["--teacher", teacher], f"--teacher {teacher} was trained on the base "
+                                                    f"{os.path.realpath(files / 'hf')}; this run's is {ours}"),
+                           (["--teacher", moved], "down_proj.lora_A.weight is (4, 128), this model's (4, 384): an "
+                                                  "adapter of another base")):
         line = in_process(["--method", "meanpool", *FAST, "--out_dir", tmp_path / "out", *flags])
         assert line.startswith("error: ") and message in line, line
     assert not (tmp_path / "out").exists()
