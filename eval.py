@@ -742,6 +742,18 @@ def check_flags(ecfg, given):
         raise SystemExit(f"error: --save_memory {ecfg.save_memory!r} is the --context file; name another")
     if ecfg.out and not ecfg.out.endswith(".json"):
         raise SystemExit(f"error: --out {ecfg.out!r}: name a .json file (its plot goes beside it as .png)")
+    if ecfg.out and os.path.isfile(ecfg.out):  # replaced whole: only an earlier one (not a dataset, say)
+        try:
+            earlier_results(ecfg.out)
+        except SystemExit:
+            raise SystemExit(f"error: --out {ecfg.out!r} is not an eval.py --out JSON; name another") from None
+    if ecfg.save_memory and os.path.isfile(ecfg.save_memory):  # likewise: only a saved Memory
+        try:
+            saved = {"mask", "next_pos"} <= set(tensor_names(ecfg.save_memory))
+        except ValueError:
+            saved = False
+        if not saved:
+            raise SystemExit(f"error: --save_memory {ecfg.save_memory!r} is not a saved Memory; name another")
 
 
 def questions_of(run_dir, ecfg, given):

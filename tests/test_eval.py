@@ -702,13 +702,19 @@ def test_eval_flags_of_the_other_mode_and_one_shot_edges_are_one_line(tmp_path):
                           ([run, "--context", doc, "--save_memory", doc], "--save_memory '%s' is the --context" % doc),
                           ([run, "--context", doc, "--save_memory", tmp_path / "r" / "ckpt-0000001.safetensors"],
                            f"ckpt-0000001.safetensors' is a file of the run {tmp_path / 'r'}; name another"),
-                          ([tmp_path / "r", "--out", tmp_path / "r" / "metrics.json"], "is a file of the run")):
+                          ([tmp_path / "r", "--out", tmp_path / "r" / "metrics.json"], "is a file of the run"),
+                          # or any file but what it writes: a dataset, a text
+                          ([run, "--out", tmp_path / "squad.json"], "squad.json' is not an eval.py --out JSON; name"),
+                          ([run, "--context", doc, "--save_memory", tmp_path / "empty.txt"],
+                           "empty.txt' is not a saved Memory; name another")):
+        (tmp_path / "squad.json").write_text('{"data": []}')
         (tmp_path / "r").mkdir(exist_ok=True)
         (tmp_path / "r" / "run.json").write_text("{}")
         assert message in _one_line(evaluate.main, argv), argv
     assert doc.read_text() == "The Nile flows north through Egypt." and os.listdir(tmp_path / "r") == ["run.json"]
     shutil.rmtree(tmp_path / "r")
-    assert sorted(os.listdir(tmp_path)) == ["doc.txt", "empty.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["doc.txt", "empty.txt", "squad.json"]
+    assert (tmp_path / "squad.json").read_text() == '{"data": []}' and (tmp_path / "empty.txt").read_text() == " \n"
     p = subprocess.run([sys.executable, "eval.py", run, "--context", doc, "--n", "2"], cwd=ROOT, capture_output=True,
                        text=True)
     assert p.returncode != 0 and p.stderr.startswith("error: --n applies") and p.stderr.count("\n") == 1, p.stderr
