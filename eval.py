@@ -29,6 +29,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C while torch loads (~2 s): exit 130 as at any later moment, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
 import numpy as np
 import torch
 
@@ -814,7 +817,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C
+        signal.signal(sig, signal.default_int_handler)
     try:
         with train.one_line_errors("lower --batch_size"):
             main(sys.argv[1:])

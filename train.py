@@ -35,6 +35,9 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C while torch loads (~2 s): exit 130 as at any later moment, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
@@ -1501,6 +1504,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (torch is loaded: Ctrl-C is KeyboardInterrupt again)
     try:
         with one_line_errors("lower --batch_size or --micro_batch, --max_context, or a size flag"):
             out = main(sys.argv[1:])

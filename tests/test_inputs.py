@@ -5,8 +5,10 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -518,6 +520,21 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
     assert evaluate.main([str(short), "--n", "2"])[0]["asked"]["n"] == 2  # (it failed after the whole evaluation)
     assert "metrics.json: could not write it ([Errno 13] Permission denied); its rows are in the table" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py"])
+def test_ctrl_c_while_torch_loads_is_130_without_a_traceback(tmp_path, script):
+    """Ctrl-C in a command's first second (torch loading): exit 130, as at any later moment; it printed an import
+    traceback and died of the signal."""
+    args = ["--method", "meanpool", "--max_iters", "1", "--out_dir", tmp_path / "out"] if script == "train.py" else \
+        [tmp_path / "out"]
+    p = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    time.sleep(0.3)  # (torch takes 1-2 s to load)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("sig", ["INT", "TERM"])
