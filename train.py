@@ -349,6 +349,9 @@ def started_command(argv):
     found = []
     for path in [top] + glob.glob(os.path.join(out_dir, "*", "run.json")):
         state = read_json(path) if os.path.isfile(path) else {}
+        if path == top and isinstance(state, dict) and state.get("last_stage") is False:  # (a stage of the run above)
+            raise SystemExit(f"error: --resume: {out_dir} is an earlier stage of the run in "
+                             f"{os.path.dirname(os.path.abspath(out_dir))}: resume that one")
         if isinstance(state, dict) and isinstance(state.get("command"), dict) and (
                 path == top or state.get("last_stage") is False):  # (not a run of its own nested in the dir)
             found.append((os.path.getmtime(path), path, state["command"]))
@@ -1249,7 +1252,7 @@ class AdamW:
 def diverged(loss, which, step, saved, out_dir):
     """One line, and the run stops, when a loss is nan or inf: the weights that gave it are not saved."""
     if not math.isfinite(loss):
-        kept = f"keeps step {saved}" if saved else "has no checkpoint"
+        kept = f"keeps step {saved}" if saved else "holds no checkpoint of this run"
         raise SystemExit(f"error: step {step}: the {which} loss is {loss}; stopped ({out_dir} {kept}). A lower --lr "
                          "(or --grad_clip) may keep it finite")
 

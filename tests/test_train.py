@@ -112,7 +112,8 @@ def test_a_loss_that_is_not_finite_stops_the_run(base_dir, tmp_path):
         in_process(args(base_dir, out, "--max_iters", 40, "--eval_interval", 1, "--lr", "1e30", "--grad_clip", 0,
                         "--eval_examples", 0))
     m = re.fullmatch(rf"error: step (\d+): the (training|validation) loss is (nan|inf); stopped \({out} (keeps step "
-                     r"(\d+)|has no checkpoint)\)\. A lower --lr \(or --grad_clip\) may keep it finite", str(e.value))
+                     r"(\d+)|holds no checkpoint of this run)\)\. A lower --lr \(or --grad_clip\) may keep it finite",
+                     str(e.value))
     assert m, e.value
     if m[5]:  # what is kept is finite: the weights of a non-finite validation loss are not saved
         assert json.load(open(out / "run.json"))["step"] == int(m[5]) < int(m[1])
@@ -232,6 +233,16 @@ def test_adamw_is_torchs_step_for_step_and_reads_its_state():
     for params in (swapped_ours, swapped_theirs):
         for a, b in zip(params, ours):
             torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+
+
+def test_resume_of_an_earlier_stages_dir_names_its_run(base_dir, tmp_path):
+    """--resume --out_dir RUN/pretrain (pic's first stage): one line naming RUN (it looked for RUN/pretrain/pretrain)."""
+    out = tmp_path / "p"
+    in_process(["--method", "pic", "--init_from", base_dir, "--out_dir", out, "--pretrain", 1, "--max_iters", 1,
+                "--batch_size", 2, "--device", "cpu", "--quiet", "--eval_examples", 0])
+    with pytest.raises(SystemExit, match=f"^error: --resume: {out / 'pretrain'} is an earlier stage of the run in "
+                                         f"{out}: resume that one$"):
+        in_process(["--method", "pic", "--out_dir", out / "pretrain", "--resume"])
 
 
 def test_resume_from_an_optimizer_state_keyed_by_name_is_one_line(base_dir, tmp_path):
