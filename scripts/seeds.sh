@@ -37,7 +37,7 @@ whole_numbers JOBS
 twice=$(tr , '\n' <<< "$SEEDS" | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -z "$twice" ] || { echo "error: seeds $SEEDS: $twice twice (two runs would train into one dir)" >&2; exit 1; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-mkdir -p "$OUT"
+mkdir -p "$OUT" 2> /dev/null || { echo "error: OUT=$OUT: cannot make this folder (a file is in its way?)" >&2; exit 1; }
 dirs=() pids=()
 for s in ${SEEDS//,/ }; do
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
