@@ -332,7 +332,7 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             ("real_suite.sh", "ONLY=meanpool gist-4", ["--smoke"],  # (the teacher trained, then no run did)
              "ONLY=meanpool gist-4: run names separated by commas, like meanpool,ctok-bidir")):
         name, value = setting.split("=")
-        env = dict(os.environ, OUT=str(tmp_path / "out"), SQUAD=squad, **{name: value})  # (a clone without ../shared)
+        env = {**os.environ, "OUT": str(tmp_path / "out"), "SQUAD": squad, name: value}  # (a clone without ../shared)
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                            text=True, env=env)
         assert p.returncode == 1 and p.stderr == f"error: {want}\n" and not (tmp_path / "out").exists(), p.stderr
