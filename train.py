@@ -106,6 +106,14 @@ class TrainConfig:
 STOP = []  # Ctrl-C appends here; the loop saves and exits at the end of the step
 
 
+def stop_at_the_step_end(*_):
+    """Ctrl-C / SIGTERM in the loop: it saves and stops at the end of the step; a second one stops at once (a step
+    of a batch too large for the host may not end), the last checkpoint standing."""
+    if STOP:
+        raise KeyboardInterrupt
+    STOP.append(1)
+
+
 # -----------------------------------------------------------------------------
 # the methods: the teacher (the non-compressing one beside tiny.Base) and the registry
 
@@ -1457,7 +1465,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     t0, tokens = time.time(), 0
     method.train()
     STOP.clear()
-    handlers = {sig: signal.signal(sig, lambda *a: STOP.append(1)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.signal(sig, stop_at_the_step_end) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         stopping = False  # DDP: a signal every rank knows of (the last step's all_reduce); alone: one here
         while step < cfg.max_iters and not (stopping if ddp else STOP):
@@ -1511,8 +1519,8 @@ if __name__ == "__main__":
     try:
         with one_line_errors("lower --batch_size or --micro_batch, --max_context, or a size flag"):
             out = main(sys.argv[1:])
-    except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes it there and saves)
-        print("interrupted outside a training step: the checkpoints already written stand", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (the loop takes the first there and saves)
+        print("interrupted: the checkpoints already written stand", file=sys.stderr)
         sys.exit(130)
     except SystemExit as e:  # under torchrun every rank finds the same error: rank 0 says it
         if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":

@@ -245,6 +245,17 @@ def test_resume_of_an_earlier_stages_dir_names_its_run(base_dir, tmp_path):
         in_process(["--method", "pic", "--out_dir", out / "pretrain", "--resume"])
 
 
+def test_a_second_ctrl_c_in_a_step_stops_at_once():
+    """The first Ctrl-C / SIGTERM asks the loop to save at the step's end; a second raises KeyboardInterrupt (exit 130,
+    the last checkpoint standing): a step of a batch too large for the host may not end."""
+    train.STOP.clear()
+    train.stop_at_the_step_end()
+    with pytest.raises(KeyboardInterrupt):
+        train.stop_at_the_step_end()
+    assert train.STOP == [1]
+    train.STOP.clear()
+
+
 def test_resume_from_an_optimizer_state_keyed_by_name_is_one_line(base_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     out = tmp_path / "r"
