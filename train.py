@@ -1193,8 +1193,8 @@ def prepare_base(cfg, mcfg, master, ddp):
                          "trains it first")
     elif master and tiny.needs_training(cfg.init_from):
         stopped = all(os.path.exists(os.path.join(tiny.BASE_DIR, f)) for f in ("run.json", "model.safetensors"))
-        print(f"{tiny.BASE_DIR}: {'continuing' if stopped else 'none yet:'} training the tiny base first (~75 min "
-              "on 2 CPU cores in all)")
+        print((f"{tiny.BASE_DIR} is part-trained: continuing it first" if stopped else
+               f"no {tiny.BASE_DIR}: training the tiny base first") + " (~75 min on 2 CPU cores in all)")
         if not main(["--method", "base", "--out_dir", tiny.BASE_DIR, "--seed", str(cfg.seed), "--device", cfg.device,
                      "--dtype", cfg.dtype] + (["--quiet"] if cfg.quiet else []) + (["--resume"] if stopped else [])):
             print(f"interrupted while training {tiny.BASE_DIR}: this run did not start; the same command again "
