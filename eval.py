@@ -443,6 +443,7 @@ def check_evaluable(run_dir, ratio):
     cfg, mcfg, cls = train.run_config(run_dir)
     if not hasattr(cls, "compress"):
         raise SystemExit(f"error: {run_dir} is a --method {cfg.method} run; eval.py evaluates compressor runs")
+    train.check_moved(run_dir, cfg)
     state, ckpt = train.checkpoint_of(run_dir)
     tensor_names(ckpt)  # a cut one: before any run is evaluated (its header alone)
     note_unfinished(run_dir, state)

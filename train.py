@@ -635,6 +635,8 @@ def inherit_resumed(c, m, explicit, sources, own_start=False):
         now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
         if as_compared(key, now) == as_compared(key, saved):
             continue
+        if key in explicit and key in PATH_FLAGS and saved and not os.path.exists(saved):  # moved: where it is now
+            continue
         if key in explicit:
             raise SystemExit(f"error: --{key} {now!r} conflicts with the run --resume continues, {c.out_dir} "
                              f"({key}={saved!r}); drop the flag to inherit it")
@@ -897,9 +899,18 @@ def run_config(run_dir):
     return cfg, methods[name].Config(**state["method"]), methods[name]
 
 
+def check_moved(run_dir, cfg):
+    """A base or teacher the run names that is gone since it trained (moved): one line naming run.json's key."""
+    for key in ("init_from", "teacher"):
+        if getattr(cfg, key) and not os.path.exists(getattr(cfg, key)):
+            raise SystemExit(f"error: {run_dir}: its run.json's train.{key} {getattr(cfg, key)!r} is gone (moved? "
+                             "write its new path there, or give it as a flag to --resume)")
+
+
 def load_run(run_dir, device="cpu", dtype=torch.float32):
     """(cfg, mcfg, tok, base, method) of a finished run, ready for eval."""
     cfg, mcfg, _ = run_config(run_dir)
+    check_moved(run_dir, cfg)
     tok, base, method = build(cfg, mcfg, device, dtype)
     if cfg.method != "base":
         load_checkpoint(run_dir, method)

@@ -256,6 +256,22 @@ def test_a_second_ctrl_c_in_a_step_stops_at_once():
     train.STOP.clear()
 
 
+def test_a_moved_teacher_is_named_by_run_json_and_resume_takes_its_new_path(base_dir, tmp_path):
+    """A run's teacher moved after it trained: eval (load_run) names run.json's key, not a --teacher never given;
+    --resume --teacher NEW continues the run (it was a conflict with the old path) and records the new path."""
+    import eval as evaluate
+    teacher, moved, out = tmp_path / "teacher", tmp_path / "moved", tmp_path / "mp"
+    in_process(["--method", "teacher", "--init_from", base_dir, "--out_dir", teacher, "--max_iters", 1,
+                "--batch_size", 2, "--device", "cpu", "--quiet"])
+    in_process(args(base_dir, out, "--teacher", teacher, "--max_iters", 1, "--eval_examples", 0))
+    teacher.rename(moved)
+    with pytest.raises(SystemExit, match=f"^error: {out}: its run.json's train.teacher '{teacher}' is gone"):
+        evaluate.main([str(out), "--n", "2"])
+    in_process(["--out_dir", out, "--resume", "--teacher", moved, "--max_iters", 2])
+    state = json.load(open(out / "run.json"))
+    assert state["step"] == 2 and state["train"]["teacher"] == str(moved)
+
+
 def test_resume_from_an_optimizer_state_keyed_by_name_is_one_line(base_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     out = tmp_path / "r"
