@@ -647,12 +647,15 @@ def base_of(cfg):
     return os.path.realpath(tiny.base_path(cfg.init_from))
 
 
-def check_origin(memory, path, run_dir):
+def check_origin(memory, path, run_dir, question):
     """The run that saved a Memory (--save_memory records it) against the one answering from it, before it loads:
-    another method's or another base's is one line, another run of both a note; a file saved without it is not
-    checked."""
+    another method's or another base's is one line, as another question where the encoder read it (ata); another run
+    of both, or a checkpoint of the run trained since, a note; a file saved without a record is not checked."""
     cfg = train.run_config(run_dir)[0]
     saved_by, name, base = memory.origin or {}, cfg.method, base_of(cfg)
+    if saved_by.get("question", question) != question:
+        raise SystemExit(f"error: --memory {path} was compressed for the question {saved_by['question']!r}: a "
+                         f"--method {name} encoder reads the question; compress the --context again for another")
     if saved_by.get("method", name) != name:
         raise SystemExit(f"error: --memory {path} was saved by a --method {saved_by['method']} run "
                          f"({saved_by.get('run')}); {run_dir} is a --method {name} run")
@@ -661,6 +664,15 @@ def check_origin(memory, path, run_dir):
                          f"decodes with {base}")
     if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):
         print(f"note: --memory {path} was saved by {saved_by['run']}; answering with {run_dir}", file=sys.stderr)
+    elif saved_by.get("checkpoint", checkpoint_stamp(run_dir)) != checkpoint_stamp(run_dir):
+        print(f"note: --memory {path} was saved by an earlier checkpoint of {run_dir} (trained since)", file=sys.stderr)
+
+
+def checkpoint_stamp(run_dir):
+    """Which checkpoint of a run dir answers: its file name and when it was written (a run trained anew in the dir
+    writes the same name later)."""
+    ckpt = train.checkpoint_of(run_dir)[1]
+    return f"{os.path.basename(ckpt)}@{os.stat(ckpt).st_mtime_ns}"
 
 
 def one_shot(ecfg, run_dir, device):
@@ -678,11 +690,10 @@ def one_shot(ecfg, run_dir, device):
     check_evaluable(run_dir, ecfg.ratio)
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
     if memory is not None:
-        check_origin(memory, ecfg.memory, run_dir)
+        check_origin(memory, ecfg.memory, run_dir, ecfg.question or QUESTION)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
-    record = {"id": "one-shot", "context": context,
-              "question": ecfg.question or "What is this text about?", "answers": [""]}
+    record = {"id": "one-shot", "context": context, "question": ecfg.question or QUESTION, "answers": [""]}
     positions, asked = getattr(method, "dec", base).config.max_position_embeddings, len(tok.encode(record["question"]))
     if asked + ecfg.max_new_tokens > positions // 2:  # (a garbage answer past the positions: the context's are before)
         raise SystemExit(f"error: --question is {asked} tokens: with --max_new_tokens {ecfg.max_new_tokens}, more than "
@@ -700,12 +711,14 @@ def one_shot(ecfg, run_dir, device):
     print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
-        memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method,
-                         "base": base_of(cfg)}
+        memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method, "base": base_of(cfg),
+                         "checkpoint": checkpoint_stamp(run_dir),
+                         **({"question": record["question"]} if getattr(method, "reads_question", False) else {})}
         train.atomic_write(ecfg.save_memory, memory.save)
         print(f"saved the compressed context to {ecfg.save_memory}")
 
 
+QUESTION = "What is this text about?"  # one-shot mode's, when --question is not given
 ONE_SHOT_ONLY, RUNS_ONLY = {"save_memory"}, {"n", "eval_data", "split", "recompute", "out", "batch_size"}
 
 

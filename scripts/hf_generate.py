@@ -104,7 +104,7 @@ def main(argv):
         raise SystemExit(f"error: --memory {args.memory!r}: {train.not_a_file(args.memory)}")
     evaluate.check_evaluable(args.run, "")  # a compressor's run, whole
     memory = Memory.load(args.memory)
-    evaluate.check_origin(memory, args.memory, args.run)
+    evaluate.check_origin(memory, args.memory, args.run, args.question)
     cfg, mcfg, tok, base, method = train.load_run(args.run)
     evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens)
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):

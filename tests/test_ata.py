@@ -341,6 +341,11 @@ def test_eval_one_shot_save_and_load_memory(base_dir, tmp_path):
     again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
     answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
     assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]
+    other = run([out, "--memory", tmp_path / "doc.mem", "--question", "Who employs Ada Lovelace?"], script="eval.py",
+                check=False)  # the encoder read the first question (the selective prompt): not this one's memory
+    assert other.returncode == 1 and other.stderr == (f"error: --memory {tmp_path / 'doc.mem'} was compressed for the "
+                                                      f"question {q!r}: a --method ata encoder reads the question; "
+                                                      "compress the --context again for another\n"), other.stderr
     rows = evaluate.main([str(out), "--ratio", "5,20", "--n", "2"])[0]["rows"]  # policy r changed without retraining
     assert [r["ratio_requested"] for r in rows] == [5, 20] and all("k" in r and "probe_abs_err" in r for r in rows)
 

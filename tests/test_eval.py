@@ -795,7 +795,8 @@ def test_a_saved_memory_says_which_run_saved_it(tmp_path, capsys):
     evaluate.main([str(a) for a in [runs["meanpool"], "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
                                     "--save_memory", mem]])
     assert Memory.load(str(mem)).origin == {"run": str(runs["meanpool"]), "method": "meanpool",
-                                            "base": os.path.realpath(tiny.BASE_DIR)}
+                                            "base": os.path.realpath(tiny.BASE_DIR),
+                                            "checkpoint": evaluate.checkpoint_stamp(runs["meanpool"])}
     line = _one_line(evaluate.main, [runs["pic"], "--memory", mem, "--question", "Where?"])
     assert f"was saved by a --method meanpool run ({runs['meanpool']}); {runs['pic']} is a --method pic run" in line
     shutil.copytree(runs["meanpool"], tmp_path / "copy")

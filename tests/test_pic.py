@@ -312,6 +312,11 @@ def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):
     answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
     assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]
     assert "tokens; the answer reads its first 256 (the run's --max_context)" in first.stderr  # (it said nothing)
+    assert "note" not in again.stderr  # (the run and checkpoint that saved it)
+    train.main([str(a) for a in ["--method", "pic", "--init_from", base_dir, "--max_iters", 2, "--batch_size", 2,
+                                 "--out_dir", out, "--device", "cpu", "--quiet", "--max_context", 256, "--seed", 7]])
+    later = run([out, "--memory", tmp_path / "doc.mem", "--question", "Who?"], script="eval.py")  # (no note)
+    assert f"note: --memory {tmp_path / 'doc.mem'} was saved by an earlier checkpoint of {out}" in later.stderr
 
 
 def test_two_stage_recipe_starts_qa_from_ae_lm(base_dir, tmp_path):
