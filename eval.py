@@ -466,12 +466,16 @@ def note_unfinished(run_dir, state):
               "it)", file=sys.stderr)
 
 
-def check_run(run_dir, decoder, max_new_tokens):
-    """--max_new_tokens against the decoder loaded from run_dir, before it answers: one line."""
-    config = decoder.config
-    if max_new_tokens > config.max_position_embeddings:
-        raise SystemExit(f"error: --max_new_tokens {max_new_tokens}: above the {config.max_position_embeddings} "
-                         f"positions of {run_dir}'s decoder")
+def check_run(run_dir, decoder, max_new_tokens, asked=0):
+    """--max_new_tokens (and a one-shot --question of `asked` tokens) against the decoder loaded from run_dir, before
+    it answers: one line."""
+    positions = decoder.config.max_position_embeddings
+    if max_new_tokens > positions:
+        raise SystemExit(f"error: --max_new_tokens {max_new_tokens}: above the {positions} positions of {run_dir}'s "
+                         "decoder")
+    if asked and asked + max_new_tokens > positions // 2:  # (a garbage answer past the positions: the context's first)
+        raise SystemExit(f"error: --question is {asked} tokens: with --max_new_tokens {max_new_tokens}, more than "
+                         f"half of {run_dir}'s decoder's {positions} positions")
 
 
 def evaluate_run(run_dir, ecfg, device, records):
@@ -692,12 +696,8 @@ def one_shot(ecfg, run_dir, device):
     if memory is not None:
         check_origin(memory, ecfg.memory, run_dir, ecfg.question or QUESTION)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
-    check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     record = {"id": "one-shot", "context": context, "question": ecfg.question or QUESTION, "answers": [""]}
-    positions, asked = getattr(method, "dec", base).config.max_position_embeddings, len(tok.encode(record["question"]))
-    if asked + ecfg.max_new_tokens > positions // 2:  # (a garbage answer past the positions: the context's are before)
-        raise SystemExit(f"error: --question is {asked} tokens: with --max_new_tokens {ecfg.max_new_tokens}, more than "
-                         f"half of {run_dir}'s decoder's {positions} positions")
+    check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens, len(tok.encode(record["question"])))
     cut = {}
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None), cut)), device)
     if cut:  # collate_qa kept the first max_context tokens, as in training and in evaluating runs

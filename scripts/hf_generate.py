@@ -106,7 +106,7 @@ def main(argv):
     memory = Memory.load(args.memory)
     evaluate.check_origin(memory, args.memory, args.run, args.question)
     cfg, mcfg, tok, base, method = train.load_run(args.run)
-    evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens)
+    evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens, len(tok.encode(args.question)))
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")
     record = {"id": "q", "context": "", "question": args.question, "answers": [""]}

@@ -90,3 +90,5 @@ def test_sentence_gist_and_a_memory_that_does_not_fit_are_one_line(tmp_path):
     p = run([tmp_path / "mp", "--memory", tmp_path / "sac.mem", "--question", "Where?"], script="scripts/hf_generate.py",
             check=False)
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr  # the script: one line
+    with pytest.raises(SystemExit, match=r"--question is \d+ tokens: with --max_new_tokens 32, more than half"):
+        hf_generate.main([str(tmp_path / "sac"), "--memory", str(tmp_path / "sac.mem"), "--question", "where " * 3000])
