@@ -668,7 +668,7 @@ def check_origin(memory, path, run_dir, question):
                          f"decodes with {base}")
     if saved_by.get("run", os.path.abspath(run_dir)) != os.path.abspath(run_dir):
         print(f"note: --memory {path} was saved by {saved_by['run']}; answering with {run_dir}", file=sys.stderr)
-    elif saved_by.get("checkpoint", checkpoint_stamp(run_dir)) != checkpoint_stamp(run_dir):
+    elif saved_by.get("checkpoint") not in (None, checkpoint_stamp(run_dir)):
         print(f"note: --memory {path} was saved by an earlier checkpoint of {run_dir} (trained since)", file=sys.stderr)
 
 
