@@ -23,21 +23,13 @@ smollm2 = load_script("smollm2")
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def smol_dir(tmp_path_factory):
-    """One conversion per module (~40 s of CPU)."""
-    return smollm2.convert(str(tmp_path_factory.mktemp("smollm2") / "smol"))
-
-
-@pytest.fixture(scope="module")
-def hf(smol_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    return AutoTokenizer.from_pretrained(smol_dir), AutoModelForCausalLM.from_pretrained(smol_dir).eval()
-
-
-@pytest.mark.slow  # the conversion: ~1 min, once per module
+@pytest.mark.slow  # the conversion: ~40 s of CPU, once (xdist would give separate tests a conversion each)
 @needs_gguf
-def test_converted_dir_is_smollm2(smol_dir):
+@torch.no_grad()
+def test_converted_dir_is_smollm2_and_reads_as_transformers_reads_it(tmp_path):
+    """The config, chat template and EOS; logits and greedy ids against transformers; the tokenizer's ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    smol_dir = smollm2.convert(str(tmp_path / "smol"))
     cfg = json.load(open(f"{smol_dir}/config.json"))
     shape = {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                                  "vocab_size", "tie_word_embeddings")}
@@ -46,12 +38,7 @@ def test_converted_dir_is_smollm2(smol_dir):
     assert "<|im_start|>assistant" in json.load(open(f"{smol_dir}/tokenizer_config.json"))["chat_template"]
     assert json.load(open(f"{smol_dir}/generation_config.json"))["eos_token_id"] == 2  # <|im_end|>
 
-
-@pytest.mark.slow  # the conversion: ~1 min, once per module
-@needs_gguf
-@torch.no_grad()
-def test_logits_and_greedy_ids_match_transformers(smol_dir, hf):
-    tok, ref = hf
+    tok, ref = AutoTokenizer.from_pretrained(smol_dir), AutoModelForCausalLM.from_pretrained(smol_dir).eval()
     ids = tok(PROMPT).input_ids
     ours = Transformer.from_pretrained(smol_dir).eval()
     x = torch.tensor([ids])
@@ -61,11 +48,6 @@ def test_logits_and_greedy_ids_match_transformers(smol_dir, hf):
     assert ours.generate([ids], 8)[0] == want
     assert tok.decode(want).strip().startswith("Paris"), tok.decode(want)  # the real model answers
 
-
-@pytest.mark.slow  # the conversion: ~1 min, once per module
-@needs_gguf
-def test_load_tokenizer_matches_hf(smol_dir, hf):
-    tok = hf[0]
     ours = data.load_tokenizer(smol_dir)  # byte-level BPE, also from transformers 5.17's converter
     assert (ours.bos_id, list(ours.eos_ids)) == (None, [2])  # the GGUF's add_bos_token is false; <|im_end|>
     assert ours.encode(PROMPT, bos=True) == tok(PROMPT).input_ids  # so HF writes no BOS, nor do we

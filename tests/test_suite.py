@@ -3,6 +3,7 @@ claims with verdicts and a generated RESULTS.md result (all under tmp_path)."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -139,10 +140,20 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
 def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
     """A run the deadline stops while training saves its step (train.py's Ctrl-C: `timeout -s INT`); the same
-    command again resumes it from there, the teacher too (nothing left to train), and evaluates it."""
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", STEPS="100000",
-               DEADLINE="40")
+    command again resumes it from there, the teacher too (nothing left to train), and evaluates it. `timeout`
+    here is a stand-in that sends meanpool's run INT once it has logged a step, as the deadline would later
+    (its exit 124 as `timeout`'s); the real `timeout` runs the rest (the kill test below meets its deadline)."""
     out, log = tmp_path / "real-smoke", tmp_path / "real-smoke" / "meanpool.log"
+    stub = tmp_path / "bin" / "timeout"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/bash\ncase "$*" in\n  *"--out_dir {out / "meanpool"} "*) ;;\n'
+                    f'  *) exec {shutil.which("timeout")} "$@" ;;\nesac\n'
+                    f'shift 5; "$@" & run=$!\n'  # (-s INT -k GRACE SECONDS)
+                    f'until [ -s {out / "meanpool" / "log.jsonl"} ] || ! kill -0 $run 2> /dev/null; do sleep 0.2; done\n'
+                    f'kill -INT $run 2> /dev/null; wait $run; exit 124\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", STEPS="100000",
+               DEADLINE="100000", PATH=f"{stub.parent}:{os.environ['PATH']}")
 
     def suite(env):
         return subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
