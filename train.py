@@ -171,7 +171,7 @@ def make_parser(configs, positional=None, usage=USAGE):
         source = [line for k in c.__mro__ if is_dataclass(k) for line in inspect.getsource(k).splitlines()]
         for f in fields(c):
             note = next((l.partition("#")[2].strip() for l in source if l.strip().startswith(f"{f.name}:")), "")
-            kind = dict(type=f.type, metavar=f.type.__name__)
+            kind = dict(type=real if f.type is float else f.type, metavar=f.type.__name__)
             if f.type is bool:  # (after a switch, eval.py's bare run dirs would read as its value)
                 kind = dict(action="store_true") if positional else dict(nargs="?", const=True, type=switch,
                                                                           metavar="true|false")
@@ -187,6 +187,17 @@ def switch(text):
     value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
     if value is None:
         raise argparse.ArgumentTypeError(f"invalid true / false value: {text!r}")
+    return value
+
+
+def real(text):
+    """A float flag's value; a number too small for a float (1e-400) is an error, not the 0 it rounds to (--lr 0:
+    the recipe's)."""
+    if not is_float(text):
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
+    value = float(text)
+    if value == 0 and any(d in "123456789" for d in text.lower().partition("e")[0]):
+        raise argparse.ArgumentTypeError(f"{text!r} is too small for a float (it would read as 0)")
     return value
 
 

@@ -118,6 +118,7 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("lr", ["--lr", "nan"], "--lr nan must be a finite number"),
     ("lr negative", ["--lr", "-1e-3"], "--lr -0.001 must be a finite number"),  # (argparse: "expected one argument")
     ("lr huge", ["--lr", "1e39"], "--lr 1e+39: above 3.4e37"),  # (a traceback after the first step)
+    ("lr tiny", ["--lr", "1e-400"], "argument --lr: '1e-400' is too small for a float"),  # (0: the recipe's lr)
     ("max_iters huge", ["--max_iters", 10**23], "--max_iters 100000000000000000000000: at most 2^40"),
     ("max_iters 400 digits", ["--max_iters", 10**400], "0: at most 2^40"),  # (isfinite's OverflowError)
     ("eval_examples", ["--eval_examples", 10**8], "--eval_examples 100000000 must lie in 0..2^20"),  # (it trained
