@@ -126,6 +126,9 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
+STANDIN = "random-standin.txt"
+
+
 def random_standin(out_dir, texts, seed=0):
     """A tiny random checkpoint on SmolLM2's code path: a Llama with tied embeddings and rope theta 1e5, a
     byte-level BPE tokenizer.json (digits split one by one, as SmolLM2's) trained on `texts`, and its
@@ -154,6 +157,8 @@ def random_standin(out_dir, texts, seed=0):
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=100000.0, tie_word_embeddings=True,
                       max_position_embeddings=8192, bos_token_id=ids["<|im_start|>"], eos_token_id=[ids["<|im_end|>"]])
     Transformer(cfg).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, STANDIN), "w") as f:  # (a later conversion into this dir would keep it)
+        f.write("a random stand-in for SmolLM2 (scripts/smollm2.py --random), not the converted model\n")
     return out_dir
 
 
@@ -227,6 +232,12 @@ def main(argv):
         raise SystemExit(f"error: --teacher {args.teacher!r}: a --method teacher run dir, read by --zero_shot")
     import train
     train.check_writable(args.out_dir, "out_dir")
+    if os.path.isfile(os.path.join(args.out_dir, "run.json")):
+        raise SystemExit(f"error: {args.out_dir} is a train.py run dir; convert into another folder")
+    model, standin = (os.path.isfile(os.path.join(args.out_dir, f)) for f in ("model.safetensors", STANDIN))
+    if model and args.random != standin:  # (converting kept any model there; --random overwrote the converted one)
+        raise SystemExit(f"error: {args.out_dir} holds {'a --random stand-in' if standin else 'a converted model'}; "
+                         f"{'--random' if args.random else 'the conversion'} would not be it: name another folder")
     if args.random and not args.squad:
         raise SystemExit("error: --random trains its tokenizer on --squad's contexts: give --squad")
     if args.squad:  # first: a broken file stops the script before the conversion's half minute

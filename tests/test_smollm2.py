@@ -4,6 +4,7 @@ dir that our Transformer loads and decodes exactly like transformers does (skipp
 its SQuAD split by article."""
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -99,3 +100,26 @@ def test_bad_flags_are_one_line_before_anything_is_written(tmp_path):
         with pytest.raises(SystemExit, match=want):
             smollm2.main(args)
         assert not out.exists(), args
+
+
+@pytest.mark.skipif(not SQUAD.exists(), reason="assets absent")
+def test_a_dir_that_holds_another_model_or_a_run_is_refused(tmp_path):
+    """--random into a converted model's dir overwrote it; a conversion into a --random dir kept the stand-in as
+    the model; a train.py run dir got a checkpoint's files among its own. --random again into its own dir runs."""
+    standin = tmp_path / "standin"
+    for _ in range(2):
+        smollm2.main([str(standin), "--random", "--squad", str(SQUAD)])
+    with pytest.raises(SystemExit, match="holds a --random stand-in; the conversion would not be it"):
+        smollm2.main([str(standin)])
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "model.safetensors").write_bytes(b"x")  # as a conversion leaves it: no stand-in's mark
+    with pytest.raises(SystemExit, match="holds a converted model; --random would not be it"):
+        smollm2.main([str(converted), "--random", "--squad", str(SQUAD)])
+    assert os.listdir(converted) == ["model.safetensors"] and (converted / "model.safetensors").read_bytes() == b"x"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text("{}")
+    with pytest.raises(SystemExit, match="is a train.py run dir; convert into another folder"):
+        smollm2.main([str(run_dir), "--random", "--squad", str(SQUAD)])
+    assert os.listdir(run_dir) == ["run.json"]
