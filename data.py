@@ -871,7 +871,8 @@ def _read_any(path, distractors, **kw):
     doc = _load_json(path)
     if isinstance(doc, dict) and "data" in doc:
         return read_squad(path, doc=doc, **kw)
-    if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "supporting_facts" in doc[0]:
+    if isinstance(doc, list) and any(isinstance(r, dict) and "supporting_facts" in r for r in doc[:100]):
+        # (not the first record alone: one that lacks the field is its reader's numbered error, or --skip_bad's)
         return read_hotpot(path, distractors=distractors, doc=doc, **kw)
     if isinstance(doc, dict) and "passages" in doc:
         return read_msmarco(path, doc=doc, **kw)

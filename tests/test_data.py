@@ -500,6 +500,11 @@ def test_read_hotpot(tmp_path):
     assert r["context"] == "\n".join(r["chunks"]) and r["answers"] == ["A"]
     (r,) = data.read_hotpot(p, distractors=True, skip_bad=True)
     assert len(r["chunks"]) == 4 and len(r["relevant"]) == 2
+    no_facts = {k: v for k, v in good.items() if k != "supporting_facts"}
+    p.write_text(json.dumps([no_facts, good]))  # (its format was read from the first record alone: "cannot tell")
+    with pytest.raises(ValueError, match=r"hotpot\.json:1: missing field 'supporting_facts'"):
+        data.read_dataset(p)
+    assert [r["id"] for r in data.read_dataset(p, skip_bad=True)] == ["h1"]
 
 
 def test_read_msmarco(tmp_path):
