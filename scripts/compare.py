@@ -6,7 +6,7 @@
 Rows pair up by requested ratio (or the one row each of --row_a / --row_b picks: a name or part of one,
 "@16", "teacher"; "" = the method rows). A verdict per pair: "A > B" when the interval is above 0, "B > A"
 when below, else "cannot tell". --metric em or nll (the teacher-forced answer NLL, lower is better: its verdict
-says which side is better) instead of F1.
+names the better side, "A better (lower NLL)") instead of F1.
 """
 import argparse
 import os
@@ -64,7 +64,7 @@ def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
         lo, hi = c["ci"]
         verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
         if metric == "nll" and verdict != "cannot tell":  # lower is better
-            verdict += " (B better)" if lo > 0 else " (A better)"
+            verdict = "B better (lower NLL)" if lo > 0 else "A better (lower NLL)"
         lines.append(f"A {x} {label} {c['a']:.{d}f} vs B {y} {label} {c['b']:.{d}f} on {c['n']} questions: "
                      f"A - B {c['diff']:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}] -> {verdict}")
     print("\n".join(lines))

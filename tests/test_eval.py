@@ -424,7 +424,7 @@ def test_compare_cli_prints_verdicts(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps(res))
     lines = compare.main([str(tmp_path / "c.json")] * 2 + ["--row_b", "no-context", "--metric", "nll"])
     assert lines[0].startswith("A m@4 NLL 1.50 vs B no-context NLL 3.00 on 60 questions: A - B -1.50 [-1.6")
-    assert lines[0].endswith("-> B > A (A better)")  # (the verdict of a lower-is-better metric read backwards)
+    assert lines[0].endswith("-> A better (lower NLL)")  # (it read "B > A (A better)")
     assert lines[1].startswith("A m@16 vs B no-context: NLL not in both rows (an older eval.py")
 
 

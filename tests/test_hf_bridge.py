@@ -3,13 +3,17 @@ tokens, for every method that bridges (embeddings: meanpool, pic, the token base
 on Llama and Qwen3 checkpoints, two prompts of different lengths; first-token logits within 1e-4.
 sentence_gist, whose answering rule changes the cache while decoding, and a Memory that does not fit
 get one line each."""
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import data
 import eval as evaluate
 import train
-from common import SQUAD_TEXTS, hf_checkpoint, load_script, run, squad_file
+from common import ROOT, SQUAD_TEXTS, hf_checkpoint, load_script, run, squad_file
 from model import Memory
 
 hf_generate = load_script("hf_generate")
@@ -72,9 +76,14 @@ def test_sentence_gist_and_a_memory_that_does_not_fit_are_one_line(tmp_path):
     for name in ("gist", "sac"):
         evaluate.main([str(a) for a in [tmp_path / name, "--context", tmp_path / "doc.txt", "--question", "Where?",
                                         "--save_memory", tmp_path / f"{name}.mem"]])
-    p = run([tmp_path / "sac", "--memory", tmp_path / "sac.mem", "--question", "Where?", "--max_new_tokens", 4],
-            script="scripts/hf_generate.py")
+    question = "Which city was Ada Lovelace born in?"  # README's
+    p = run([tmp_path / "sac", "--memory", tmp_path / "sac.mem", "--question", question], script="scripts/hf_generate.py")
     assert p.stdout.startswith("answer:")
+    snippet = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]  # README's Python use,
+    snippet = snippet.replace("out/pic", str(tmp_path / "sac")).replace("out/doc.mem", str(tmp_path / "sac.mem"))
+    (tmp_path / "api.py").write_text(snippet)  # as a file of its own, run from the repo's root
+    api = subprocess.run([sys.executable, tmp_path / "api.py"], cwd=ROOT, capture_output=True, text=True)
+    assert api.returncode == 0 and question in snippet and f"answer: {api.stdout}" == p.stdout, api.stderr[-2000:]
     other = Memory.load(str(tmp_path / "sac.mem"))
     other.kv = [(k[:, :1], v[:, :1]) for k, v in other.kv]  # another model's: 1 K/V head, not 2
     other.save(str(tmp_path / "other.mem"))
