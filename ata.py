@@ -15,7 +15,7 @@ Choices the paper leaves open, made here:
 - Chunks: the records' "chunks", space-joined, tags as text (Fig. 7-9); HotpotQA's: data.read_hotpot's "Title:
   sentences" (Fig. 7: no titles) and its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8; a --data
   batch of only gold chunks warns). Training keeps only encoder inputs within --max_context (§4.1.4: 600), a longer
-  one first losing its chunks that are not relevant, last first (ten HotpotQA paragraphs rarely fit); eval cuts.
+  one first losing chunks that are not relevant, in a seeded order (ten HotpotQA paragraphs rarely fit); eval cuts.
 - C_rel: the gold chunks space-joined, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS; L_rel:
   its length. c_j start at the embeddings' scale; the probe's MLP is min(4d, 1024) wide, its output in 64 tokens.
 - [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); a BOS also starts the encoder input.
@@ -25,7 +25,7 @@ Choices the paper leaves open, made here:
 - In `qa` the encoder trains on eq. 11's CE alone (and the tiny base's aids): its last layer's o / MLP adapters feed
   only the probe and stay as `rel` left them; the probe, which eq. 11 leaves out, keeps fitting the encoder's states,
   detached: k at inference reads the finetuned encoder, and a `qa` run alone (the tiny base's) has a probe.
-- k: the gold L_rel's in training (the encoder trains independently of the probe, §3.4), the probe's at inference.
+- k: the gold L_rel's in training (§3.4: the encoder's memory does not wait on the probe), the probe's at inference.
 - The causal encoder runs all k_max tokens and the memory masks all but the first k: the same as appending k (tested).
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
 - `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.

@@ -11,6 +11,7 @@ import gzip
 import itertools
 import json
 import math
+import random
 import re
 import unicodedata
 import zipfile
@@ -459,9 +460,11 @@ def keep_chunks(record, keep):
 
 
 def fit_chunks(records, tok, limit, size, chunk_size):
-    """(the records with size(record) <= limit, each first losing its chunks that are not relevant, last first, while
-    it is longer; how many of them lost one). A record's context counts too: collate_qa cuts it at `limit` tokens.
-    chunk_size(chunk): about what dropping the chunk saves (then size checks). No relevant chunk marked: none drops."""
+    """(the records with size(record) <= limit, each first losing its chunks that are not relevant, in an order seeded
+    by its id, while it is longer; how many of them lost one). Not last first: that left a gold chunk last in most
+    trimmed inputs, a place evaluation's do not share. A record's context counts too: collate_qa cuts it at `limit`
+    tokens. chunk_size(chunk): about what dropping the chunk saves (then size checks). No relevant chunk marked: none
+    drops."""
     kept, trimmed, context_len = [], 0, {}  # a context's tokens, once for all its questions (SQuAD: about 5)
 
     def measure(r):
@@ -471,6 +474,7 @@ def fit_chunks(records, tok, limit, size, chunk_size):
     for rec in records:
         whole, gold, n, chunks = rec, rec.get("relevant"), measure(rec), rec.get("chunks") or []
         spare = [i for i, c in enumerate(chunks) if gold and c not in gold]
+        random.Random(rec.get("id", "")).shuffle(spare)  # (a str seed: the same order in every process)
         keep = set(range(len(chunks)))
         while n > limit and spare:
             i = spare.pop()

@@ -1,6 +1,7 @@
 """ata.py: encoder prompt, policy (eq. 5), Huber (eq. 10), "compute k_max, keep k" equals
 "append k", the objectives and ablations, Memory round trips, bad input, the real-checkpoint
 path and DDP."""
+import collections
 import json
 import warnings
 from types import SimpleNamespace
@@ -243,19 +244,26 @@ def test_training_batch_whose_gold_chunk_is_cut_warns(base_dir):
         m.prepare(data.collate_qa(unmarked, m.tok, pad_multiple=8))
 
 
-def test_fit_chunks_drops_chunks_that_are_not_relevant_last_first():
-    """§4.1.4 keeps only inputs within the limit: a longer record loses its chunks that are not relevant, last first
-    (each kept one after its own separator), and one whose relevant chunks alone exceed it goes (hand-counted)."""
+def test_fit_chunks_drops_chunks_that_are_not_relevant_in_a_seeded_order():
+    """§4.1.4 keeps only inputs within the limit: a longer record loses chunks that are not relevant, in an order its
+    id seeds (last first left the gold chunk last), each kept one after its own separator, and one whose relevant
+    chunks alone exceed it goes (hand-counted)."""
     rec = {"context": "> A a.\nB bb.\nC c.\nD dd. <", "chunks": ["A a.", "B bb.", "C c.", "D dd."],
            "relevant": ["B bb."], "question": "?"}  # 25 characters
     chars = SimpleNamespace(encode=list)  # a token a character
     size, chunk_size = (lambda r: len(r["context"])), (lambda c: len(c) + 1)  # noqa: E731
     assert data.keep_chunks(rec, {1, 3})["context"] == "> B bb.\nD dd. <"
-    for limit, want in ((25, rec["context"]), (24, "> A a.\nB bb.\nC c. <"), (14, "> A a.\nB bb. <"),
-                        (13, "> B bb. <"), (9, "> B bb. <")):
-        (got,), trimmed = data.fit_chunks([rec], chars, limit, size, chunk_size)
-        assert got["context"] == want and trimmed == (limit < 25) and got["relevant"] == ["B bb."]
-        assert data.chunk_ends(got["context"], got["chunks"])  # the chunks in the new context, in order
+    dropped = collections.Counter()
+    for i in range(40):
+        for limit in (25, 24, 14, 13, 9):  # any one chunk off fits 24; 14 takes two, unless A and C went first
+            (got,), trimmed = data.fit_chunks([dict(rec, id=str(i))], chars, limit, size, chunk_size)
+            assert len(got["context"]) <= limit and trimmed == (limit < 25) and got["relevant"] == ["B bb."]
+            assert data.chunk_ends(got["context"], got["chunks"])  # the chunks in the new context, in order
+            assert got == data.fit_chunks([dict(rec, id=str(i))], chars, limit, size, chunk_size)[0][0]  # seeded
+            if limit == 24:
+                dropped.update(set(rec["chunks"]) - set(got["chunks"]))
+            assert limit > 13 or got["context"] == "> B bb. <"
+    assert sorted(dropped) == ["A a.", "C c.", "D dd."] and min(dropped.values()) >= 5, dropped  # (last first: D)
     assert data.fit_chunks([rec], chars, 8, size, chunk_size) == ([], 0)  # (counted: kept ones only)
     whole = dict(rec, relevant=None)  # every chunk relevant: nothing to drop
     assert data.fit_chunks([whole, dict(whole, chunks=None)], chars, 24, size, chunk_size) == ([], 0)
