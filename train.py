@@ -1479,6 +1479,9 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
         print(f"{cfg.method} ({cfg.objective}){shown}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
               f"{cfg.grad_accum} micro-batches), {device} {dtype} -> {cfg.out_dir}; {val_text}")
+        if cfg.objective == "kd" and not cfg.teacher and not tiny.is_tiny(cfg.init_from):
+            print(f"note: no --teacher: {cfg.init_from} as it is teaches (meanpool §5.1 distils from a LoRA-finetuned "
+                  "teacher: a --method teacher run first)", file=sys.stderr)
     # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps; Ctrl-C (SIGINT)
     # or SIGTERM stops it at the end of a step, which it saves
     saved = step

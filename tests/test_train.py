@@ -374,15 +374,16 @@ def test_real_checkpoint_teacher_then_meanpool(tmp_path):
               "--device", "cpu", "--quiet"]
     run(["--method", "teacher", "--out_dir", tmp_path / "teacher", *common])
     assert (tmp_path / "teacher" / "teacher" / "adapter_config.json").exists()
-    run(["--method", "meanpool", "--teacher", tmp_path / "teacher", "--out_dir", tmp_path / "mp", "--ratio", "4",
-         *common, "--eval_examples", 4])
+    p = run(["--method", "meanpool", "--teacher", tmp_path / "teacher", "--out_dir", tmp_path / "mp", "--ratio", "4",
+             *common, "--eval_examples", 4])
+    assert "no --teacher" not in p.stderr  # (the note of a kd run from the base as it is: the Gemma 2 test below)
     metrics = json.load(open(tmp_path / "mp" / "metrics.json"))
     assert metrics["rows"][0]["ratio_requested"] == 4 and "f1" in metrics["teacher"]
 
 
-def test_every_method_runs_on_gemma2(tmp_path):
+def test_every_method_runs_on_gemma2(tmp_path, capsys):
     """2 training steps of each method on a Gemma 2 checkpoint (soft-capping, a sliding
-    window shorter than the contexts), in process, then eval.py on two of them."""
+    window shorter than the contexts), in process, then eval.py on two of them. meanpool without --teacher: a note."""
     import eval as evaluate
     ckpt = hf_checkpoint(tmp_path / "hf", "gemma2")
     squad = squad_file(tmp_path / "squad.json")
@@ -394,6 +395,7 @@ def test_every_method_runs_on_gemma2(tmp_path):
                     "--out_dir", runs[-1], "--eval_examples", 0, "--device", "cpu", "--quiet", "--lora_r", 4, *extra])
         losses = [json.loads(line)["loss"] for line in open(tmp_path / method / "log.jsonl")]
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (method, losses)
+        assert ("note: no --teacher: " in capsys.readouterr().err) == (method == "meanpool"), method
     results = evaluate.main([runs[0], runs[-1], "--n", 2])  # greedy answers from embedding and K/V memory
     assert len(results) == 2 and all("f1" in r["teacher"] and r["rows"] for r in results)
 
