@@ -141,8 +141,8 @@ class SentenceGist(nn.Module):
     def __init__(self, base, cfg, tok, run):
         super().__init__()
         self.base, self.cfg, self.tok, self.run, self.V = base, cfg, tok, run, base.config.vocab_size
-        ends = [t.rstrip().endswith((".", "!", "?")) for t in tok.token_texts()[:self.V]]  # §3.2
-        self.is_end = torch.tensor(ends + [False] * (self.V - len(ends)))  # (V,) on the CPU: the text ends in . ! ?
+        ends = [t.rstrip().rstrip("\"')]”’»").endswith((".", "!", "?")) for t in tok.token_texts()[:self.V]]
+        self.is_end = torch.tensor(ends + [False] * (self.V - len(ends)))  # (V,): ends in . ! ? (§3.2), or ." .) ?"
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
         self.gist = nn.Parameter(mean_resize(base.model.embed_tokens.weight, cfg.gists, g))  # (N_g, d)
         self.trains_base = cfg.lora_r == 0  # §3.5: stages 2-3 "unfreeze all parameters" (eval.py: teacher rows apart)

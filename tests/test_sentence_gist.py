@@ -117,6 +117,17 @@ def test_base_unchanged_by_the_gist_vocabulary(base_dir):
     assert torch.equal(m.embed(gist_ids)[0], m.gist[[0, 3]].detach())
 
 
+def test_a_sentence_ends_in_its_mark_also_before_a_closing_quote_or_bracket(base_dir):
+    """§3.2's ".", "!", "?" end a sentence, also inside a token that closes a quote or bracket after them (a
+    BPE vocabulary's `."`, `.)`: an open sentence till the max_sentence_len guard, in web text's quotes)."""
+    tok = data.load_tokenizer(os.path.join(base_dir, "tokenizer.model"))
+    base = Transformer.from_pretrained(base_dir)
+    texts = [".", '."', " .)", "?\u201d", "!\u2019 ", ")", '"', "a", "e.g", "..."]
+    tok.token_texts = lambda: texts + ["x"] * (base.config.vocab_size - len(texts))
+    m = sg.SentenceGist(base, sg.SentenceGistConfig(gists=1), tok, train.TrainConfig(objective="lm"))
+    assert m.is_end[:len(texts)].tolist() == [True] * 5 + [False] * 4 + [True]
+
+
 # --- cache equivalence ----------------------------------------------------------------
 
 
