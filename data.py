@@ -462,7 +462,7 @@ def keep_chunks(record, keep):
 def fit_chunks(records, tok, limit, size, chunk_size):
     """(the records with size(record) <= limit, each first losing its chunks that are not relevant, in an order seeded
     by its id, while it is longer; how many of them lost one). Not last first: that left a gold chunk last in most
-    trimmed inputs, a place evaluation's do not share. A record's context counts too: collate_qa cuts it at `limit`
+    trimmed inputs, unlike the inputs evaluation reads. A record's context counts too: collate_qa cuts it at `limit`
     tokens. chunk_size(chunk): about what dropping the chunk saves (then size checks). No relevant chunk marked: none
     drops."""
     kept, trimmed, context_len = [], 0, {}  # a context's tokens, once for all its questions (SQuAD: about 5)

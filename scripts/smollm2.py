@@ -157,7 +157,7 @@ def random_standin(out_dir, texts, seed=0):
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=100000.0, tie_word_embeddings=True,
                       max_position_embeddings=8192, bos_token_id=ids["<|im_start|>"], eos_token_id=[ids["<|im_end|>"]])
     Transformer(cfg).save_pretrained(out_dir)
-    with open(os.path.join(out_dir, STANDIN), "w") as f:  # (a later conversion into this dir would keep it)
+    with open(os.path.join(out_dir, STANDIN), "w") as f:  # (what tells it from a conversion: main)
         f.write("a random stand-in for SmolLM2 (scripts/smollm2.py --random), not the converted model\n")
     return out_dir
 
