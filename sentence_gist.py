@@ -15,7 +15,7 @@ Tables 1-5, App. A and C.3; SPEC §3.3.
 Choices the paper leaves open (or that differ from it), made here:
 - The base is shared, not resized: the gist rows are this method's Parameter (N_g, d), id V + j embeds as row j,
   mean-resized as Hewitt (2021), whom §3.1 cites: 1e-5 Sigma; never targets: no LM-head rows (§3.1 adds them).
-- A sentence ends at its . ! ? token, decided there as generation must (3.14, U.S. split: what follows is unseen).
+- A sentence ends at a token ending in . ! ? (or ." .)), judged alone as generation must (3.14, U.S. split).
 - Targets (App. C.3): a sentence's final gist predicts the next one's first token, its last token and other gists
   nothing: each regular token once, our reading of Fig. 2's "no Gist Tokens" (perplexity: of a second half here).
 - The prefix (BOS, chat header) is an attention sink, kept and seen by all. Gists take position ids. A guard (not
