@@ -543,7 +543,8 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 # 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}. chunks: the context's
 # natural units (sentences, paragraphs, passages) in order, or None; relevant: those holding the answer, or None.
 # skip_bad: count malformed records instead of raising; stats: "records", "skipped_bad", "unanswerable", "no_answer",
-# "answer_not_at_its_start" (SQuAD: an answer's text not at its answer_start; the official files have none).
+# "answer_not_at_its_start" (SQuAD: an answer's text not at its answer_start; the official files have none),
+# "answer_not_in_context" (generic JSONL: none of a question's answers in its context), "repeated_ids".
 
 def _record(id, context, question, answers, relevant=None, chunks=None):
     if not context.strip():
@@ -554,8 +555,8 @@ def _record(id, context, question, answers, relevant=None, chunks=None):
         raise ValueError(f"an empty answer: {json.dumps(answers)[:60]}")
     for key, text in (("context", context), ("question", question), *(("answers", a) for a in answers)):
         _utf8(key, text)
-    return {"id": str(id or ""), "context": context, "question": question, "answers": [a for a in answers if a.strip()],
-            "relevant": relevant, "chunks": chunks}
+    return {"id": "" if id is None else str(id), "context": context, "question": question,
+            "answers": [a for a in answers if a.strip()], "relevant": relevant, "chunks": chunks}
 
 
 def _utf8(key, text):
@@ -636,6 +637,13 @@ def file_kind(path):
     return FILE_KINDS.get(Path(Path(path).name.lower().removesuffix(".gz")).suffix, "json")
 
 
+def holds_text(path):
+    """Whether a file holds texts, not questions: .txt / .text / .md, or JSONL whose first record has a "text" and no
+    "context" (a QA record may carry a "text" too)."""
+    kind = file_kind(path)
+    return kind == "text" or kind == "jsonl" and "text" in (keys := first_record(path)) and "context" not in keys
+
+
 
 def _load_json(path):
     """A JSON file, or the one .json member of a .zip."""
@@ -650,11 +658,16 @@ def _load_json(path):
             names = [n for n in z.namelist() if n.endswith(".json") and not n.startswith("__MACOSX/")]  # (Finder's)
             if len(names) != 1:
                 raise ValueError(f"{path}: expected one .json file in the zip, found {names}")
-            return json.loads(z.read(names[0]).decode("utf-8-sig"))
+            try:
+                raw = z.read(names[0])
+            except (RuntimeError, NotImplementedError) as e:  # (a password, a compression zipfile lacks: Deflate64)
+                raise ValueError(f"{path}: cannot unzip {names[0]} ({e})") from None
+            return json.loads(raw.decode("utf-8-sig"))
     except json.JSONDecodeError as e:
         named = path.name.lower().removesuffix(".gz").endswith((".json", ".zip"))
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}" + ("" if named else " (read as JSON by its name; "
-                         "text is .txt or .md, JSON lines .jsonl)")) from None
+        hint = (" (JSON lines? name the file .jsonl)" if e.msg == "Extra data" else "" if named else
+                " (read as JSON by its name; text is .txt or .md, JSON lines .jsonl)")
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}{hint}") from None
 
 
 def _jsonl(path):
@@ -670,10 +683,15 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
     doc = _load_json(path) if doc is None else doc
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
-    def listed(obj, key, where):  # obj[key]: a list, [] when absent
-        if not isinstance(obj, dict) or not isinstance(obj.get(key, []), list):
-            raise ValueError(f"{path}: {where} should be an object whose {key!r} is a list")
-        return obj.get(key, [])
+    def listed(obj, key, where):  # obj[key]: a list; a missing one (a misspelt "Paragraphs") is an error or skip_bad's
+        if isinstance(obj, dict) and key not in obj and skip_bad:
+            _count(stats, "skipped_bad")
+            return []
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), list):
+            keys = f" (it has none; its keys: {', '.join(sorted(obj)[:8])})" if isinstance(obj, dict) and key not in \
+                obj else ""
+            raise ValueError(f"{path}: {where} should be an object whose {key!r} is a list{keys}")
+        return obj[key]
     items = [(para, qa) for a, article in enumerate(doc["data"])
              for p, para in enumerate(listed(article, "paragraphs", f"data[{a}]"))
              for qa in listed(para, "qas", f"data[{a}].paragraphs[{p}]")]
@@ -793,6 +811,8 @@ def read_jsonl(path, skip_bad=False, stats=None):
         chunk_ends(context, chunks or [])
         if relevant and not set(relevant) <= set(chunks or []):
             raise ValueError("'relevant' entries must be chunks (give the context's 'chunks' too)")
+        if not any(a in context for a in answers):  # (a note: an abstractive set may mean it; a span reader not)
+            _count(stats, "answer_not_in_context")
         return [_record(rec.get("id"), context, question, answers, relevant, chunks)]
     return _parsed(path, None, parse, skip_bad, stats)
 
@@ -824,6 +844,9 @@ def _whole(path, read):
         for kind, start, suffix in (("gzip", b"\x1f\x8b", ".gz"), ("zip", b"PK\x03\x04", ".zip")):
             if magic.startswith(start) and not str(path).lower().endswith(suffix):  # (read by its name)
                 raise ValueError(f"{path}: a {kind} file: name it {Path(path).name}{suffix}") from None
+        for kind, start in (("bzip2", b"BZh"), ("xz", b"\xfd7zX"), ("zstd", b"\x28\xb5\x2f\xfd")):
+            if magic.startswith(start):
+                raise ValueError(f"{path}: a {kind} file; .gz and .zip are read: decompress it (or gzip it)") from None
         where = f"byte {e.start}" if file_kind(path) == "zip" else f"line {_first_non_utf8_line(path)}"
         raise ValueError(f"{path}: not UTF-8 text ({where})") from None
     except (EOFError, zlib.error, gzip.BadGzipFile, zipfile.BadZipFile) as e:
@@ -855,7 +878,7 @@ def read_dataset(path, distractors=False, **kw):
     """The file's reader: .zip / JSON with "data": SQuAD; JSON list with "supporting_facts": HotpotQA; JSON(L) with
     "passages": MS MARCO; JSONL with "header" or "qas" first: MRQA; other JSONL: generic. kw: skip_bad, stats.
     Every record gets an id of its own (unique_ids)."""
-    return unique_ids(_whole(path, lambda: _read_any(Path(path), distractors, **kw)))
+    return unique_ids(_whole(path, lambda: _read_any(Path(path), distractors, **kw)), kw.get("stats"))
 
 
 def _read_any(path, distractors, **kw):
@@ -867,7 +890,7 @@ def _read_any(path, distractors, **kw):
         return read_squad(path, **kw)
     if kind == "jsonl":
         keys = set(first_record(path))
-        if "text" in keys and "context" not in keys:
+        if holds_text(path):
             raise ValueError(f"{path}: JSONL of {{\"text\"}} lines, read by the text stages only (--pretrain_data); "
                              "a QA stage reads SQuAD, HotpotQA, MS MARCO, MRQA or JSONL of questions")
         reader = read_mrqa if keys & {"header", "qas"} else read_msmarco if "passages" in keys else read_jsonl
@@ -883,9 +906,9 @@ def _read_any(path, distractors, **kw):
     raise ValueError(f"{path}: cannot tell the dataset format; expected SQuAD, HotpotQA, MS MARCO, MRQA or JSONL")
 
 
-def unique_ids(records):
+def unique_ids(records, stats=None):
     """Every record an id of its own (eval.py pairs rows question by question): a repeated one gets "#2", "#3", ...
-    (the readers name a missing one by its place in the file; else its index here)."""
+    and is counted (the readers name a missing one by its place in the file; else its index here)."""
     records = list(records)
     for i, r in enumerate(records):
         r["id"] = r["id"] or str(i)
@@ -898,6 +921,7 @@ def unique_ids(records):
                 count[base] += 1
             r["id"] = f"{base}#{count[base]}"
             taken.add(r["id"])
+            _count(stats, "repeated_ids")
         seen.add(r["id"])
     return records
 
@@ -959,9 +983,15 @@ def collate_qa(records, tok, max_context=1024, max_answer=64, rng=None, pad_mult
     return batch
 
 
-def collate_lm(texts, tok, max_len, pad_multiple=64):
-    """ids (B, T) = [bos] + text + [eos] cut to max_len; labels (B, T): next tokens, -100 at the end; lengths (B,)."""
-    rows = [tok.encode(t, bos=True, eos=True)[:max_len] for t in texts]
+def collate_lm(texts, tok, max_len, pad_multiple=64, stats=None):
+    """ids (B, T) = [bos] + text + [eos] cut to max_len (stats: counted); labels (B, T): next tokens, -100 at the end;
+    lengths (B,)."""
+    rows = [tok.encode(t, bos=True, eos=True) for t in texts]
+    for r in rows:
+        if len(r) > max_len:
+            _count(stats, "truncated_text")
+            _count(stats, "text_tokens_cut", len(r) - max_len)
+    rows = [r[:max_len] for r in rows]
     labels = [r[1:] + [-100] for r in rows]
     return {"ids": pad_rows(rows, tok.pad_id, pad_multiple), "labels": pad_rows(labels, -100, pad_multiple),
             "lengths": torch.tensor([len(r) for r in rows], dtype=torch.long)}

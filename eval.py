@@ -120,15 +120,16 @@ def paired_diff_ci(scores_a, scores_b, n=2000, seed=0):
 
 def eval_records(cfg, ecfg):
     """The questions a run is read on: --eval_data, the run's --eval_data, else the questions of its --data that
-    training held out (train.held_out; a text objective trained on every context of the file), else synthetic."""
+    training held out with their contexts (train.held_out), else synthetic."""
     n = ecfg.n or cfg.eval_examples
     path = ecfg.eval_data or cfg.eval_data or cfg.data
     if ecfg.eval_data and cfg.data and os.path.isfile(cfg.data) and train.same_file(ecfg.eval_data, cfg.data):
         print(f"note: --eval_data {ecfg.eval_data} is the file the run trained on", file=sys.stderr)
     if path:
         records = train.read_records(path, cfg)
-        if not (ecfg.eval_data or cfg.eval_data) and len(records) > 1:
-            records, path = train.held_out(records, cfg.seed)[1], f"the held-out questions of {path}"
+        held = records if ecfg.eval_data or cfg.eval_data else train.held_out(records, cfg.seed)[1]
+        if held is not records:  # (a file of one context holds none out)
+            records, path = held, f"the held-out questions of {path}"
         if ecfg.n > len(records):  # every question is read, and the rows' n says how many
             print(f"note: --n {ecfg.n}: {path} holds {len(records)} questions; evaluating them all", file=sys.stderr)
         return records[:n]

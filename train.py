@@ -16,6 +16,7 @@ base; a flag wins), printed at start; each stage trains into its own dir and the
 exactly where a run stopped.
 """
 import argparse
+import collections
 import copy
 import fcntl
 import filecmp
@@ -691,9 +692,10 @@ def check_inputs(stages, cls):
     if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
         raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
                          f"--method {cfg.method} run has none")
-    if hasattr(cls, "compress") and last.eval_examples and not last.eval_data and last.data and is_text_file(last.data):
-        raise SystemExit(f"error: --data {last.data} is text: the final evaluation asks questions; name a QA file "
-                         "with --eval_data, or --eval_examples 0")
+    flag = "eval_data" if last.eval_data else "data"  # what the final evaluation asks: eval.eval_records
+    if hasattr(cls, "compress") and last.eval_examples and getattr(last, flag) and data.holds_text(getattr(last, flag)):
+        raise SystemExit(f"error: --{flag} {getattr(last, flag)} is text: the final evaluation asks questions; name a "
+                         "QA file with --eval_data, or --eval_examples 0")
 
 
 def check_stage(cfg, mcfg, cls):
@@ -1056,44 +1058,59 @@ def read_records(path, cfg, text=False):
     return items
 
 
-def is_text_file(path):
-    """A .txt / .md file or a JSONL of {"text"}, gzipped or not (data.file_kind): what only a text objective reads."""
-    kind = data.file_kind(path)
-    return kind == "text" or kind == "jsonl" and "text" in data.first_record(path)
-
-
 def read_items(path, cfg, text):
-    """Training items of a file: QA records, or for a text objective texts (a .txt / {"text"} .jsonl file, gzipped or
-    not, else the contexts of a QA file). A file with none is a one-line error."""
-    if text and is_text_file(path):
-        return read_records(path, cfg, text=True)
-    records = read_records(path, cfg)
-    return list(dict.fromkeys(r["context"] for r in records)) if text else records  # each context once
+    """The items of a file: QA records, or for a text objective the texts of a text file (.txt, {"text"} .jsonl,
+    gzipped or not: data.holds_text); a QA file's records there train on their contexts (texts_of). A file with
+    none is a one-line error."""
+    return read_records(path, cfg, text=text and data.holds_text(path))
+
+
+def texts_of(items):
+    """A text stage's items: the contexts of QA records, each once; texts as they are."""
+    return list(dict.fromkeys(it["context"] for it in items)) if items and isinstance(items[0], dict) else items
 
 
 def stage_data(cfg):
     """(training items, validation items, a line saying what validation reads) of a stage, read before any work:
     --data (a text objective: --pretrain_data, else --data's contexts); validation on --eval_data (also when training
-    is synthetic), else on a held-out slice of the training file (2 %, at most 256 items) that training never sees.
-    None: synthetic."""
+    is synthetic), else on a held-out slice of the training file (held_out) that training never sees, its contexts
+    included. None: synthetic."""
     text = text_objective(cfg)
     path = (cfg.pretrain_data or cfg.data) if text else cfg.data
     items = read_items(path, cfg, text) if path else None
     if cfg.eval_data:
-        return items, read_items(cfg.eval_data, cfg, text), f"validation: {cfg.eval_data}"
-    if not path:
+        val, line = read_items(cfg.eval_data, cfg, text), f"validation: {cfg.eval_data}"
+        seen = {it["context"] for it in items or () if isinstance(it, dict)}
+        shared = sum(isinstance(it, dict) and it["context"] in seen for it in val)
+        if shared and not same_file(path, cfg.eval_data):  # (the same file: check_files says so)
+            print(f"note: {shared} of the {len(val)} --eval_data questions have a context of {path}, which training "
+                  "reads", file=sys.stderr)
+    elif not path:
         return None, None, "validation: the synthetic benchmark's val split"
-    if len(items) < 2:
-        return items, items, f"validation: {path} (one record: the training record itself)"
-    train_items, held = held_out(items, cfg.seed)
-    return train_items, held, f"validation: {len(held)} items of {path} held out of training"
+    else:
+        items, val = held_out(items, cfg.seed)
+        line = (f"validation: {path} (one context: the training items themselves)" if items is val else
+                f"validation: {len(val)} items of {path} held out of training, with their contexts")
+    return (texts_of(items), texts_of(val), line) if text else (items, val, line)
 
 
 def held_out(items, seed):
-    """(training items, held-out items): 2 % of a file's items, at most 256, drawn with seed. Without --eval_data
-    they validate the run, and its final evaluation reads the held-out questions of --data (eval.eval_records)."""
-    held = set(random.Random(seed).sample(range(len(items)), min(256, max(1, len(items) // 50))))
-    return [it for i, it in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
+    """(training items, held-out items) of a file: contexts drawn with seed until their items make 2 % of the file's
+    (at least one, about 256 at most), every question of a held-out context held out with it: no held-out question's
+    context is trained on, in a QA stage or a text stage on the file's contexts (SQuAD asks ~5 of a paragraph).
+    Without --eval_data they validate the run, and its final evaluation reads the held-out questions of --data
+    (eval.eval_records). A file of one context: (items, items), nothing to hold out."""
+    sizes = collections.Counter(it["context"] if isinstance(it, dict) else it for it in items)
+    want, held, n = min(256, max(1, len(items) // 50)), set(), 0
+    for context in random.Random(seed).sample(list(sizes), len(sizes))[:-1]:  # (one context at least trains)
+        if n >= want:
+            break
+        held.add(context)
+        n += sizes[context]
+    if not held:
+        return items, items
+    is_held = [(it["context"] if isinstance(it, dict) else it) in held for it in items]
+    return [it for it, h in zip(items, is_held) if not h], [it for it, h in zip(items, is_held) if h]
 
 
 class Batches:
@@ -1150,7 +1167,8 @@ class Batches:
             return tiny.collate_base(items, self.tok, self.method.cfg.context_weight)
         if self.text:
             halves = getattr(self.method, "compresses_half_text", False)  # so the compressed half reaches max_context
-            return data.collate_lm(items, self.tok, cfg.max_context * (2 if halves else 1), cfg.pad_multiple)
+            return data.collate_lm(items, self.tok, cfg.max_context * (2 if halves else 1), cfg.pad_multiple,
+                                   self.stats)
         batch = data.collate_qa(items, self.tok, max_context=cfg.max_context, max_answer=cfg.max_answer,
                                 stats=self.stats, pad_multiple=cfg.pad_multiple, format=cfg.prompt)
         if self.questions > 1:

@@ -574,17 +574,20 @@ def test_a_byte_order_mark_is_dropped(tmp_path):
 def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tmp_path):
     """train.read_items for a text objective (pic ae+lm, sac lm, sentence_gist lm): .txt and {"text"} .jsonl, each also
     .gz (they were read as QA files: "invalid JSON" / "missing field 'context'"), and a QA file of any format (a QA
-    .jsonl: was "missing field 'text'") gives its contexts, each once."""
+    .jsonl: was "missing field 'text'") gives its contexts, each once (train.texts_of); a QA .jsonl whose records also
+    carry a "text" is QA (its "text"s were read as the texts, and a QA stage refused it)."""
     (tmp_path / "a.txt").write_text("one\n\ntwo\n")
     (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"one\n\ntwo\n"))
     lines = "".join(json.dumps({"text": t}) + "\n" for t in ("one", "two"))
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
     qa = "".join(json.dumps({"context": c, "question": "q", "answers": ["a"]}) + "\n" for c in ("one", "one", "two"))
     (tmp_path / "qa.jsonl").write_text(qa)
+    (tmp_path / "titled.jsonl").write_text(qa.replace('{"context"', '{"text": "a title", "context"'))
     cfg = train.TrainConfig()
-    for name in ("a.txt", "a.txt.gz", "a.jsonl.gz", "qa.jsonl"):
-        assert train.read_items(str(tmp_path / name), cfg, text=True) == ["one", "two"], name
-    assert len(train.read_items(str(tmp_path / "qa.jsonl"), cfg, text=False)) == 3
+    for name in ("a.txt", "a.txt.gz", "a.jsonl.gz", "qa.jsonl", "titled.jsonl"):
+        assert train.texts_of(train.read_items(str(tmp_path / name), cfg, text=True)) == ["one", "two"], name
+    for name in ("qa.jsonl", "titled.jsonl"):
+        assert len(train.read_items(str(tmp_path / name), cfg, text=False)) == 3 and not data.holds_text(tmp_path / name)
 
 
 def test_every_record_gets_an_id_of_its_own(tmp_path):
@@ -683,7 +686,7 @@ def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):
         assert str(e.value).startswith(str(tmp_path / name)) and message in str(e.value), e.value
     for name in ("notes.md", "NOTES.TXT"):
         (tmp_path / name).write_text("First words.\n\nSecond words.")
-        assert train.is_text_file(tmp_path / name)
+        assert data.holds_text(tmp_path / name)
         assert data.read_text(tmp_path / name) == ["First words.", "Second words."]
     (tmp_path / "UP.JSONL").write_text(good * 2)
     (tmp_path / "UP.JSONL.GZ").write_bytes(gzip.compress(good.encode() * 2))
@@ -691,6 +694,48 @@ def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "notes").write_text("plain words")
     with pytest.raises(ValueError, match="invalid JSON: .* \\(read as JSON by its name; text is .txt or .md"):
         data.read_dataset(tmp_path / "notes")
+
+
+def test_what_a_reader_would_misread_is_kept_counted_or_one_line(tmp_path):
+    """A numeric id 0 is kept (it read as missing); a misspelt SQuAD key ("Paragraphs", "questions") is one line
+    naming where (its articles were dropped in silence), or with skip_bad a skipped one; a zip member zipfile cannot
+    read (a password, Deflate64), a bzip2 / xz / zstd file and JSON lines named .json are one line saying what to do;
+    a JSONL answer absent from its context and a repeated id are counted (the readers' note)."""
+    qa = {"context": "Anna lives in Oslo.", "question": "Where?", "answers": ["Oslo"]}
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps({**qa, "id": i}) + "\n" for i in (0, 1, 1)))
+    stats = {}
+    assert [r["id"] for r in data.read_dataset(tmp_path / "n.jsonl", stats=stats)] == ["0", "1", "1#2"]
+    assert stats == {"records": 3, "repeated_ids": 1}
+    article = {"paragraphs": [{"context": qa["context"], "qas": [{"id": "q", "question": "Where?",
+                                                                   "answers": [{"text": "Oslo", "answer_start": 14}]}]}]}
+    for where, doc in (("data[1]", {"data": [article, {"Paragraphs": article["paragraphs"]}]}),
+                       ("data[0].paragraphs[1]", {"data": [{"paragraphs": [*article["paragraphs"],
+                                                                            {"context": "x", "questions": []}]}]})):
+        (tmp_path / "s.json").write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=re.escape(f"s.json: {where} should be an object whose ") + ".*it has none"):
+            data.read_dataset(tmp_path / "s.json")
+        stats = {}
+        assert len(data.read_dataset(tmp_path / "s.json", skip_bad=True, stats=stats)) == 1
+        assert stats == {"records": 1, "skipped_bad": 1}
+    zipped = tmp_path / "s.zip"
+    for flag, offset, message in ((1, 8, "is encrypted"), (9, 10, "compression")):  # general flag bit 0; method 9
+        with zipfile.ZipFile(zipped, "w", zipfile.ZIP_STORED) as z:
+            z.writestr("s.json", json.dumps({"data": [article]}))
+        raw = bytearray(zipped.read_bytes())
+        raw[raw.index(b"PK\x01\x02") + offset] = flag  # the central directory's entry, which zipfile reads first
+        zipped.write_bytes(bytes(raw))
+        with pytest.raises(ValueError, match=f"s.zip: cannot unzip s.json .*{message}"):
+            data.read_dataset(zipped)
+    for kind, magic in (("bzip2", b"BZh91AY&SY"), ("xz", b"\xfd7zXZ\x00\x00"), ("zstd", b"\x28\xb5\x2f\xfd\x00")):
+        (tmp_path / "c.jsonl").write_bytes(magic + b"\xff" * 20)
+        with pytest.raises(ValueError, match=f"c.jsonl: a {kind} file; .gz and .zip are read"):
+            data.read_dataset(tmp_path / "c.jsonl")
+    (tmp_path / "lines.json").write_text(json.dumps(qa) + "\n" + json.dumps(qa) + "\n")
+    with pytest.raises(ValueError, match=r"lines.json:2: invalid JSON: Extra data \(JSON lines\? name the file .jsonl"):
+        data.read_dataset(tmp_path / "lines.json")
+    (tmp_path / "a.jsonl").write_text(json.dumps({**qa, "answers": ["Bergen", "Paris"]}) + "\n" + json.dumps(qa))
+    stats = {}
+    assert len(data.read_dataset(tmp_path / "a.jsonl", stats=stats)) == 2 and stats["answer_not_in_context"] == 1
 
 
 def test_real_qa_files():
@@ -813,7 +858,10 @@ def test_collate_qa_truncation_and_padding(small_tok):
 
 
 def test_collate_lm(small_tok):
-    b = data.collate_lm(["Anna lives in Oslo.", "Hi"], small_tok, max_len=6, pad_multiple=8)
+    stats = {}
+    b = data.collate_lm(["Anna lives in Oslo.", "Hi"], small_tok, max_len=6, pad_multiple=8, stats=stats)
+    cut = len(small_tok.encode("Anna lives in Oslo.", bos=True, eos=True)) - 6
+    assert cut > 0 and stats == {"truncated_text": 1, "text_tokens_cut": cut}  # (a text stage said nothing of it)
     assert b["ids"].shape == (2, 8) and b["lengths"].tolist()[0] == 6
     n = b["lengths"][1].item()
     assert b["ids"][1, :n].tolist() == small_tok.encode("Hi", bos=True, eos=True)

@@ -112,6 +112,9 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("data cut", ["--data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt compressed file"),  # was a traceback
     ("text cut", ["--method=sac", "--pretrain", 1, "--pretrain_data", "cut.jsonl.gz"], "cut.jsonl.gz: a cut or corrupt"),
     ("eval_data", ["--eval_data", "bad.json"], "bad.json:1: invalid JSON"),
+    ("eval_data text", ["--method=sac", "--objective", "lm", "--pretrain_data", "texts.jsonl", "--eval_data",
+                        "texts.jsonl", "--eval_examples", 2],  # (validation read it; the final evaluation failed)
+     "--eval_data %s/texts.jsonl is text: the final evaluation asks questions"),
     ("teacher", ["--teacher", "teacher"], "teacher/adapter_config.json: missing key 'r'"),
     ("encoder", ["--method", "pic", "--encoder", "config-json"], "config-json/config.json:1: invalid JSON"),
     ("ratio", ["--ratio", "4,99999999999999999999"], "every ratio must be a positive integer, at most 2^20"),

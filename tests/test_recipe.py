@@ -183,6 +183,34 @@ def test_validation_never_reads_a_training_record(tmp_path):
     assert set(items).isdisjoint(val) and all(isinstance(t, str) for t in items + val)
 
 
+def test_no_held_out_question_has_a_context_training_reads(tmp_path, capsys):
+    """held_out holds out contexts with all their questions (it drew questions: on SQuAD's dev set 210 of 211 held-out
+    questions had their context in training, and a text stage on the file's contexts read 207 of them); a text stage
+    on a QA file trains on the contexts of the QA stage's training questions; a file of one context holds none out;
+    --eval_data questions on contexts of --data are a note."""
+    rng = random.Random(0)
+    records = [{"id": f"{c}.{q}", "context": f"context {c}", "question": f"q{q}", "answers": ["context"]}
+               for c in range(120) for q in range(rng.randint(1, 9))]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for seed in (0, 1, 1337):
+        items, held = train.held_out(records, seed)
+        assert len(items) + len(held) == len(records) and len(held) >= len(records) // 50
+        assert {r["context"] for r in items}.isdisjoint(r["context"] for r in held)
+        qa = train.stage_data(train.TrainConfig(method="meanpool", objective="kd", data=str(path), seed=seed))
+        text = train.stage_data(train.TrainConfig(method="sac", objective="lm", data=str(path), seed=seed))
+        assert [[r["id"] for r in part] for part in qa[:2]] == [[r["id"] for r in part] for part in (items, held)]
+        assert "with their contexts" in qa[2]
+        assert set(text[0]) == {r["context"] for r in items} and set(text[1]) == {r["context"] for r in held}
+    one = [dict(r, context="the one context") for r in records[:5]]
+    assert train.held_out(one, 0) == (one, one)
+    (tmp_path / "one.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one))
+    assert "one context" in train.stage_data(train.TrainConfig(method="meanpool", data=str(tmp_path / "one.jsonl")))[2]
+    (tmp_path / "some.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
+    train.stage_data(train.TrainConfig(method="meanpool", data=str(path), eval_data=str(tmp_path / "some.jsonl")))
+    assert "note: 40 of the 40 --eval_data questions have a context of" in capsys.readouterr().err
+
+
 def test_skip_bad_skips_a_bad_line_of_jsonl_pretraining_text(tmp_path, capsys):
     path = tmp_path / "text.jsonl"
     path.write_text('{"text": "one"}\n{"text": 5}\n{"text": "two"}\n')
