@@ -38,7 +38,7 @@ import torch
 import data
 import train
 import tiny
-from model import Memory, read_json, tensor_names
+from model import Memory, ModelConfig, read_json, tensor_names
 
 
 @dataclass
@@ -387,17 +387,21 @@ def result_error(res):
 
 
 def asked(run_dir, ecfg):
-    """What a run's rows answer: its checkpoint file, which questions and how many, the ratios read, the answer
-    length (the flags, else the run's own), the batch size (the NLL control's other memories come from the batch).
-    A cached metrics.json serves only the same (another ratio adds its rows: rows_at)."""
+    """What a run's rows answer: its checkpoint file, which questions (their file as it is now: one rewritten in place
+    asks others) and how many, the ratios read, the answer length (the flags, else the run's own), the batch size (the
+    NLL control's other memories come from the batch). A cached metrics.json serves only the same (another ratio adds
+    its rows: rows_at)."""
     state = read_json(os.path.join(run_dir, "run.json"))
     run = state.get("train", {}) if isinstance(state, dict) else {}  # (a broken run.json: load_run says so)
     eval_data = ecfg.eval_data or run.get("eval_data", "")
     ckpt = (state.get("files") or {}).get("ckpt") if isinstance(state, dict) else None  # (a run's next one: no mix)
+    questions = eval_data or run.get("data", "")
+    stamp = os.stat(questions) if questions and os.path.isfile(questions) else None
     return {"ckpt": ckpt, "n": ecfg.n or run.get("eval_examples", 0), "eval_data": eval_data,
             "split": ecfg.split, "ratio": ecfg.ratio or run.get("eval_ratio") or run.get("ratio", ""),
             "max_new_tokens": ecfg.max_new_tokens, "batch_size": ecfg.batch_size,
-            **({"held_out_of": run["data"]} if not eval_data and run.get("data") else {})}  # eval_records
+            **({"held_out_of": run["data"]} if not eval_data and run.get("data") else {}),  # eval_records
+            **({"file": f"{stamp.st_size} bytes @{stamp.st_mtime_ns}"} if stamp else {})}
 
 
 def cached_result(run_dir, ecfg):
@@ -413,11 +417,9 @@ def cached_result(run_dir, ecfg):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({e}); rerun with --recompute")
     if why := result_error(res):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({why}); rerun with --recompute")
-    want = asked(run_dir, ecfg)
-    served, changed = rows_at(res, want), changed_but_ratio(res.get("asked") or {}, want)
-    if served is None and changed:  # (another ratio adds its rows: with_other_ratios)
-        print(f"note: {cached} holds rows read with another {', '.join(changed)}: this evaluation replaces them",
-              file=sys.stderr)
+    served = rows_at(res, asked(run_dir, ecfg))
+    if served is not None:  # (a run dir moved or copied since: its rows are this one's)
+        served = {**served, "run": run_dir, "rows": [{**row, "run": run_dir} for row in served["rows"]]}
     return served
 
 
@@ -437,7 +439,7 @@ def rows_at(res, want):
     return {**res, "asked": want, "rows": [by_ratio[r] for r in ratios]} if set(ratios) <= by_ratio.keys() else None
 
 
-def check_evaluable(run_dir, ratio):
+def check_evaluable(run_dir, ratio, max_new_tokens):
     """From its run.json and its checkpoint's header, before any run loads: a compressor's run, and --ratio within
     its --max_context and its method's own rules (check_config reads it as the run's --eval_ratio: pic's memory
     table, sentence_gist's achieved ratio)."""
@@ -448,6 +450,13 @@ def check_evaluable(run_dir, ratio):
     state, ckpt = train.checkpoint_of(run_dir)
     tensor_names(ckpt)  # a cut one: before any run is evaluated (its header alone)
     note_unfinished(run_dir, state)
+    decoder = getattr(mcfg, "decoder", "") or tiny.base_path(cfg.init_from)
+    if os.path.isfile(os.path.join(decoder, "config.json")):  # (the tiny base, deleted: trained again at load)
+        check_run(run_dir, ModelConfig.from_json(os.path.join(decoder, "config.json")), max_new_tokens)
+    stamp = train.teacher_stamp(cfg.teacher)
+    if state.get("teacher_stamp", stamp) != stamp:  # (a run of an earlier version has none)
+        raise SystemExit(f"error: {run_dir}: its --teacher {cfg.teacher} was trained again since this run distilled it "
+                         f"({state['teacher_stamp']}, now {stamp}): the run would decode on another base")
     if not ratio:
         return
     train.check_ratio_fits(ratio, cfg.max_context, whose=f"{run_dir}'s ")
@@ -467,10 +476,10 @@ def note_unfinished(run_dir, state):
               "it)", file=sys.stderr)
 
 
-def check_run(run_dir, decoder, max_new_tokens, asked=0):
-    """--max_new_tokens (and a one-shot --question of `asked` tokens) against the decoder loaded from run_dir, before
-    it answers: one line."""
-    positions = decoder.config.max_position_embeddings
+def check_run(run_dir, config, max_new_tokens, asked=0):
+    """--max_new_tokens (and a one-shot --question of `asked` tokens) against the positions of run_dir's decoder
+    (config: its ModelConfig), before it answers: one line."""
+    positions = config.max_position_embeddings
     if max_new_tokens > positions:
         raise SystemExit(f"error: --max_new_tokens {max_new_tokens}: above the {positions} positions of {run_dir}'s "
                          "decoder")
@@ -482,8 +491,14 @@ def check_run(run_dir, decoder, max_new_tokens, asked=0):
 def evaluate_run(run_dir, ecfg, device, records):
     """Compute and write <run>/metrics.json. records: eval_records's, read before any model loads (main)."""
     cached, want = os.path.join(run_dir, "metrics.json"), asked(run_dir, ecfg)  # (before its weights load)
+    try:
+        old = (read_json(cached) or {}).get("asked") if os.path.isfile(cached) and not ecfg.recompute else None
+    except (ValueError, OSError, AttributeError):  # (cached_result read it: a corrupt one stopped it there)
+        old = None
+    if isinstance(old, dict) and changed_but_ratio(old, want):  # (another ratio adds its rows: with_other_ratios)
+        print(f"note: {cached} holds rows read with another {', '.join(changed_but_ratio(old, want))}: this "
+              "evaluation replaces them", file=sys.stderr)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
-    check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens)
     key = teacher_key(cfg, ecfg, records, device, getattr(mcfg, "decoder", ""))
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)
     heldout = getattr(method, "heldout_metrics", None)  # e.g. sentence_gist: perplexity (SPEC §4), against the base
@@ -692,13 +707,13 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
-    check_evaluable(run_dir, ecfg.ratio)
+    check_evaluable(run_dir, ecfg.ratio, ecfg.max_new_tokens)
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
     if memory is not None:
         check_origin(memory, ecfg.memory, run_dir, ecfg.question or QUESTION)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     record = {"id": "one-shot", "context": context, "question": ecfg.question or QUESTION, "answers": [""]}
-    check_run(run_dir, getattr(method, "dec", base), ecfg.max_new_tokens, len(tok.encode(record["question"])))
+    check_run(run_dir, getattr(method, "dec", base).config, ecfg.max_new_tokens, len(tok.encode(record["question"])))
     cut = {}
     batch = train.to_device(next(batches_of([record], tok, cfg, 1, getattr(method, "prepare", None), cut)), device)
     if cut:  # collate_qa kept the first max_context tokens, as in training and in evaluating runs
@@ -706,10 +721,11 @@ def one_shot(ecfg, run_dir, device):
               f"reads its first {cfg.max_context} (the run's --max_context)", file=sys.stderr)
     if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
         raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
-    ratio = train.ratios_of(ecfg.ratio or cfg.ratio)[0]
+    ratio = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)[0]  # (evaluate_run's order; its first)
     (outs, memory), dt = timed(lambda: answer(method, batch, ratio, ecfg.max_new_tokens, memory))
     print(f"answer: {decode(tok, outs)[0]}")
-    print(f"memory: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
+    shown = "" if ecfg.memory else f" at ratio {ratio}"
+    print(f"memory{shown}: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")
     if ecfg.save_memory:
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.save_memory)), exist_ok=True)
         memory.origin = {"run": os.path.abspath(run_dir), "method": cfg.method, "base": base_of(cfg),
@@ -777,7 +793,7 @@ def check_flags(ecfg, given):
 def questions_of(run_dir, ecfg, given):
     """The questions a run to be evaluated is read on (eval_records), after checking the run (check_evaluable) and the
     file they come from: each problem one line, before any run loads."""
-    check_evaluable(run_dir, ecfg.ratio)
+    check_evaluable(run_dir, ecfg.ratio, ecfg.max_new_tokens)
     what = asked(run_dir, ecfg)
     flag, path = ("--eval_data", what["eval_data"]) if what["eval_data"] else ("--data", what.get("held_out_of"))
     if path and not os.path.isfile(path):

@@ -21,6 +21,7 @@ import copy
 import fcntl
 import filecmp
 import glob
+import hashlib
 import inspect
 import itertools
 import json
@@ -972,11 +973,25 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, comman
     flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1]),
+             **({"teacher_stamp": teacher_stamp(cfg.teacher)} if cfg.teacher else {}),
              **({"command": command, "last_stage": last_stage} if command is not None else {})}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
         if (f.startswith(("ckpt-", "optim-")) and f not in files.values()) or f == "metrics.json":
             os.remove(os.path.join(out_dir, f))
+
+
+def teacher_stamp(teacher):
+    """The --teacher adapter's bytes as they are now (a hash): a run keeps the one it distilled, and eval.py reads it
+    only on that one (a teacher trained again in its dir changes the base the run decodes on)."""
+    path = os.path.join(teacher, "teacher", "adapter_model.safetensors")
+    if not teacher or not os.path.isfile(path):
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def log_upto(log, step):

@@ -31,7 +31,7 @@ threshold). The verdict comes from our numbers:
   and says "(no CI)":
     ">" / "<"  A's value above / below B's;
     "~"  A / B within `margin` of the paper's A / B (e.g. the ratio halving per doubling).
-  A claim whose rows the results lack gets "no data".
+  A claim whose rows the results lack, or whose two rows share no question, gets "no data".
 
 Given one results file, a second table follows (`controls`): the teacher and every method row against its run's
 no-context row in F1, and against itself reading another context's memory in eval.py's teacher-forced answer NLL.
@@ -147,14 +147,24 @@ def judge(claim, results):
     ra, rb = find_row(results, claim.a), find_row(results, claim.b)
     if ra is None or rb is None or "scores" not in ra or "scores" not in rb:
         return {"a": ra and ra["f1"], "b": rb and rb["f1"], "verdict": "no data"}
-    c = evaluate.paired_diff_ci(ra["scores"]["f1"], rb["scores"]["f1"])
+    c = paired(ra["scores"]["f1"], rb["scores"]["f1"])
+    if c is None:
+        return {"a": ra["f1"], "b": rb["f1"], "verdict": "no data"}
     out = {**c, "verdict": verdict(claim, *c["ci"])}
     floors = [find_row(results, name, floor=True) for name in (claim.a, claim.b)]  # each run's own (a PRIOR's too)
-    above = [evaluate.paired_diff_ci(r["scores"]["f1"], f["scores"]["f1"])["ci"][0] > 0
-             for r, f in zip((ra, rb), floors) if f and "scores" in f]
+    to_floor = [paired(r["scores"]["f1"], f["scores"]["f1"]) for r, f in zip((ra, rb), floors) if f and "scores" in f]
+    above = [d["ci"][0] > 0 for d in to_floor if d]
     if claim.kind == "~" and len(above) == 2 and not any(above):
         out["verdict"] = "cannot tell"  # both at the no-context level: a vacuous match
     return out
+
+
+def paired(scores_a, scores_b):
+    """eval.paired_diff_ci of two rows' scores, or None where they share no question (read on other questions)."""
+    try:
+        return evaluate.paired_diff_ci(scores_a, scores_b)
+    except ValueError:
+        return None
 
 
 def side_of_zero(lo, hi):
@@ -227,10 +237,11 @@ def controls(results):
     for name, row, floor in named:
         cells = []
         for (a, key_a), (b, key_b), digits in (((row, "f1"), (floor, "f1"), 1), ((row, "nll"), (row, "nll_other"), 2)):
-            if key_a not in a.get("scores", {}) or key_b not in b.get("scores", {}):
+            c = paired(a["scores"][key_a], b["scores"][key_b]) if key_a in a.get("scores", {}) and \
+                key_b in b.get("scores", {}) else None
+            if c is None:
                 cells += ["-", "no data"]
                 continue
-            c = evaluate.paired_diff_ci(a["scores"][key_a], b["scores"][key_b])
             lo, hi = c["ci"]
             cells += [f"{c['diff']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]", side_of_zero(lo, hi)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

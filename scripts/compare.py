@@ -37,12 +37,18 @@ def rows_of(path):
         raise SystemExit(f"error: {path} is not an eval.py results JSON ({e})")
 
 
+def picks(row, name):
+    """Whether --row_a / --row_b `row` names the row `name`: a ratio ("@16") is its end, so @1 is not @16; else a
+    part of it ("teacher", "pic")."""
+    return name.endswith(row) if row.startswith("@") else row in name
+
+
 def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
     """One line per pair of rows: both values on the shared questions, A - B with its paired 95% CI, a verdict.
     A row without ratio (teacher, no-context) picked alone pairs with every row of the other side."""
     a, b = rows_of(path_a), rows_of(path_b)
-    na = [n for n in a if (row_a in n if row_a else "ratio_requested" in a[n])]
-    nb = [n for n in b if (row_b in n if row_b else "ratio_requested" in b[n])]
+    na, nb = ([n for n in rows if (picks(row, n) if row else "ratio_requested" in rows[n])]
+              for rows, row in ((a, row_a), (b, row_b)))
     pairs = [(x, y) for x in na for y in nb
              if len(na) == len(nb) == 1 or a[x].get("ratio_requested") == b[y].get("ratio_requested")
              or (len(nb) == 1 and "ratio_requested" not in b[y]) or (len(na) == 1 and "ratio_requested" not in a[x])]
@@ -59,8 +65,8 @@ def compare(path_a, path_b, row_a="", row_b="", metric="f1"):
             continue
         try:
             c = evaluate.paired_diff_ci(a[x]["scores"][metric], b[y]["scores"][metric])
-        except ValueError as e:
-            raise SystemExit(f"error: {e}")
+        except ValueError as e:  # (evaluated on other questions)
+            raise SystemExit(f"error: A {x} vs B {y}: {e}") from None
         lo, hi = c["ci"]
         verdict = "A > B" if lo > 0 else "B > A" if hi < 0 else "cannot tell"
         if metric == "nll" and verdict != "cannot tell":  # lower is better

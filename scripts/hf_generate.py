@@ -102,11 +102,12 @@ def main(argv):
         raise SystemExit("error: --question is empty")
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: {train.not_a_file(args.memory)}")
-    evaluate.check_evaluable(args.run, "")  # a compressor's run, whole
+    evaluate.check_evaluable(args.run, "", args.max_new_tokens)  # a compressor's run, whole
     memory = Memory.load(args.memory)
     evaluate.check_origin(memory, args.memory, args.run, args.question)
     cfg, mcfg, tok, base, method = train.load_run(args.run)
-    evaluate.check_run(args.run, getattr(method, "dec", base), args.max_new_tokens, len(tok.encode(args.question)))
+    decoder = getattr(method, "dec", base)
+    evaluate.check_run(args.run, decoder.config, args.max_new_tokens, len(tok.encode(args.question)))
     if why := evaluate.memory_mismatch(memory, getattr(method, "dec", base), method):
         raise SystemExit(f"error: --memory {args.memory} does not fit {args.run}: {why}")
     record = {"id": "q", "context": "", "question": args.question, "answers": [""]}

