@@ -419,7 +419,8 @@ def cached_result(run_dir, ecfg):
         raise SystemExit(f"error: {cached}: corrupt metrics file ({why}); rerun with --recompute")
     served = rows_at(res, asked(run_dir, ecfg))
     if served is not None:  # (a run dir moved or copied since: its rows are this one's)
-        served = {**served, "run": run_dir, "rows": [{**row, "run": run_dir} for row in served["rows"]]}
+        served = {**served, "run": run_dir, "rows": [{**row, "run": run_dir} if "run" in row else row
+                                                      for row in served["rows"]]}
     return served
 
 

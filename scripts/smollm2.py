@@ -170,9 +170,11 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     Returns {"train", "heldout"}: (path, articles, questions)."""
     import data
     doc = data._load_json(path)
-    data.read_squad(path, doc=doc)  # a question or paragraph SQuAD's reader refuses: one line naming it
-    if not all(isinstance(a.get("title"), str) and isinstance(a.get("paragraphs"), list) for a in doc["data"]):
+    if not (isinstance(doc, dict) and isinstance(doc.get("data"), list) and all(
+            isinstance(a, dict) and isinstance(a.get("title"), str) and isinstance(a.get("paragraphs"), list)
+            for a in doc["data"])):
         raise SystemExit(f"error: {path}: not SQuAD v1.1 (a data list of articles, each with a title and paragraphs)")
+    list(data.read_squad(path, doc=doc))  # a question or paragraph SQuAD's reader refuses: one line naming it
     articles = sorted(doc["data"], key=lambda a: a["title"])
     if not 0 < heldout_articles < len(articles):
         raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")
