@@ -949,7 +949,8 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None, last_stage=True):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None, last_stage=True,
+                    data_hash=None):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
@@ -974,11 +975,24 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, comman
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1]),
              **({"teacher_stamp": teacher_stamp(cfg.teacher)} if cfg.teacher else {}),
+             **({"data_hash": data_hash} if data_hash else {}),
              **({"command": command, "last_stage": last_stage} if command is not None else {})}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
         if (f.startswith(("ckpt-", "optim-")) and f not in files.values()) or f == "metrics.json":
             os.remove(os.path.join(out_dir, f))
+
+
+def data_hash(items):
+    """A hash of a stage's items as read (stage_data's training and validation items; None: synthetic): run.json keeps
+    it, and --resume refuses data files that hold other records now (exact resume reads the same ones)."""
+    records, val, _ = items
+    if records is None and val is None:
+        return None
+    digest = hashlib.sha256()
+    for item in [*(records or ()), None, *(val or ())]:
+        digest.update(json.dumps(item, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
 
 
 def teacher_stamp(teacher):
@@ -1409,6 +1423,12 @@ def main(argv):
     with locked([c.out_dir for c, _, _ in stages]) if os.environ.get("RANK", "0") == "0" else nullcontext():
         check_inputs(stages, cls)
         items = [stage_data(c) for c, _, _ in stages]
+        hashes = [data_hash(stage_items) for stage_items in items]
+        for (c, _, _), digest in zip(stages, hashes):
+            kept = (run_state(c.out_dir) or {}).get("data_hash") if c.resume else None
+            if kept and kept != digest:  # (the same paths, other records: step s would read other data)
+                raise SystemExit(f"error: --resume: {c.out_dir} trained on other records than its data files hold "
+                                 "now (rewritten since?); restore them, or start anew without --resume")
         ddp, rank, world, device = init_distributed(cfg)
         recipe, text = recipe_table(stages)
         if rank == 0:
@@ -1416,7 +1436,8 @@ def main(argv):
         # 2) the stages, each from the one before
         for i, ((c, m, _), stage_items) in enumerate(zip(stages, items)):
             later = [s[0].out_dir for s in stages[i + 1:]]
-            out = train(c, m, explicit, cls, recipe, stage_items, ddp, rank, world, device, command, later)
+            out = train(c, m, explicit, cls, recipe, stage_items, ddp, rank, world, device, command, later,
+                        hashes[i])
             if STOP:
                 return None
     return out
@@ -1461,9 +1482,10 @@ def run_dtypes(cfg, device):
     return dtype, torch.bfloat16 if bf16 else torch.float32
 
 
-def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, command=None, later=()):
+def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, command=None, later=(), data_hash=None):
     """One stage: build its method, train it for cfg.max_iters steps into cfg.out_dir; returns cfg.out_dir. command:
-    the command's flags and values (run.json keeps them for --resume); later: the dirs of the stages after it."""
+    the command's flags and values (run.json keeps them for --resume); later: the dirs of the stages after it;
+    data_hash: its items' (run.json keeps it for --resume)."""
     master = rank == 0
     dtype, weights = run_dtypes(cfg, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
@@ -1553,11 +1575,12 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
-                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later)
+                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later,
+                                data_hash)
                 saved = step
         stopped = stop_together(ddp, device)  # (a signal after the last all_reduce, on some ranks)
         if master and stopped and step < cfg.max_iters:
-            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later)
+            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later, data_hash)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
         elif master and stopped:  # a signal in its last step: the stage is whole, and the run stops here
             print(f"interrupted: {cfg.out_dir} finished its {step} steps; the run stops here")

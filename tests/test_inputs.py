@@ -399,6 +399,23 @@ def test_a_teacher_trained_again_since_its_compressor_distilled_it_is_one_line(f
     assert not (run_dir / "metrics.json").exists()
 
 
+def test_resume_refuses_data_files_that_hold_other_records_now(files, tmp_path):
+    """run.json keeps a hash of the records a stage read; --resume after its --data file was rewritten in place (the
+    same path: it went on, in silence, on other records) is one line, nothing written; the same records go on."""
+    qa, out = tmp_path / "qa.json", tmp_path / "run"
+    shutil.copy(files / "squad.json", qa)
+    argv = ["--method", "meanpool", "--init_from", files / "hf", "--data", qa, *FAST, "--out_dir", out]
+    assert in_process(argv) == "" and json.loads((out / "run.json").read_text())["data_hash"]
+    assert in_process([*argv, "--resume", "--max_iters", 2]) == ""  # the same records: it goes on
+    doc = json.loads(qa.read_text())
+    doc["data"][0]["paragraphs"].pop()
+    qa.write_text(json.dumps(doc))
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    line = in_process([*argv, "--resume", "--max_iters", 3])
+    assert line.startswith(f"error: --resume: {out} trained on other records than its data files hold now"), line
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+
+
 def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
     out = tmp_path / "run"
     common = ["--method", "meanpool", "--init_from", files / "hf", "--data", files / "squad.json", *FAST[2:],
