@@ -598,7 +598,8 @@ def table(results):
         if [c.get("scores") for c in controls] != shown:
             rows, shown = rows + [(c, None) for c in controls], [c.get("scores") for c in controls]
         rows += [(r, res["run"]) for r in res["rows"]]
-        runs.setdefault(res["rows"][0]["method"], set()).add(res["run"])
+        for r in res["rows"]:  # (smollm2.py's zero-shot result has none)
+            runs.setdefault(r["method"], set()).add(res["run"])
     for r, run in rows:  # two runs of one label (another --lr, --seed, ...): each named by its run dir
         name = r["method"] + (f" [{run}]" if run and len(runs[r["method"]]) > 1 else "")
         ratio = f"{r['ratio']:.1f}x" if r.get("ratio") else "-"

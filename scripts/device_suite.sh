@@ -41,27 +41,42 @@ run_suite() {  # the suite on $STATE's GGUF and SQuAD, in $STATE/real; exits wit
   tail -n 20 "$STATE"/real/*.log > "$results/runs.log" 2> /dev/null || true  # each run's last lines
   exit $status
 }
+limit_ok() {  # LIMIT leaves the suite time before its runs end, 90 s before it (run_suite), after the copies
+  [ -n "${DEADLINE:-}" ] || [ "${LIMIT:-600}" -gt 150 ] ||
+    { echo "error: LIMIT=$LIMIT: above 150 s (the suite's runs end 90 s before it; the conversion takes ~40 s)" >&2; exit 1; }
+}
+gpu_here() {  # the parts run on the GPU machine: on another, part2 trained the suite on its CPU for the whole LIMIT
+  command -v nvidia-smi > /dev/null ||
+    { echo "error: $1 runs on the GPU machine (no nvidia-smi here); here: bash scripts/device_suite.sh prepare" >&2; exit 1; }
+}
+[ $# -le 1 ] || { echo "usage: bash scripts/device_suite.sh prepare | part1 | part2 | part3 (one argument)" >&2; exit 2; }
 case "${1:-}" in
   prepare)
     GGUF=${GGUF:-$(python -c 'import sys; sys.path.insert(0, "scripts"); import smollm2; print(smollm2.gguf_path())')}
+    SQUAD=${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}
+    for f in "GGUF=$GGUF" "SQUAD=$SQUAD"; do  # (before the last prepare's files go)
+      [ -f "${f#*=}" ] || { echo "error: $f: no such file" >&2; exit 1; }
+    done
     rm -rf "$DIR" && mkdir -p "$DIR/wheels"
     split -n 2 -d -a 1 "$GGUF" "$DIR/gguf.part"  # gguf.part0, gguf.part1: about half each
     mv "$DIR/gguf.part1" "$DIR/gguf.part2" && mv "$DIR/gguf.part0" "$DIR/gguf.part1"
     if [ -z "${WHEEL_DIR+set}" ]; then python -m pip download -q --no-deps --only-binary=:all: gguf==0.19.0 -d "$DIR/wheels"
     elif [ -n "$WHEEL_DIR" ]; then cp "$WHEEL_DIR"/gguf-*.whl "$DIR/wheels/"; fi  # WHEEL_DIR="": none (gguf is there)
-    cp "${SQUAD:-../shared/assets/qa/squad/dev-v1.1.json.zip}" "$DIR/dev-v1.1.json.zip"
+    cp "$SQUAD" "$DIR/dev-v1.1.json.zip"
     sha256sum "$GGUF" | cut -d' ' -f1 > "$DIR/gguf.sha256"
     [ "$DIR" != .device_suite ] || grep -qx "/$DIR/" .git/info/exclude 2> /dev/null || echo "/$DIR/" >> .git/info/exclude
     find "$DIR" -type f -exec du -b {} + | sed "s/^/  /"  # each well under a call's 64 MiB
     ;;
   part1)
+    gpu_here part1
     mkdir -p "$STATE" && cp "$DIR/gguf.part1" "$STATE/" && ls -l "$STATE/gguf.part1"
     # the runs' masked attention on this GPU's memory-efficient SDPA kernel (else: math, fp32 scores per layer)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k memory_efficient  # (the suite's allocator)
     ;;
   part2)
-    source scripts/checks.sh && whole_numbers LIMIT DEADLINE  # a typo costs no device time
+    source scripts/checks.sh && whole_numbers LIMIT DEADLINE && limit_ok  # a typo costs no device time
+    gpu_here part2
     [ -f "$STATE/gguf.part1" ] || { echo "error: $STATE/gguf.part1 is gone (the machine went back): run part1, then part2 at once" >&2; exit 1; }
     cat "$STATE/gguf.part1" "$DIR/gguf.part2" > "$STATE/smollm2.gguf"
     [ ! -f "$DIR/gguf.sha256" ] || [ "$(sha256sum "$STATE/smollm2.gguf" | cut -d' ' -f1)" = "$(cat "$DIR/gguf.sha256")" ] ||
@@ -72,7 +87,8 @@ case "${1:-}" in
     run_suite
     ;;
   part3)
-    source scripts/checks.sh && whole_numbers LIMIT DEADLINE
+    source scripts/checks.sh && whole_numbers LIMIT DEADLINE && limit_ok
+    gpu_here part3
     [ -n "${LIMIT:-}${DEADLINE:-}" ] ||
       { echo "error: part3 needs LIMIT=<its call's timeout_s>: what is left of the device time, not part2's 600" >&2; exit 1; }
     [ -f "$STATE/real/model/model.safetensors" ] ||

@@ -23,6 +23,8 @@ case "${1:-}:${2:-}:${3:-}" in  # before anything is written
   part[1-4]::|part[1-4]:--smoke:) ;;
   *) echo "usage: bash scripts/gpu_bench.sh part1|part2|part3|part4 [--smoke]" >&2; exit 2 ;;
 esac
+[ "${2:-}" = --smoke ] || command -v nvidia-smi > /dev/null ||  # (part1 trained 8B shapes on the CPU)
+  { echo "error: gpu_bench.sh $1 runs on a GPU machine (no nvidia-smi here); --smoke runs it on the CPU" >&2; exit 1; }
 OUT=${OUT:-out/gpu_bench}
 mkdir -p "$OUT"
 SMOKE=$([ "${2:-}" = --smoke ] && echo 1 || echo "")

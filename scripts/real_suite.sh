@@ -95,7 +95,8 @@ MODEL=${MODEL:-$OUT/model}
 if [ "${1:-}" = "--smoke" ]; then
   python scripts/smollm2.py "$MODEL" --random --squad "$SQUAD" > "$OUT/model.log"
 else
-  python scripts/smollm2.py "$MODEL" --squad "$SQUAD" ${GGUF:+--gguf "$GGUF"} > "$OUT/model.log"
+  gguf=$([ -f "$MODEL/model.safetensors" ] || echo "${GGUF:-}")  # (converted by an earlier call: read as it is)
+  python scripts/smollm2.py "$MODEL" --squad "$SQUAD" ${gguf:+--gguf "$gguf"} > "$OUT/model.log"
 fi
 COMMON=(--init_from "$MODEL" --data "$MODEL/squad-train.json" --eval_data "$MODEL/squad-heldout.json"
         --eval_examples 0 --seed "$SEED" --quiet "${EXTRA[@]}")  # evaluated below

@@ -22,7 +22,7 @@ import meanpool
 import sac
 import tiny
 import train
-from common import load_script
+from common import hf_checkpoint, load_script, squad_file
 from conftest import ASSETS, ROOT
 from model import Memory
 
@@ -377,6 +377,15 @@ def test_a_cached_result_is_of_the_questions_file_as_it_is_and_of_the_dir_named(
     res = evaluate.main([str(tmp_path / "moved"), "--eval_data", str(qa)])[0]
     assert len(compressed) == 2 and res["run"] == str(tmp_path / "moved")  # served, named as the dir it is in
     assert {row["run"] for row in res["rows"]} == {str(tmp_path / "moved")}
+
+
+def test_smollm2_zero_shot_prints_the_teacher_rows(tmp_path):
+    """smollm2.py --zero_shot (smollm2_squad.sh's first step): a model's teacher and no-context rows, a result with no
+    method row (eval.table read its first row: an IndexError, on every run of the script)."""
+    smollm2 = load_script("smollm2")
+    model = hf_checkpoint(tmp_path / "hf")
+    lines = smollm2.zero_shot(str(model), squad_file(tmp_path / "squad.json"), 2).splitlines()
+    assert [line.split(" |")[0] for line in lines[2:]] == ["| teacher", "| no-context"], lines
 
 
 def test_a_row_label_names_what_the_run_trained_on(tmp_path):

@@ -181,7 +181,9 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
 
 def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     """prepare splits it (each part well under a call's 64 MiB), part1 parks part 1 there, part2 joins (sha256
-    checked), runs the suite and keeps a few small files for $OUT; part2 with part 1 gone stops at once."""
+    checked), runs the suite and keeps a few small files for $OUT; part2 with part 1 gone stops at once. A prepare
+    whose SQUAD is missing keeps the last prepare's files (they were deleted first); a part on a machine without
+    nvidia-smi (part2 trained the suite on the CPU) and a LIMIT the suite cannot run in are one line."""
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(os.urandom(3_000_001))
     squad = tmp_path / "squad.zip"
@@ -193,6 +195,20 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
     sh = lambda verb: subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), verb], cwd=ROOT, env=env,  # noqa: E731
                                      capture_output=True, text=True)
     assert sh("prepare").returncode == 0
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "prepare"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, SQUAD=str(tmp_path / "gone.zip")))
+    assert p.returncode == 1 and p.stderr == f"error: SQUAD={tmp_path / 'gone.zip'}: no such file\n", p.stderr
+    assert (tmp_path / "dev" / "dev-v1.1.json.zip").read_bytes() == b"zip"  # the last prepare's, kept
+    p = sh("part2")  # (no nvidia-smi on PATH)
+    assert p.returncode == 1 and p.stderr.startswith("error: part2 runs on the GPU machine (no nvidia-smi"), p.stderr
+    smi = tmp_path / "bin" / "nvidia-smi"  # the GPU machine's, for the parts below
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 143771\n")
+    smi.chmod(0o755)
+    env["PATH"] = f"{smi.parent}:{env['PATH']}"
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "part2"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, LIMIT="60"))  # (it said "DEADLINE=-31", after the join and install)
+    assert p.returncode == 1 and p.stderr.startswith("error: LIMIT=60: above 150 s"), p.stderr
     parts = [(tmp_path / "dev" / f"gguf.part{i}").stat().st_size for i in (1, 2)]
     assert sum(parts) == 3_000_001 and max(parts) <= 1_500_001
     p = sh("part2")
@@ -347,6 +363,27 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
         p = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                            text=True, env=env)
         assert p.returncode == 1 and p.stderr == f"error: {want}\n" and not (tmp_path / "out").exists(), p.stderr
+
+
+@pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
+def test_real_suite_reads_a_converted_model_again_without_its_gguf(tmp_path):
+    """real_suite.sh on an OUT whose model an earlier call converted (device_suite.sh part3, the same command again)
+    passes no --gguf: smollm2.py refuses a conversion into a converted dir, and part3 stopped there every time."""
+    stubs, calls = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir()
+    (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *smollm2.py*) echo "$*" >> {calls}; exit 3 ;;\nesac\n'
+                                  f'exec {sys.executable} "$@"\n')
+    (stubs / "python").chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), GGUF=str(tmp_path / "m.gguf"),
+               PATH=f"{stubs}:{os.environ['PATH']}")
+    for converted in (False, True):
+        if converted:
+            (tmp_path / "real" / "model").mkdir(parents=True)
+            (tmp_path / "real" / "model" / "model.safetensors").write_bytes(b"")
+        p = subprocess.run(["bash", "scripts/real_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 3, p.stderr[-2000:]
+        assert ("--gguf" in calls.read_text().splitlines()[-1]) == (not converted), calls.read_text()
 
 
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
