@@ -21,3 +21,14 @@ arguments() {  # WORD "$@": -h / --help prints the script's header and settings,
   [ $# -eq 0 ] || { [ $# -eq 1 ] && [ -n "$word" ] && [ "$1" = "$word" ]; } ||
     { echo "error: unknown argument(s) $*; usage: bash $script${word:+ [$word]} (settings are variables: --help)" >&2; exit 2; }
 }
+same_code() {  # OUT: its runs were trained by this code (OUT/code.txt: the commit and a hash of the edits since), so
+  # that the same command again resumes them; runs of other code would be resumed as they are: one line
+  local now
+  now="$(git rev-parse --short HEAD 2> /dev/null || echo none) $(git diff HEAD 2> /dev/null | sha1sum | cut -c1-12)"
+  if [ -f "$1/code.txt" ] && [ "$(cat "$1/code.txt")" != "$now" ]; then
+    echo "error: OUT=$1 holds runs of other code ($(cat "$1/code.txt"); now $now), which the suite would resume:" \
+      "name another OUT, or delete it" >&2; exit 1
+  fi
+  mkdir -p "$1" 2> /dev/null && echo "$now" > "$1/code.txt" ||
+    { echo "error: OUT=$1: cannot make this folder (a file is in its way?)" >&2; exit 1; }
+}

@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 source scripts/checks.sh && arguments "--smoke" "$@"
 if [ "${1:-}" = "--smoke" ]; then  # its own defaults; a setting given still wins (ITERS=5 ran 2 steps)
   : "${ITERS:=2}" "${EXAMPLES:=4}" "${RESULTS:=${OUT:-out/suite}-smoke/RESULTS.md}"
+  [ -z "${INIT_FROM:-}${DATA:-}${EVAL_DATA:-}" ] ||  # (they were read by nothing)
+    { echo "error: INIT_FROM, DATA, EVAL_DATA: --smoke trains its own tiny base on the synthetic set" >&2; exit 1; }
 fi
 # Every run trains at its method's default (the steps and flags of `python train.py --method M`,
 # the README's defaults table); ITERS overrides them all. Two runs at a time with one thread each
@@ -32,6 +34,8 @@ for var in DATA EVAL_DATA; do  # the tiny base's suite reads its synthetic set: 
   fi
 done
 python scripts/results_md.py --check RESULTS --out "$RESULTS"  # the report it writes last: checked before any run
+[ "${1:-}" != --smoke ] || OUT=$OUT-smoke
+same_code "$OUT"  # (made here; the same command again resumes its runs: train_one)
 CORES=$(getconf _NPROCESSORS_ONLN)    # nproc would read OMP_NUM_THREADS back
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}
 start=$(date +%s)
@@ -41,21 +45,24 @@ BASE=tiny_base
 CTOK_ITERS=(--max_iters 500)     # tiny base: the multi-ratio tokens' steps, as RESULTS.md's rows ran them
 CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$EXAMPLES SEED=$SEED${INIT_FROM:+ INIT_FROM=$INIT_FROM DATA=${DATA:-} EVAL_DATA=${EVAL_DATA:-}} bash scripts/reproduce.sh"
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=$OUT-smoke
   BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
   EVAL_EACH=0  # the table's one eval.py evaluates every run: a process start costs more than 4 questions
   COMMON+=(--batch_size 2 --init_from "$BASE")
-  python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet
+  python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet \
+    $([ ! -f "$BASE/run.json" ] || echo --resume)  # (trained anew, it changed the base under the runs it resumes)
 elif [ -n "${INIT_FROM:-}" ]; then
   BASE=$INIT_FROM CTOK_ITERS=()
   COMMON+=(--init_from "$INIT_FROM" --data "$DATA" --eval_data "$EVAL_DATA")
 fi
 COMMON+=(--eval_examples "$EVAL_EACH")
 evaluated=() pids=()
-train_one() {  # NAME FLAGS...: one run dir, its output in NAME.log (ITERS's --max_iters comes last: it wins)
-  local name=$1 t=$SECONDS; shift
-  echo "== $name: $* ${ITERS:+--max_iters $ITERS}"
-  python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" ${ITERS:+--max_iters "$ITERS"} > "$OUT/$name.log" 2>&1 ||
+train_one() {  # NAME FLAGS...: one run dir, its output in NAME.log (ITERS's --max_iters comes last: it wins); a run an
+  # earlier command began (a run.json in its dir) resumes, and one it finished only reads its rows back
+  local name=$1 t=$SECONDS resume=(); shift
+  [ -z "$(find "$OUT/$name" -name run.json 2> /dev/null)" ] || resume=(--resume)
+  echo "== $name: $* ${ITERS:+--max_iters $ITERS}${resume[*]:+ (resumed)}"
+  python train.py --out_dir "$OUT/$name" "${COMMON[@]}" "$@" ${ITERS:+--max_iters "$ITERS"} "${resume[@]}" \
+    >> "$OUT/$name.log" 2>&1 ||
     { echo "error: $name failed: $(tail -n 1 "$OUT/$name.log") (all of it: $OUT/$name.log)" >&2; return 1; }
   echo "   $name: $(( SECONDS - t )) s"
 }
@@ -64,7 +71,11 @@ job() {  # a command in the background, at most JOBS at a time; a failed one sto
   "$@" & pids+=($!)
 }
 run() { evaluated+=("$OUT/$1"); job train_one "$@"; }  # trained, evaluated, one table row each
-mkdir -p "$OUT"
+stop_runs() {  # on exit (a run failed, Ctrl-C): the runs still going save their step and stop (SIGTERM, as train.py's
+  # Ctrl-C); the same command again resumes them
+  for p in $(jobs -p); do pkill -TERM -P "$p" 2> /dev/null; kill "$p" 2> /dev/null; done; true
+}
+trap stop_runs EXIT
 
 # The longest chains start first, so that no core idles at the end.
 # pic Table 4 (pic_blockwise_causal): block-wise vs full causal mask (qa alone), and the paper's two
@@ -98,7 +109,7 @@ run sac-r5                --method sac --ratio 5
 run sac-causal-r5         --method sac --ratio 5 --causal
 run sac-no_emb-r5         --method sac --ratio 5 --no_anchor_embedding
 run sac-random-r5         --method sac --ratio 5 --anchors random
-for p in "${pids[@]}"; do wait "$p"; done
+while true; do wait -n || case $? in 127) break ;; *) exit 1 ;; esac; done  # as each ends (127: none left)
 
 table=()  # the table in the papers' order
 for family in meanpool ctok pic gist sac ata; do

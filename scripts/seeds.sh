@@ -37,17 +37,25 @@ whole_numbers JOBS
 twice=$(tr , '\n' <<< "$SEEDS" | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -z "$twice" ] || { echo "error: seeds $SEEDS: $twice twice (two runs would train into one dir)" >&2; exit 1; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-mkdir -p "$OUT" 2> /dev/null || { echo "error: OUT=$OUT: cannot make this folder (a file is in its way?)" >&2; exit 1; }
+same_code "$OUT"  # (made here; the same command again resumes its runs)
 dirs=() pids=()
+trap 'for p in $(jobs -p); do kill "$p" 2> /dev/null; done' EXIT  # a run failed, or Ctrl-C: the others save and stop
+reap() {  # waits for a run to end; a failed one is one line, and the script stops there
+  local ended="" rc=0 i
+  wait -n -p ended || rc=$?
+  [ "$rc" = 0 ] || [ -z "${ended:-}" ] || for i in "${!pids[@]}"; do
+    [ "${pids[$i]}" != "$ended" ] ||
+      { echo "error: ${dirs[$i]} failed: $(tail -n 1 "${dirs[$i]}.log") (all of it: ${dirs[$i]}.log)" >&2; exit 1; }
+  done
+  [ -n "${ended:-}" ]  # (false: none left; wait -p unsets it)
+}
 for s in ${SEEDS//,/ }; do
-  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do reap; done
   dirs+=("$OUT/seed$s")
-  python train.py "$@" --seed "$s" --out_dir "$OUT/seed$s" --quiet > "$OUT/seed$s.log" 2>&1 & pids+=($!)
+  resume=$([ -z "$(find "$OUT/seed$s" -name run.json 2> /dev/null)" ] || echo --resume)  # (begun by an earlier command)
+  python train.py "$@" --seed "$s" --out_dir "$OUT/seed$s" --quiet $resume >> "$OUT/seed$s.log" 2>&1 & pids+=($!)
 done
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" ||
-    { echo "error: ${dirs[$i]} failed: $(tail -n 1 "${dirs[$i]}.log") (all of it: ${dirs[$i]}.log)" >&2; exit 1; }
-done
+while reap; do :; done
 for d in "${dirs[@]}"; do  # one table per seed (its own questions and teacher), read from metrics.json
   echo "== $d"; python eval.py "$d"
 done

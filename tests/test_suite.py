@@ -52,6 +52,9 @@ def test_seeds_runs_one_setting_per_seed_with_a_table_each(base_dir, tmp_path):
     for s in (1, 2):
         assert json.load(open(tmp_path / "seeds" / f"seed{s}" / "run.json"))["train"]["seed"] == s
         assert f"== {tmp_path / 'seeds' / f'seed{s}'}" in p.stdout
+    again = subprocess.run(p.args, cwd=ROOT, env=env, capture_output=True, text=True)  # resumed: nothing to train
+    assert again.returncode == 0 and again.stdout == p.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "nothing to train" in (tmp_path / "seeds" / "seed1.log").read_text()
     p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "3", "--method", "nope"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert p.returncode != 0 and "seed3 failed" in p.stderr
@@ -74,6 +77,40 @@ def test_suite_ata_rows_pretrain_with_rel_only_on_a_real_checkpoint(tmp_path, in
     ata = [l for l in (tmp_path / "calls").read_text().splitlines() if "--method ata" in l]
     pretrain = [l for l in ata if "--pretrain 100" in l]  # train.py's --pretrain runs rel, then qa from it
     assert len(ata) == 3 and len(pretrain) == (3 if init_from else 0), ata
+
+
+def test_suite_scripts_resume_their_own_runs_and_stop_the_others_when_one_fails(tmp_path):
+    """reproduce.sh and seeds.sh again on their OUT resume the runs an earlier command began (they trained them anew,
+    and a Ctrl-C lost the finished ones), only on the same code (OUT/code.txt); a failed run stops the runs beside it
+    (they trained on after the script had exited). `python` is a stub: it logs its arguments; seeds.sh's seed 2
+    fails, its seed 1 sleeps."""
+    stub, calls, pids = tmp_path / "bin" / "python", tmp_path / "calls", tmp_path / "pids"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in\n  *"--seed 2 "*) exit 1 ;;\n'
+                    f'  *"--seed 1 "*) echo $$ >> {pids}; exec sleep 60 ;;\nesac\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "suite"),
+               RESULTS=str(tmp_path / "RESULTS.md"))
+    (tmp_path / "suite" / "meanpool").mkdir(parents=True)
+    (tmp_path / "suite" / "meanpool" / "run.json").write_text("{}")
+    p = subprocess.run(["bash", "scripts/reproduce.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs = [line for line in calls.read_text().splitlines() if line.startswith("train.py")]
+    assert [r.endswith("--resume") for r in runs].count(True) == 1 and "suite/meanpool " in [
+        r for r in runs if r.endswith("--resume")][0], runs
+    (tmp_path / "suite" / "code.txt").write_text("0abc123 000000000000\n")
+    p = subprocess.run(["bash", "scripts/reproduce.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.startswith(f"error: OUT={tmp_path / 'suite'} holds runs of other code ("), p.stderr
+    p = subprocess.run(["bash", "scripts/reproduce.sh", "--smoke"], cwd=ROOT, env=dict(env, INIT_FROM="/ckpt/x"),
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr == "error: INIT_FROM, DATA, EVAL_DATA: --smoke trains its own tiny base " \
+                                             "on the synthetic set\n", p.stderr
+    p = subprocess.run(["bash", "scripts/seeds.sh", "1,2", "--method", "meanpool"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, OUT=str(tmp_path / "seeds")), timeout=30)
+    assert p.returncode == 1 and "seed2 failed" in p.stderr, p.stderr
+    time.sleep(0.5)
+    sleeper = f"/proc/{pids.read_text().split()[0]}/status"
+    assert not os.path.exists(sleeper) or "\nState:\tZ" in open(sleeper).read(), "seed 1's run outlived seeds.sh"
 
 
 SQUAD_ZIP = ROOT.parent / "shared" / "assets" / "qa" / "squad" / "dev-v1.1.json.zip"
