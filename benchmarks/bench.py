@@ -4,8 +4,8 @@
     python benchmarks/bench.py train        # one optimizer step of every method at real shapes
     python benchmarks/bench.py attention    # flex + BlockMask vs SDPA + dense mask, fwd+bwd, 4K and 8K (CUDA)
     python benchmarks/bench.py ttft         # time to first token: saved 16x Memory vs the full 8K context
-    python benchmarks/bench.py batching     # host time to batch a step of --data (SQuAD-train-size records), vs before
-    (train and ttft take --tiny: a tiny shape that runs on CPU in seconds)
+    python benchmarks/bench.py batching     # host time to batch a step of SQuAD-train-size records (../shared/assets)
+    (train and ttft take --tiny: a tiny shape that runs on CPU in seconds; train's --context, --train_batch still win)
     python benchmarks/hf_twins.py   # train's meanpool kd and pic ae+lm rows vs transformers + peft
 
 Peak memory is torch.cuda.max_memory_allocated; on CPU the loss benchmark runs each variant in
@@ -68,12 +68,14 @@ EVERY = {"device", "threads", "iters"}
 def configure(argv):
     """The module's settings from the command line argv: args, device, cuda. A flag the benchmark does not read is one
     line (`train --only naive` ran the loss benchmark; `ttft --context 5` ran at its own lengths)."""
-    global args, device, cuda
+    global args, device, cuda, given
     args = parser.parse_args(argv)
     given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
     if unread := sorted(given - READS[args.what] - EVERY):
         reads = ", --".join(sorted(READS[args.what] | EVERY))
         parser.error(f"--{unread[0]} does not apply to `{args.what}`; it reads --{reads}")
+    if args.tiny and "shapes" in given:  # (--tiny ran the tiny shape alone)
+        parser.error("--tiny and --shapes both name the shapes: give one")
     device = train.pick_device(args.device)
     cuda = device.type == "cuda"
     if args.cuda_graphs and not (args.compile and cuda and not args.grad_ckpt):
@@ -319,7 +321,8 @@ def time_row(name, step, n_tokens, flops):
 
 def train_shapes():
     """(shapes, B, context) of `train`, its header printed."""
-    context, B = (256, 2) if args.tiny else (args.context, args.train_batch)
+    context = 256 if args.tiny and "context" not in given else args.context  # (--tiny: short, unless given)
+    B = 2 if args.tiny and "train_batch" not in given else args.train_batch
     hardware = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
     flags = "".join(f", --{f}" for f in ("grad_ckpt", "compile", "cuda_graphs") if getattr(args, f))
     print(f"train: one AdamW step, B={B} x {context}-token contexts, {device} ({hardware}), "
@@ -512,6 +515,9 @@ def bench_batching():
     tokenizer, the papers' global batch 32: host ms a step on its first visits (tokenizing) and after, and
     the per-item shuffle of the sampler before (one permutation of the records per item drawn)."""
     assets = os.path.join(ROOT, "..", "shared", "assets")
+    for path in ("qa/squad/dev-v1.1.json.zip", "tokenizers/llama3_tokenizer.model"):
+        if not os.path.isfile(os.path.join(assets, path)):
+            sys.exit(f"error: batching reads {os.path.join(assets, path)}, which is not there")
     records = list(data.read_dataset(os.path.join(assets, "qa", "squad", "dev-v1.1.json.zip")))
     records = [dict(r, id=f"{r['id']}-{i}") for i in range(9) for r in records]
     tok = data.load_tokenizer(os.path.join(assets, "tokenizers", "llama3_tokenizer.model"))

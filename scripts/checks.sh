@@ -4,9 +4,9 @@ whole_numbers() {  # VAR...: each a whole number > 0 (SEED: >= 0); an empty or u
   for var in "$@"; do
     value=${!var:-}
     [ -n "$value" ] || continue
-    [[ $value =~ ^(0|[1-9][0-9]*)$ ]] && { [ "$var" = SEED ] || [ "$value" -gt 0 ]; } ||  # (08: bash's octal)
+    [[ $value =~ ^(0|[1-9][0-9]{0,17})$ ]] && { [ "$var" = SEED ] || [ "$value" -gt 0 ]; } ||  # (08: bash's octal;
       { echo "error: $var=$value: want a whole number$([ "$var" = SEED ] || echo ' > 0')$([[ $value =~ ^0[0-9] ]] &&
-          echo ' (no leading 0)')" >&2; exit 1; }
+          echo ' (no leading 0)')$([[ $value =~ ^[0-9]{19,}$ ]] && echo ' of at most 18 digits')" >&2; exit 1; }  # 2^63)
   done
 }
 arguments() {  # WORD "$@": -h / --help prints the script's header and settings, and exits 0; an argument other

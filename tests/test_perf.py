@@ -151,10 +151,15 @@ def test_bench_flags_are_one_line_before_any_work():
                               (["loss", "--only", "bogus"], "--only: invalid choice: 'bogus'"),  # (it timed a loss)
                               (["train", "--cuda_graphs"], "--cuda_graphs needs --compile"),  # (argparse's usage)
                               (["train", "--only", "naive"], "--only does not apply to `train`"),  # (it ran `loss`)
-                              (["ttft", "--tiny", "--context", "5"], "--context does not apply to `ttft`")):  # (unread)
+                              (["ttft", "--tiny", "--context", "5"], "--context does not apply to `ttft`"),  # (unread)
+                              (["train", "--tiny", "--shapes", "llama-3.1-8b"], "--tiny and --shapes both name")):
             with pytest.raises(SystemExit) as e:
                 bench.configure(argv)
                 bench.check_args()
             assert str(e.value).startswith("error: ") and message in str(e.value), argv
+        bench.configure(["train", "--tiny", "--train_batch", "4", "--context", "64"])  # (--tiny ran B = 2 x 256)
+        assert bench.train_shapes() == (["tiny"], 4, 64)
+        bench.configure(["train", "--tiny"])
+        assert bench.train_shapes() == (["tiny"], 2, 256)
     finally:
         bench.configure(["train", "--tiny"])  # the import's settings back

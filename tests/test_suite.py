@@ -372,6 +372,8 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             ("smollm2_squad.sh", "LR=0", [], "LR=0: want a learning rate > 0, like 5e-4"),  # (failed after converting)
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
             ("reproduce.sh", "JOBS=0", [], "JOBS=0: want a whole number > 0"),
+            ("reproduce.sh", "ITERS=99999999999999999999", [],  # (bash's "integer expression expected" first)
+             "ITERS=99999999999999999999: want a whole number > 0 of at most 18 digits"),
             ("reproduce.sh", "INIT_FROM=/ckpt", [], "INIT_FROM needs DATA=a QA file (DATA=: no such file)"),
             ("reproduce.sh", "DATA=t.json", [], "DATA=t.json without INIT_FROM: the tiny base's suite trains on its "
                                                  "synthetic set"),  # (it trained the tiny suite)
