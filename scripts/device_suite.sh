@@ -43,7 +43,7 @@ run_suite() {  # the suite on $STATE's GGUF and SQuAD, in $STATE/real; exits wit
 }
 limit_ok() {  # LIMIT leaves the suite time before its runs end, 90 s before it (run_suite), after the copies
   [ -n "${DEADLINE:-}" ] || [ "${LIMIT:-600}" -gt 150 ] ||
-    { echo "error: LIMIT=$LIMIT: above 150 s (the suite's runs end 90 s before it; the conversion takes ~40 s)" >&2; exit 1; }
+    { echo "error: LIMIT=$LIMIT: want more than 150 s (the suite's runs end 90 s before it; the conversion takes ~40 s)" >&2; exit 1; }
 }
 gpu_here() {  # the parts run on the GPU machine: on another, part2 trained the suite on its CPU for the whole LIMIT
   command -v nvidia-smi > /dev/null ||
