@@ -838,12 +838,16 @@ def main(argv):
             records[r] = questions_of(r, ecfg, given)
         elif not r.endswith(".json"):  # its cached metrics.json
             note_unfinished(r, read_json(os.path.join(r, "run.json")))
-    results = [res for r in run_dirs for res in (read[r] if r.endswith(".json") else
-                                                 [read[r] or evaluate_run(r, ecfg, device, records[r])])]
+    results, evaluated = [], []
+    for r in run_dirs:
+        evaluated += [] if r.endswith(".json") else [read[r] or evaluate_run(r, ecfg, device, records[r])]
+        results += read[r] if r.endswith(".json") else evaluated[-1:]
     print(table(results))
-    if ecfg.out:
+    if ecfg.out:  # its runs by their absolute paths: claims.py and results_md.py read their run.json from anywhere
+        written = [{**res, "run": os.path.abspath(res["run"])} if any(res is e for e in evaluated) else res
+                   for res in results]
         os.makedirs(os.path.dirname(os.path.abspath(ecfg.out)), exist_ok=True)
-        train.atomic_write(ecfg.out, lambda p: Path(p).write_text(json.dumps(results, indent=1)))
+        train.atomic_write(ecfg.out, lambda p: Path(p).write_text(json.dumps(written, indent=1)))
         png = plot(results, os.path.splitext(ecfg.out)[0] + ".png")
         print(f"wrote {ecfg.out}" + (f" and {png}" if png else " (no .png: matplotlib is not installed)"))
     return results

@@ -908,6 +908,14 @@ def run_config(run_dir):
             if type(value) is not kind and not (kind is float and type(value) is int):
                 raise SystemExit(f"error: {path}: {key}.{f.name} is {value!r:.40}, expected {kind.__name__}")
     cfg = TrainConfig(**state["train"])
+    for key in ("max_context", "max_answer"):  # (and the ratios the run reads: what eval.py reads of an edited one)
+        if getattr(cfg, key) < 1:
+            raise SystemExit(f"error: {path}: train.{key} is {getattr(cfg, key)}, expected >= 1")
+    for key in ("ratio", "eval_ratio") if hasattr(methods[name], "compress") else ():
+        try:
+            ratios_of(getattr(cfg, key) or cfg.ratio, key)
+        except SystemExit as e:
+            raise SystemExit(f"error: {path}: train.{key}: {str(e).partition(': ')[2]}") from None
     if name == "base":
         cfg.init_from = run_dir
     return cfg, methods[name].Config(**state["method"]), methods[name]

@@ -107,6 +107,15 @@ def test_run_dirs_with_spaces_and_a_glob_of_runs_beside_their_logs(tmp_path):
         evaluate.main([str(tmp_path / "zz*")])
 
 
+def test_an_out_json_names_its_runs_by_absolute_paths(tmp_path, monkeypatch):
+    """eval.py --out from the runs' folder: results_md.py and claims.py, run elsewhere, read each run's run.json by
+    the JSON's path (a relative one was not found there: its header read "seeds: ?")."""
+    _fake_run(tmp_path / "run a", "meanpool", [4])
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.main(["run a", "--out", "all.json"])[0]["run"] == "run a"  # (the table's name: as given)
+    assert json.loads((tmp_path / "all.json").read_text())[0]["run"] == str(tmp_path / "run a")
+
+
 def test_corrupt_metrics_or_unknown_method_is_one_line(tmp_path):
     bad = _fake_run(tmp_path / "bad", "meanpool", [4])
     good = json.loads((bad / "metrics.json").read_text())

@@ -529,6 +529,8 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
     typed = variant("typed", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": "4"}}))
     short = variant("short", lambda d, st: write(d, {**st, "train": {**st["train"], "max_iters": 1000}}))
     four = variant("four", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_examples": 4}}))
+    narrow = variant("narrow", lambda d, st: write(d, {**st, "train": {**st["train"], "max_context": -5}}))
+    ratio = variant("ratio", lambda d, st: write(d, {**st, "train": {**st["train"], "eval_ratio": "abc"}}))
     cut = variant("cut", lambda d, st: (d / st["files"]["ckpt"]).write_bytes((run_dir / st["files"]["ckpt"])
                                                                              .read_bytes()[:-100]))
     (tmp_path / "empty.jsonl").write_text("")
@@ -539,6 +541,9 @@ def test_eval_checks_every_run_before_it_evaluates_one(files, tmp_path, monkeypa
                           ([run_dir, typed, "--n", 2], "run.json: train.eval_examples is '4', expected int"),
                           ([run_dir, cut, "--n", 2], "ckpt-0000001.safetensors: not a readable safetensors file"),
                           ([four, run_dir], f"{run_dir}: no evaluation examples"),  # (its --eval_examples 0)
+                          ([run_dir, narrow, "--n", 2], "run.json: train.max_context is -5, expected >= 1"),  # (it
+                          # evaluated contexts "cut to -5"; a ratio: "--ratio 'abc'", a flag not given)
+                          ([run_dir, ratio, "--n", 2], "run.json: train.eval_ratio: --eval_ratio 'abc' must be a "),
                           ([run_dir, "--eval_data", tmp_path / "empty.jsonl"], "empty.jsonl' holds no usable")):
         line = in_process(argv, evaluate.main)
         assert line.startswith("error: ") and message in line, (argv, line)
