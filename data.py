@@ -644,7 +644,6 @@ def holds_text(path):
     return kind == "text" or kind == "jsonl" and "text" in (keys := first_record(path)) and "context" not in keys
 
 
-
 def _load_json(path):
     """A JSON file, or the one .json member of a .zip."""
     path = Path(path)
