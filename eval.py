@@ -496,9 +496,10 @@ def evaluate_run(run_dir, ecfg, device, records):
         old = (read_json(cached) or {}).get("asked") if os.path.isfile(cached) and not ecfg.recompute else None
     except (ValueError, OSError, AttributeError):  # (cached_result read it: a corrupt one stopped it there)
         old = None
-    if isinstance(old, dict) and changed_but_ratio(old, want):  # (another ratio adds its rows: with_other_ratios)
-        print(f"note: {cached} holds rows read with another {', '.join(changed_but_ratio(old, want))}: this "
-              "evaluation replaces them", file=sys.stderr)
+    changed = changed_but_ratio(old, want) if isinstance(old, dict) else []  # (another ratio adds its rows)
+    if changed:
+        print(f"note: {cached} holds rows read with another {', '.join(changed)}: this evaluation replaces them",
+              file=sys.stderr)
     cfg, mcfg, tok, base, method = train.load_run(run_dir, device)
     key = teacher_key(cfg, ecfg, records, device, getattr(mcfg, "decoder", ""))
     shared = None if ecfg.recompute else sibling_teacher_rows(run_dir, key)

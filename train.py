@@ -957,11 +957,11 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None, last_stage=True,
-                    data_hash=None):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None, last_stage=True, kept=None):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
-    with a metrics.json (eval.py's cache) from an earlier run in the same dir."""
+    with a metrics.json (eval.py's cache) from an earlier run in the same dir. kept: more run.json keys (the
+    stage's data_hash, teacher_stamp)."""
     os.makedirs(out_dir, exist_ok=True)
     params = {n: p.detach().contiguous().cpu() for n, p in method.named_parameters() if p.requires_grad}
     opt_state = opt.state_dict()  # its param_groups and state name the parameters 0, 1, ... in group order
@@ -982,8 +982,7 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, comman
     flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1]),
-             **({"teacher_stamp": teacher_stamp(cfg.teacher)} if cfg.teacher else {}),
-             **({"data_hash": data_hash} if data_hash else {}),
+             **(kept or {}),
              **({"command": command, "last_stage": last_stage} if command is not None else {})}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
@@ -1102,9 +1101,14 @@ def read_items(path, cfg, text):
     return read_records(path, cfg, text=text and data.holds_text(path))
 
 
+def context_of(item):
+    """A QA record's context; a text is its own."""
+    return item["context"] if isinstance(item, dict) else item
+
+
 def texts_of(items):
     """A text stage's items: the contexts of QA records, each once; texts as they are."""
-    return list(dict.fromkeys(it["context"] for it in items)) if items and isinstance(items[0], dict) else items
+    return list(dict.fromkeys(map(context_of, items))) if items and isinstance(items[0], dict) else items
 
 
 def stage_data(cfg):
@@ -1137,7 +1141,7 @@ def held_out(items, seed):
     context is trained on, in a QA stage or a text stage on the file's contexts (SQuAD asks ~5 of a paragraph).
     Without --eval_data they validate the run, and its final evaluation reads the held-out questions of --data
     (eval.eval_records). A file of one context: (items, items), nothing to hold out."""
-    sizes = collections.Counter(it["context"] if isinstance(it, dict) else it for it in items)
+    sizes = collections.Counter(map(context_of, items))
     want, held, n = min(256, max(1, len(items) // 50)), set(), 0
     for context in random.Random(seed).sample(list(sizes), len(sizes))[:-1]:  # (one context at least trains)
         if n >= want:
@@ -1146,7 +1150,7 @@ def held_out(items, seed):
         n += sizes[context]
     if not held:
         return items, items
-    is_held = [(it["context"] if isinstance(it, dict) else it) in held for it in items]
+    is_held = [context_of(it) in held for it in items]
     return [it for it, h in zip(items, is_held) if not h], [it for it, h in zip(items, is_held) if h]
 
 
@@ -1548,6 +1552,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     # 3) the loop: a step, its log line, a validation loss and a checkpoint every eval_every steps; Ctrl-C (SIGINT)
     # or SIGTERM stops it at the end of a step, which it saves
     saved = step
+    kept = {k: v for k, v in (("data_hash", data_hash), ("teacher_stamp", teacher_stamp(cfg.teacher))) if v}  # (once)
     eval_every = cfg.eval_interval or max(1, math.ceil(cfg.max_iters / 4))
     bar = tqdm(total=cfg.max_iters, initial=step, disable=not master or cfg.quiet, desc=cfg.method, dynamic_ncols=True)
     t0, tokens = time.time(), 0
@@ -1583,12 +1588,11 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
-                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later,
-                                data_hash)
+                save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later, kept)
                 saved = step
         stopped = stop_together(ddp, device)  # (a signal after the last all_reduce, on some ranks)
         if master and stopped and step < cfg.max_iters:
-            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later, data_hash)
+            save_checkpoint(cfg.out_dir, method, opt, step, cfg, mcfg, explicit, recipe, command, not later, kept)
             print(f"interrupted: saved step {step} to {cfg.out_dir}; continue with --resume")
         elif master and stopped:  # a signal in its last step: the stage is whole, and the run stops here
             print(f"interrupted: {cfg.out_dir} finished its {step} steps; the run stops here")

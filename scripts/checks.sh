@@ -32,3 +32,7 @@ same_code() {  # OUT: its runs were trained by this code (OUT/code.txt: the comm
   mkdir -p "$1" 2> /dev/null && echo "$now" > "$1/code.txt" ||
     { echo "error: OUT=$1: cannot make this folder (a file is in its way?)" >&2; exit 1; }
 }
+stop_runs() {  # trap stop_runs EXIT: on exit (a run failed, Ctrl-C) the runs still going save their step and stop
+  # (SIGTERM, as train.py's Ctrl-C; a job may be a subshell running one); the same command again resumes them
+  for p in $(jobs -p); do pkill -TERM -P "$p" 2> /dev/null || true; kill "$p" 2> /dev/null || true; done  # (set -e)
+}

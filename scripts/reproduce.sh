@@ -71,10 +71,6 @@ job() {  # a command in the background, at most JOBS at a time; a failed one sto
   "$@" & pids+=($!)
 }
 run() { evaluated+=("$OUT/$1"); job train_one "$@"; }  # trained, evaluated, one table row each
-stop_runs() {  # on exit (a run failed, Ctrl-C): the runs still going save their step and stop (SIGTERM, as train.py's
-  # Ctrl-C); the same command again resumes them
-  for p in $(jobs -p); do pkill -TERM -P "$p" 2> /dev/null; kill "$p" 2> /dev/null; done; true
-}
 trap stop_runs EXIT
 
 # The longest chains start first, so that no core idles at the end.

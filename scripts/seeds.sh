@@ -39,7 +39,7 @@ twice=$(tr , '\n' <<< "$SEEDS" | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | hea
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 same_code "$OUT"  # (made here; the same command again resumes its runs)
 dirs=() pids=()
-trap 'for p in $(jobs -p); do kill "$p" 2> /dev/null; done' EXIT  # a run failed, or Ctrl-C: the others save and stop
+trap stop_runs EXIT
 reap() {  # waits for a run to end; a failed one is one line, and the script stops there
   local ended="" rc=0 i
   wait -n -p ended || rc=$?
