@@ -502,10 +502,27 @@ def encode_chunks(tok, context, chunks=None, start=True):
     return ids, spans[:len(ends)]
 
 
+def answer_end(tok, format="auto"):
+    """[the id that ends an answer] in `format` (format_qa's): a chat format's turn end, else the first eos id."""
+    fmt = (chat_format(tok) or "plain") if format == "auto" else format
+    if fmt in CHAT_FORMATS:
+        return [tok.special(CHAT_FORMATS[fmt][1])]
+    if not tok.eos_ids:
+        raise ValueError("tokenizer has no eos token; answers need one")
+    return tok.eos_ids[:1]
+
+
+def stop_ids(tok, format="auto"):
+    """The ids a greedy answer stops at: its end in `format` (answer_end) and every eos id. A base checkpoint that
+    ships a chat template (Qwen2.5, Llama 3.1) lists only its end-of-text as eos, and answers trained to end with the
+    turn end would run on past it."""
+    return list(dict.fromkeys(answer_end(tok, format) + tok.eos_ids))
+
+
 def format_qa(tok, context, question, answer, template=None, rng=None, chunks=None, format="plain"):
     """Token spans {bos, prefix, context, prompt, answer, chunk_spans} of one QA example; a model reads prefix +
     context + prompt + answer. prefix: bos ([] or [bos_id]) and, in chat formats, the user-turn header; prompt ends
-    with the answer cue ("\\nAnswer:" or the assistant header), answer with the first eos id (chat: the turn end).
+    with the answer cue ("\\nAnswer:" or the assistant header), answer with answer_end (chat: the turn end).
     template: an index into QA_TEMPLATES or a string with {question}; None: drawn with rng, else 0. format: "plain",
     "llama3", "chatml", "gemma" (no system turn), "auto" (chat_format(tok) or plain), or "sac", the official SAC
     code's: no prefix; BOS "### Context:\n" context "\n### Question:\n" q "\n### Answer:\n" (no template) answer eos."""
@@ -513,28 +530,25 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
     text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
     fmt = (chat_format(tok) or "plain") if format == "auto" else format
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    if fmt not in ("plain", "sac", *CHAT_FORMATS):
+        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, sac, auto")
+    bos, end = ([tok.bos_id] if tok.bos_id is not None else []), answer_end(tok, fmt)
     enc = lambda s: tok.encode(s, start=False)  # noqa: E731
     lead = []  # tokens before the context (sac)
     if fmt == "sac":
-        prefix, lead, end = [], bos + enc("### Context:\n"), tok.eos_ids[:1]
+        prefix, lead = [], bos + enc("### Context:\n")
         prompt = enc(f"\n### Question:\n{question}\n### Answer:\n")
     elif fmt == "plain":
-        if not tok.eos_ids:
-            raise ValueError("tokenizer has no eos token; answers need one")
-        prefix, prompt, end = bos, enc(text + ANSWER_CUE), tok.eos_ids[:1]
+        prefix, prompt = bos, enc(text + ANSWER_CUE)
         answer = " " + answer if answer else ""
     elif fmt == "llama3":
         def head(role):
             return [tok.special("<|start_header_id|>")] + enc(role) + [tok.special("<|end_header_id|>")] + enc("\n\n")
-        end = [tok.special("<|eot_id|>")]
         prefix, prompt = bos + head("user"), enc(text) + end + head("assistant")
-    elif fmt in ("chatml", "gemma"):  # <start>user\n ... <end>\n<start>assistant\n (Gemma: model\n)
-        start, end = ([tok.special(t)] for t in CHAT_FORMATS[fmt])
+    else:  # chatml, gemma: <start>user\n ... <end>\n<start>assistant\n (Gemma: model\n)
+        start = [tok.special(CHAT_FORMATS[fmt][0])]
         reply = "assistant\n" if fmt == "chatml" else "model\n"
         prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc(reply)
-    else:
-        raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, sac, auto")
     ctx, spans = encode_chunks(tok, context, chunks, start=not (lead or prefix[len(bos):]))
     return {"bos": bos, "prefix": prefix, "context": lead + ctx, "prompt": prompt, "answer": enc(answer) + end,
             "chunk_spans": [(s + len(lead), e + len(lead)) for s, e in spans]}

@@ -144,22 +144,23 @@ def batches_of(records, tok, cfg, size, prepare=None, stats=None):
 
 
 @torch.no_grad()
-def answer_from_memory(method, memory, prompts, max_new_tokens):
-    """Greedy answers (id lists) to prompts after a Memory: the method's own rule where it has one (sentence_gist
-    gists the prompt), else its decoder (the base, or pic's --decoder) under its decoder adapter."""
+def answer_from_memory(method, memory, prompts, max_new_tokens, stop):
+    """Greedy answers (id lists, each ending before a `stop` id: data.stop_ids) to prompts after a Memory: the
+    method's own rule where it has one (sentence_gist gists the prompt), else its decoder (the base, or pic's
+    --decoder) under its decoder adapter."""
     if hasattr(method, "answer_from_memory"):
-        return method.answer_from_memory(memory, prompts, max_new_tokens)
+        return method.answer_from_memory(memory, prompts, max_new_tokens, stop)
     decoder = getattr(method, "dec", method.base)
     with decoder.adapter(method.dec_adapter):
-        return decoder.generate(prompts, max_new_tokens, memory=memory)
+        return decoder.generate(prompts, max_new_tokens, memory=memory, eos_ids=stop)
 
 
 @torch.no_grad()
-def answer(method, batch, ratio, max_new_tokens, memory=None):
+def answer(method, batch, ratio, max_new_tokens, stop, memory=None):
     """Greedy answers (id lists) from `memory`, else from the batch's context compressed; and the Memory."""
     memory = method.compress(batch, ratio) if memory is None else memory
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(len(batch["qa"]))]
-    return answer_from_memory(method, memory, prompts, max_new_tokens), memory
+    return answer_from_memory(method, memory, prompts, max_new_tokens, stop), memory
 
 
 def decode(tok, outs):
@@ -240,14 +241,14 @@ def scored(preds, records, secs, **nlls):
 def teacher_rows(base, tok, records, cfg, ecfg, device):
     """The base with full context and with no context (SPEC §4); the teacher's ttft_ms (a batch's first tokens after
     reading its contexts, the median batch) and context_bytes (a context's K/V, the mean) to set a Memory against."""
-    rows = {}
+    rows, stop = {}, data.stop_ids(tok, cfg.prompt)
     for name, key in (("teacher", "full"), ("no-context", "noctx")):
         preds, secs, nll, ttft, context = [], 0.0, {}, [], []
         for b in batches_of(records, tok, cfg, ecfg.batch_size):
             first = (b[f"{key}_labels"] != -100).float().argmax(1)  # the last prompt token predicts the answer
             prompts = [b[key][i, :first[i] + 1].tolist() for i in range(len(first))]
             with base.adapter(None):
-                outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens))
+                outs, dt = timed(lambda: base.generate(prompts, ecfg.max_new_tokens, eos_ids=stop))
                 if key == "full":  # the first tokens after reading every context, and the contexts' K/V
                     ttft.append(timed(lambda: base.generate(prompts, 1))[1])
                     context += (first + 1 - b["prompt_len"]).tolist()  # prefix + context tokens
@@ -266,13 +267,13 @@ def method_rows(method, tok, records, cfg, ecfg, ratios, device):
     """A row per ratio, with the achieved ratio (context tokens / memory slots; per example in scores["ratio"]), the
     memory's size and the method's own memory.stats, each a mean over examples; how many contexts were cut; ttft_ms,
     a batch's first tokens answered from its cached Memory (the median batch)."""
-    rows = []
+    rows, stop = [], data.stop_ids(tok, cfg.prompt)
     for r in ratios:
         preds, secs, stats, nll, nll_other, cut, ttft = [], 0.0, collections.defaultdict(list), {}, {}, {}, []
         for b in batches_of(records, tok, cfg, ecfg.batch_size, getattr(method, "prepare", None), cut):
             b = train.to_device(b, device)
-            (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens))
-            ttft.append(timed(lambda: answer(method, b, r, 1, memory))[1])  # from the cached Memory
+            (outs, memory), dt = timed(lambda: answer(method, b, r, ecfg.max_new_tokens, stop))
+            ttft.append(timed(lambda: answer(method, b, r, 1, stop, memory))[1])  # from the cached Memory
             preds, secs = preds + decode(tok, outs), secs + dt
             nll.update(teacher_forced(method, memory, b))
             nll_other.update(teacher_forced(method, memory, b, other=True))
@@ -725,7 +726,8 @@ def one_shot(ecfg, run_dir, device):
     if memory is not None and (why := memory_mismatch(memory, getattr(method, "dec", base), method)):
         raise SystemExit(f"error: --memory {ecfg.memory} does not fit {run_dir}: {why}")
     ratio = train.ratios_of(ecfg.ratio or cfg.eval_ratio or cfg.ratio)[0]  # (evaluate_run's order; its first)
-    (outs, memory), dt = timed(lambda: answer(method, batch, ratio, ecfg.max_new_tokens, memory))
+    stop = data.stop_ids(tok, cfg.prompt)
+    (outs, memory), dt = timed(lambda: answer(method, batch, ratio, ecfg.max_new_tokens, stop, memory))
     print(f"answer: {decode(tok, outs)[0]}")
     shown = "" if ecfg.memory else f" at ratio {ratio}"
     print(f"memory{shown}: {int(memory.slots()[0])} slots, {int(memory.nbytes()[0])} bytes; {dt * 1000:.0f} ms")

@@ -233,10 +233,10 @@ class SentenceGist(nn.Module):
         return logits, Memory(kv=kv, mask=mask, next_pos=cache.next_pos + L["length"]), is_open
 
     @torch.no_grad()
-    def answer_from_memory(self, memory, prompts, max_new_tokens):
-        """Greedy answers under the answering rule (ours; §3.3 gives the mask): the prompt, then each answer token,
-        extends the cache (= one pass over the gisted prompt and answer under the sentence mask)."""
-        eos, out, done = set(self.base.config.eos_token_id), [[] for _ in prompts], [False] * len(prompts)
+    def answer_from_memory(self, memory, prompts, max_new_tokens, stop):
+        """Greedy answers (each before a `stop` id) under the answering rule (ours; §3.3 gives the mask): the prompt,
+        then each answer token, extends the cache (= one pass over the gisted prompt and answer, sentence mask)."""
+        eos, out, done = set(stop), [[] for _ in prompts], [False] * len(prompts)
         logits, cache, is_open = self.extend(memory, torch.zeros_like(memory.mask), prompts)
         for i in range(max_new_tokens):
             tok = logits.argmax(-1).tolist()  # (B,)

@@ -27,6 +27,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import data  # noqa: E402
 import eval as evaluate  # noqa: E402
 import train  # noqa: E402
 import tiny  # noqa: E402
@@ -116,7 +117,8 @@ def main(argv):
     # quiet: transformers 5.24 deprecates past_key_values= (5.17's only name), peft calls a deprecated name
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(is_gradient_checkpointing|past_key_values)", FutureWarning)
-        answers, _ = hf_answer(hf_decoder(method, cfg), memory, [prompt], args.max_new_tokens, tok.eos_ids)
+        answers, _ = hf_answer(hf_decoder(method, cfg), memory, [prompt], args.max_new_tokens,
+                               data.stop_ids(tok, cfg.prompt))
     print(f"answer: {tok.decode(answers[0]).strip()}")
 
 

@@ -326,7 +326,7 @@ def test_probe_runs_in_fp32_under_autocast():
 
 def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
     m, batch = _method(base_dir)
-    outs, memory = evaluate.answer(m, batch, 10, 6)
+    outs, memory = evaluate.answer(m, batch, 10, 6, data.stop_ids(m.tok))
     k = torch.tensor(memory.stats["k"])
     with torch.no_grad():
         L_hat = m.length(batch, m.encode(batch)[0])
@@ -334,7 +334,8 @@ def test_answer_stats_and_memory_round_trip(base_dir, tmp_path):
     assert memory.stats["probe_abs_err"] == pytest.approx((L_hat - batch["rel_len"]).abs().tolist(), rel=1e-5)
     memory.save(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
-    assert evaluate.answer_from_memory(m, Memory.load(tmp_path / "m.safetensors"), prompts, 6) == outs
+    loaded = Memory.load(tmp_path / "m.safetensors")
+    assert evaluate.answer_from_memory(m, loaded, prompts, 6, data.stop_ids(m.tok)) == outs
 
 
 @pytest.mark.slow

@@ -197,7 +197,7 @@ class FakeBase:
     def adapter(self, name):
         return torch.no_grad()
 
-    def generate(self, prompts, k):
+    def generate(self, prompts, k, eos_ids=None):
         return self.say(prompts)
 
     def __call__(self, ids, memory=None, output="hidden"):
@@ -259,6 +259,37 @@ def test_a_method_rows_nll_is_its_qa_training_loss():
         assert abs(row["scores"]["nll_other"][r["id"]] - row["scores"]["nll"][r["id"]]) > 1e-4
 
 
+@pytest.mark.parametrize("method", ["meanpool", "sentence_gist"])
+def test_answers_stop_at_the_chat_turn_end_that_the_checkpoints_eos_leaves_out(tmp_path, method):
+    """A base checkpoint with a chat template (Qwen2.5, Llama 3.1): its config's eos is its end-of-text, and --prompt
+    auto's answers end with the turn end (<|im_end|> here). Every row stops there: a decoder that writes "Paris", the
+    turn end, then "Paris" again answers "Paris" (it answered "Paris<|im_end|>ParisParis...", F1 0)."""
+    ckpt = hf_checkpoint(tmp_path / "hf", chat=True)
+    cfg = train.TrainConfig(method=method, init_from=ckpt, objective="qa" if method == "meanpool" else "lm", ratio="4")
+    tok, base, m = train.build(cfg, train.method_registry()[method].Config(), "cpu", torch.float32)
+    end = tok.special("<|im_end|>")
+    assert end not in base.config.eos_token_id and data.stop_ids(tok, "auto")[0] == end
+    script, at = tok.encode(" Paris", start=False) + [end] + tok.encode(" Paris", start=False) * 4, [0]
+    real_prefill = base.prefill
+
+    def logits(h):  # (..., V): the script's next token, counted from each answer's first
+        out = torch.full((*h.shape[:-1], base.config.vocab_size), -1e4)
+        out[..., script[min(at[0], len(script) - 1)]] = 0.0
+        at[0] += 1
+        return out
+    base.logits = logits
+    base.prefill = lambda *a: (at.__setitem__(0, 0), real_prefill(*a))[1]
+    if method == "sentence_gist":  # (its answers extend a gist cache, not generate)
+        answer_from_memory = m.answer_from_memory
+        m.answer_from_memory = lambda *a: (at.__setitem__(0, 0), answer_from_memory(*a))[1]
+    records = [{**r, "answers": ["Paris"]} for r in data.read_dataset(squad_file(tmp_path / "squad.json"))[:2]]
+    ecfg = evaluate.EvalConfig(batch_size=2, max_new_tokens=8)
+    rows = [evaluate.method_rows(m, tok, records, cfg, ecfg, [1 if method == "sentence_gist" else 4], "cpu")[0]]
+    if method == "meanpool":
+        rows += evaluate.teacher_rows(base, tok, records, cfg, ecfg, "cpu").values()
+    assert [row["em"] for row in rows] == [100.0] * len(rows), [row.get("examples") for row in rows]
+
+
 def _stand_in_run(run, train_config):
     """A run dir for a stand-in method (train.load_run patched): its run.json and a checkpoint of no tensors."""
     run.mkdir()
@@ -277,7 +308,7 @@ def test_metrics_json_has_per_question_scores_and_cis(tmp_path, monkeypatch):
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n),
                                              rows=lambda idx: memory(len(idx)))
     method = types.SimpleNamespace(compress=lambda batch, r: memory(len(batch["qa"])), base=base, dec_adapter=None,
-                                   answer_from_memory=lambda mem, prompts, k: say(prompts))
+                                   answer_from_memory=lambda mem, prompts, k, stop: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=6)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = _stand_in_run(tmp_path / "run", {"method": "meanpool", "init_from": "", "ratio": "4", "eval_examples": 6})
@@ -321,7 +352,8 @@ def test_eval_ratio_reads_the_run_at_other_ratios(tmp_path, monkeypatch):
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n),
                                              rows=lambda idx: memory(len(idx)))
     method = types.SimpleNamespace(compress=lambda batch, r: read_at.append(r) or memory(len(batch["qa"])),
-                                   base=base, dec_adapter=None, answer_from_memory=lambda mem, prompts, k: say(prompts))
+                                   base=base, dec_adapter=None,
+                                   answer_from_memory=lambda mem, prompts, k, stop: say(prompts))
     for name, eval_ratio, extra, expected in (("a", "", [], [5]), ("b", "5,15", [], [5, 15]),
                                               ("c", "5,15", ["--ratio", "51"], [51])):
         cfg = train.TrainConfig(ratio="5", eval_ratio=eval_ratio, eval_examples=4)
@@ -361,7 +393,8 @@ def test_a_cached_result_is_of_the_questions_file_as_it_is_and_of_the_dir_named(
     memory = lambda n: types.SimpleNamespace(slots=lambda: torch.ones(n), nbytes=lambda: torch.ones(n),
                                              rows=lambda idx: memory(len(idx)))
     method = types.SimpleNamespace(compress=lambda batch, r: compressed.append(r) or memory(len(batch["qa"])),
-                                   base=base, dec_adapter=None, answer_from_memory=lambda mem, prompts, k: say(prompts))
+                                   base=base, dec_adapter=None,
+                                   answer_from_memory=lambda mem, prompts, k, stop: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=4)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     run = _stand_in_run(tmp_path / "run", {"method": "meanpool", "init_from": "", "ratio": "4", "eval_examples": 4})
@@ -418,7 +451,8 @@ def test_sibling_runs_share_the_teacher_rows(tmp_path, monkeypatch):
                                              rows=lambda idx: memory(len(idx)))
     compressed = []
     method = types.SimpleNamespace(compress=lambda batch, r: compressed.append(1) or memory(len(batch["qa"])),
-                                   base=base, dec_adapter=None, answer_from_memory=lambda mem, prompts, k: say(prompts))
+                                   base=base, dec_adapter=None,
+                                   answer_from_memory=lambda mem, prompts, k, stop: say(prompts))
     cfg = train.TrainConfig(ratio="4", eval_examples=4)
     monkeypatch.setattr(train, "load_run", lambda run_dir, device: (cfg, None, tok, base, method))
     calls = []

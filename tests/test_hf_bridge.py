@@ -50,7 +50,7 @@ def test_transformers_generate_from_the_bridged_memory_gives_our_tokens(ckpt, na
     assert len(set(map(len, prompts))) == 2
     with torch.no_grad():
         memory = method.compress(b, int(ratio))
-        ours = evaluate.answer_from_memory(method, memory, prompts, 8)
+        ours = evaluate.answer_from_memory(method, memory, prompts, 8, data.stop_ids(tok, cfg.prompt))
         decoder = getattr(method, "dec", method.base)
         with decoder.adapter(method.dec_adapter):  # our first answer token's logits, as generate starts
             T = max(map(len, prompts))
@@ -59,7 +59,7 @@ def test_transformers_generate_from_the_bridged_memory_gives_our_tokens(ckpt, na
             pos = (valid.long().cumsum(1) - 1).clamp(min=0) + memory.next_pos[:, None]
             first = decoder(ids, pos=pos, memory=memory, valid=valid)[:, -1]
     hf = hf_generate.hf_decoder(method, cfg)
-    theirs, logits = hf_generate.hf_answer(hf, memory, prompts, 8, tok.eos_ids)
+    theirs, logits = hf_generate.hf_answer(hf, memory, prompts, 8, data.stop_ids(tok, cfg.prompt))
     assert theirs == ours
     torch.testing.assert_close(logits, first, atol=1e-4, rtol=1e-4)
 

@@ -259,7 +259,7 @@ def test_encoder_and_decoder_of_different_widths(base_dir, tmp_path):
         assert all(not p.requires_grad for p in m.dec_model.parameters())  # the decoder is frozen
         full = m.enc_model.model.layers[0].mlp.down_proj.weight
         assert full.requires_grad == (lora_r == 0) and (lora_r > 0 or full.grad.abs().sum() > 0)
-        outs, _ = evaluate.answer(m, batch, 4, 3)
+        outs, _ = evaluate.answer(m, batch, 4, 3, data.stop_ids(tok))
         assert len(outs) == 2
     wrong = tiny_model(tmp_path / "wrong", vocab + 1, 32)
     with pytest.raises(ValueError, match="vocab_size"):
@@ -293,11 +293,12 @@ def test_memory_round_trip(base_dir, tmp_path):
     m, tok = make(base_dir)
     m.eval()
     batch = data.collate_qa(tiny.Synthetic(0, "val").qa_examples(2), tok, pad_multiple=1)
-    outs, mem = evaluate.answer(m, batch, 8, 6)
+    outs, mem = evaluate.answer(m, batch, 8, 6, data.stop_ids(tok))
     mem.save(tmp_path / "mem.safetensors")
     loaded = Memory.load(tmp_path / "mem.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]
-    assert torch.equal(loaded.embeds, mem.embeds) and evaluate.answer_from_memory(m, loaded, prompts, 6) == outs
+    assert torch.equal(loaded.embeds, mem.embeds)
+    assert evaluate.answer_from_memory(m, loaded, prompts, 6, data.stop_ids(tok)) == outs
 
 
 def test_one_shot_eval_from_a_saved_memory(base_dir, tmp_path):
@@ -464,7 +465,7 @@ def test_encoder_with_its_own_tokenizer(base_dir, tmp_path):
     loss, n, _ = m(batch, [4])
     loss.backward()
     assert loss.item() > 0 and m.converter[0].weight.grad.shape == (m.base.config.hidden_size, 64)
-    outs, _ = evaluate.answer(m, batch, 4, 3)
+    outs, _ = evaluate.answer(m, batch, 4, 3, data.stop_ids(tok))
     assert len(outs) == 2
 
 

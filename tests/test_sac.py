@@ -299,11 +299,11 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
     cfg, mcfg, tok, base, method = train.load_run(str(out))
     assert mcfg.sub_len == 64
     batch = data.collate_qa(tiny.Synthetic(0, "test").qa_examples(3), tok, pad_multiple=1)
-    outs, mem = evaluate.answer(method, batch, 4, 8)
+    outs, mem = evaluate.answer(method, batch, 4, 8, data.stop_ids(tok))
     mem.save(tmp_path / "m.safetensors")
     loaded = Memory.load(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
-    assert evaluate.answer_from_memory(method, loaded, prompts, 8) == outs
+    assert evaluate.answer_from_memory(method, loaded, prompts, 8, data.stop_ids(tok)) == outs
     (tmp_path / "doc.txt").write_text(batch["records"][0]["context"])
     q = batch["questions"][0]
     first = run([out, "--context", tmp_path / "doc.txt", "--question", q, "--save_memory", tmp_path / "doc.mem"],

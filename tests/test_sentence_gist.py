@@ -174,7 +174,7 @@ def test_answer_equals_one_pass_over_the_gisted_prompt_and_answer(base_dir, monk
     steps, caches, extend = [], [], m.extend
     hook = m.base.lm_head.register_forward_hook(lambda mod, inp, out: steps.append(out[:, -1] if out.dim() == 3 else out))
     monkeypatch.setattr(m, "extend", lambda *a: caches.append(extend(*a)) or caches[-1])
-    outs, memory = evaluate.answer(m, batch, 1, max_new_tokens=7)
+    outs, memory = evaluate.answer(m, batch, 1, 7, data.stop_ids(m.tok))
     hook.remove()
     assert memory.stats["gist_rc"][0] > 1 and (memory.slots() < batch["context_len"]).all()
     assert all(len(out) == 7 for out in outs)  # no EOS from this model: the last token is never fed
@@ -386,10 +386,11 @@ def test_memory_round_trip_one_shot_and_stage_chain(base_dir, tmp_path):
     built = train.build(train.TrainConfig(**{**vars(cfg), "init_from": str(s1)}), mcfg, "cpu", torch.float32)[2]
     assert torch.equal(built.gist.detach(), read_params(s1)["gist"])  # stage 3 starts from stage 1's rows
     batch = data.collate_qa(tiny.Synthetic(seed=0, split="test").qa_examples(2), tok, pad_multiple=1)
-    outs, memory = evaluate.answer(method, batch, 1, 8)
+    outs, memory = evaluate.answer(method, batch, 1, 8, data.stop_ids(tok))
     memory.save(str(tmp_path / "m.safetensors"))
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(2)]
-    assert method.answer_from_memory(Memory.load(str(tmp_path / "m.safetensors")), prompts, 8) == outs
+    loaded = Memory.load(str(tmp_path / "m.safetensors"))
+    assert method.answer_from_memory(loaded, prompts, 8, data.stop_ids(tok)) == outs
     (tmp_path / "ctx.txt").write_text(batch["records"][0]["context"])
     q = batch["records"][0]["question"]
     a = run([s3, "--context", tmp_path / "ctx.txt", "--question", q, "--save_memory", tmp_path / "doc.mem"],
