@@ -180,7 +180,7 @@ class ATA(nn.Module):
 
     def training_records(self, records):
         """(the training records whose encoder input fits --max_context once their chunks that are not relevant go,
-        last first; a note): §4.1.4's filter. Training only: every method is read on the same questions."""
+        in a seeded order; a note): §4.1.4's filter. Training only: every method is read on the same questions."""
         tok, limit = self.tok, self.run.max_context
         kept, trimmed = data.fit_chunks(records, tok, limit, lambda r: (tok.bos_id is not None) + len(tok.encode(
             encoder_prompt(r["question"], r.get("chunks") or [r["context"]]))),

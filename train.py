@@ -1132,7 +1132,14 @@ def stage_data(cfg):
         items, val = held_out(items, cfg.seed)
         line = (f"validation: {path} (one context: the training items themselves)" if items is val else
                 f"validation: {len(val)} items of {path} held out of training, with their contexts")
-    return (texts_of(items), texts_of(val), line) if text else (items, val, line)
+    if not text:
+        return items, val, line
+    texts = texts_of(items)
+    passes = cfg.max_iters * cfg.batch_size / len(texts or [1])
+    if texts is not items and passes > 1:  # (the papers pretrain on a corpus: PIC ~3B FineWeb tokens, SAC 2B)
+        print(f"note: {cfg.method} {cfg.objective} trains on the {len(texts):,} contexts of {path}, {passes:.0f} times "
+              f"each ({cfg.max_iters:,} steps x {cfg.batch_size}); a text corpus: --pretrain_data", file=sys.stderr)
+    return texts, texts_of(val), line
 
 
 def held_out(items, seed):

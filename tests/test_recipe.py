@@ -211,6 +211,24 @@ def test_no_held_out_question_has_a_context_training_reads(tmp_path, capsys):
     assert "note: 40 of the 40 --eval_data questions have a context of" in capsys.readouterr().err
 
 
+def test_a_text_stage_on_a_qa_files_contexts_says_how_often_it_reads_each(tmp_path, capsys):
+    """pic ae+lm, sac lm, gist lm without --pretrain_data train on --data's contexts (PIC's recipe: 90k steps x 16 on
+    SQuAD's ~19k paragraphs, ~76 passes, where the paper reads ~3B tokens of FineWeb once): a note says how often."""
+    path, text = tmp_path / "qa.jsonl", tmp_path / "web.txt"
+    path.write_text("".join(json.dumps({"id": str(c), "context": f"context {c}", "question": "q", "answers": ["c"]})
+                            + "\n" for c in range(10)))  # (one context held out: 9 train)
+    text.write_text("\n\n".join(f"text {i}" for i in range(9)))
+    cfg = train.TrainConfig(method="pic", objective="ae+lm", data=str(path), max_iters=100, batch_size=16)
+    assert len(train.stage_data(cfg)[0]) == 9
+    assert capsys.readouterr().err == f"note: pic ae+lm trains on the 9 contexts of {path}, 178 times each (100 " \
+                                      "steps x 16); a text corpus: --pretrain_data\n"
+    for c in (train.TrainConfig(method="pic", objective="ae+lm", data=str(path), max_iters=1, batch_size=8),
+              train.TrainConfig(method="sac", objective="lm", data=str(path), pretrain_data=str(text), max_iters=100,
+                                batch_size=16)):
+        train.stage_data(c)
+        assert "note" not in capsys.readouterr().err  # (once over them at most; a text file of its own)
+
+
 def test_skip_bad_skips_a_bad_line_of_jsonl_pretraining_text(tmp_path, capsys):
     path = tmp_path / "text.jsonl"
     path.write_text('{"text": "one"}\n{"text": 5}\n{"text": "two"}\n')
