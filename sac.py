@@ -31,6 +31,8 @@ Choices, each marked paper, official code (the authors' public repository, where
   each cut in half (App. A): C, then C'. C'_1 is the decoder's first input (ours: a K/V memory has no position to
   predict it from), its targets the tokens after it.
 - Recipe (§4.1, Table 6; `recipe`): `lm`, then `qa`, at r = 5; `--ratio 15` or `--ratio 51` for the paper's others.
+- Scores: eval.py's SQuAD EM / F1 for every method (SPEC §4); Tables 1-2 report ROUGE-1 F1, without SQuAD's article
+  and punctuation normalisation ("the Eiffel Tower" against "Eiffel Tower": F1 1.0, ROUGE-1 0.8), so ours read higher.
 - Tiny base: `qa` alone (no `lm` stage; `--pretrain N` runs it), tiny.py's aids (curriculum, `qa` attention
   distillation onto the nearest anchor, several QA pairs per context, a LoRA decoder); the r = 5 model is also read
   at 15 (`--eval_ratio 5,15`): it beats one trained at 15.
