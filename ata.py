@@ -172,7 +172,7 @@ class ATA(nn.Module):
         if not (0 < cfg.huber_delta < math.inf and 0 <= cfg.huber_lambda < math.inf):
             raise SystemExit(f"error: --huber_delta {cfg.huber_delta} must be a finite number > 0 and --huber_lambda "
                              f"{cfg.huber_lambda} one >= 0 (eq. 8-10)")
-        if cfg.no_aac and any(len(set(map(int, rs.split(",")))) > 1 for rs in (run.ratio, run.eval_ratio or "0")):
+        if cfg.no_aac and len({int(r) for r in f"{run.ratio},{run.eval_ratio or run.ratio}".split(",")}) > 1:
             raise SystemExit(f"error: --no_aac gives every context --fixed_k {cfg.fixed_k} tokens at any ratio: one "
                              f"ratio to train and read at, not --ratio {run.ratio!r} --eval_ratio {run.eval_ratio!r}")
         if cfg.no_aac and not 1 <= cfg.fixed_k <= cfg.k_max:

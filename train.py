@@ -314,11 +314,13 @@ def paper_stages(cls, mcfg):
 
 def split_steps(total, weights):
     """total steps over stages in proportion to weights (largest remainder), summing to total; each stage gets at
-    least 1, so a total below the number of stages sums to more."""
+    least 1 (the largest stages give theirs back), so a total below the number of stages sums to that number."""
     shares = [total * w / sum(weights) for w in weights]
     steps = [max(1, int(x)) for x in shares]
     for i in sorted(range(len(shares)), key=lambda i: int(shares[i]) - shares[i])[:max(0, total - sum(steps))]:
         steps[i] += 1
+    while sum(steps) > max(total, len(steps)):
+        steps[steps.index(max(steps))] -= 1
     return steps
 
 
@@ -640,8 +642,9 @@ def inherit_resumed(c, m, explicit, sources, own_start=False):
             setattr(c, key, state["train"][key])
             sources[key] = "the run --resume continues"
     if c.max_iters < state["step"]:  # (not "nothing to train": the flag asks for fewer steps than were run)
-        raise SystemExit(f"error: --max_iters {c.max_iters}: the run --resume continues, {c.out_dir}, is at step "
-                         f"{state['step']} already")
+        share = " (this stage's share of --max_iters)" if "shared" in sources.get("max_iters", "") else ""
+        raise SystemExit(f"error: --max_iters {c.max_iters}{share}: the run --resume continues, {c.out_dir}, is at "
+                         f"step {state['step']} already")
     for key in RESUME_SAME + RESUME_KEEPS:
         if key == "init_from" and own_start:  # an earlier stage of this run: its dir, however --out_dir is spelled
             continue
@@ -772,6 +775,9 @@ def check_files(cfg, mcfg):
     if other not in (cfg.method, "base", "teacher"):  # a run of another method: its weights would be dropped
         raise SystemExit(f"error: --init_from {cfg.init_from!r} is a --method {other} run; a --method {cfg.method} "
                          f"run starts from a checkpoint dir or an earlier {cfg.method} stage")
+    if cfg.teacher and getattr(mcfg, "decoder", ""):  # (load_base merges it into --init_from's base)
+        raise SystemExit("error: --teacher with --decoder: the teacher's adapter merges into --init_from's base, which "
+                         "only encodes here, and --decoder's model answers as it loads; drop --teacher")
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "teacher", "adapter_config.json")):
         raise SystemExit(f"error: --teacher {cfg.teacher!r} has no teacher/adapter_config.json")
     if cfg.teacher and (state := run_state(cfg.teacher)):  # its adapter merges into this run's base: the same one

@@ -77,8 +77,11 @@ def generate_kwargs(memory, prompts, hf):
 
 @torch.no_grad()
 def hf_answer(hf, memory, prompts, max_new_tokens, eos_ids):
-    """Greedy answers (id lists, eos excluded) and the first step's logits (B, V) from transformers."""
+    """Greedy answers (id lists, eos excluded) and the first step's logits (B, V) from transformers: plain greedy, as
+    ours, whatever the checkpoint's generation_config.json asks (Qwen2.5-Instruct's: a repetition penalty)."""
+    import transformers
     kw = generate_kwargs(memory, prompts, hf)
+    hf.generation_config = transformers.GenerationConfig()  # (generate merges a config given into the model's own)
     out = hf.generate(**kw, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                       pad_token_id=eos_ids[0], return_dict_in_generate=True, output_logits=True)
     new = out.sequences[:, kw["input_ids"].shape[1]:] if "input_ids" in kw else out.sequences

@@ -375,7 +375,8 @@ def test_bad_input_one_line_error(base_dir, tmp_path, args, msg):
                                        (["--fixed_k", "3", "--max_iters", "1"], "--fixed_k 3 applies under --no_aac"),
                                        (["--fixed_k", "6"], "--fixed_k 6 applies under --no_aac"),  # (the default)
                                        (["--no_aac", "--ratio", "4,8"], "one ratio to train and read at"),  # (one
-                                       (["--no_aac", "--eval_ratio", "4,50"], "--eval_ratio '4,50'")])  # row twice)
+                                       (["--no_aac", "--eval_ratio", "4,50"], "--eval_ratio '4,50'"),  # row twice)
+                                       (["--no_aac", "--eval_ratio", "5"], "not --ratio '10' --eval_ratio '5'")])
 def test_bad_method_flags(base_dir, tmp_path, args, msg):  # in process: the same SystemExit line, no start-up cost
     with pytest.raises(SystemExit) as e:
         train.main(["--method", "ata", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *args])

@@ -3,9 +3,11 @@ tokens, for every method that bridges (embeddings: meanpool, pic, the token base
 on Llama and Qwen3 checkpoints, two prompts of different lengths; first-token logits within 1e-4.
 sentence_gist, whose answering rule changes the cache while decoding, and a Memory that does not fit
 get one line each."""
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +27,14 @@ METHODS += [(name, dict(), "4") for name, cls in train.method_registry().items()
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def ckpt(request, tmp_path_factory):
-    return hf_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+    """qwen3: its generation_config.json samples with a repetition penalty, as Qwen2.5-Instruct's (1.05) does: greedy
+    answers ignore both (transformers' generate applied the penalty, and its answers left ours)."""
+    path = hf_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+    if request.param == "qwen3":
+        gen = Path(path) / "generation_config.json"
+        gen.write_text(json.dumps({**json.loads(gen.read_text()), "do_sample": True, "temperature": 0.7, "top_k": 20,
+                                   "repetition_penalty": 1.3}))
+    return path
 
 
 def batch_of_two(tok, method, cfg):

@@ -156,6 +156,8 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("prompt", ["--prompt", "gemma"], "--prompt gemma: the tokenizer of"),  # was an error at the first batch
     ("teacher ratio", ["--method=teacher", "--ratio", 4], "--ratio does not apply to --method teacher"),
     ("nothing trains", ["--fixed_encoder", "--fixed_decoder", "--no_linear"], "(kd) with these flags trains no"),
+    ("teacher decoder", ["--method=pic", "--decoder", "hf", "--teacher", "hf"],  # (it reached the encoder alone,
+     "--teacher with --decoder: the teacher's adapter merges into"),  # and eval served another run's teacher row)
     ("batch size", ["--batch_size", 10**20], "at most 2^20 examples a step"),  # (it filled the host's memory)
     ("lora rank", ["--lora_r", 10**11], "--lora_r 100000000000: at most 65536"),  # (a traceback)
     ("data surrogate", ["--data", "surrogate.jsonl"],  # (a tokenizer's traceback after the run had started)

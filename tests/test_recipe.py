@@ -211,6 +211,18 @@ def test_no_held_out_question_has_a_context_training_reads(tmp_path, capsys):
     assert "note: 40 of the 40 --eval_data questions have a context of" in capsys.readouterr().err
 
 
+def test_split_steps_sums_to_max_iters_and_gives_every_stage_one():
+    """--max_iters over a recipe's stages: their sum, each at least 1 (sentence_gist --max_iters 3 trained 1, 2, 1)."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        weights = [rng.randint(1, 10 ** rng.randint(0, 5)) for _ in range(rng.randint(1, 4))]
+        total = rng.randint(1, 60)
+        steps = train.split_steps(total, weights)
+        assert min(steps) >= 1 and sum(steps) == max(total, len(weights)), (total, weights, steps)
+    assert train.split_steps(3, [1000, 9000, 2000]) == [1, 1, 1] and train.split_steps(200, [1000, 9000, 2000]) == [
+        17, 150, 33]
+
+
 def test_a_text_stage_on_a_qa_files_contexts_says_how_often_it_reads_each(tmp_path, capsys):
     """pic ae+lm, sac lm, gist lm without --pretrain_data train on --data's contexts (PIC's recipe: 90k steps x 16 on
     SQuAD's ~19k paragraphs, ~76 passes, where the paper reads ~3B tokens of FineWeb once): a note says how often."""
