@@ -706,7 +706,8 @@ def one_shot(ecfg, run_dir, device):
         if getattr(ecfg, flag) and not os.path.isfile(getattr(ecfg, flag)):
             raise SystemExit(f"error: --{flag} {getattr(ecfg, flag)!r}: {train.not_a_file(getattr(ecfg, flag))}")
     try:
-        context = Path(ecfg.context).read_text(encoding="utf-8-sig") if ecfg.context else ""
+        context = Path(ecfg.context).read_text(encoding="utf-8-sig").strip() if ecfg.context else ""  # (a file's
+        # last newline: training's contexts end at their text, and "\n\nQuestion:" was a layout no run trained on)
     except UnicodeDecodeError:
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():

@@ -763,6 +763,12 @@ def check_files(cfg, mcfg):
                        ("decoder", getattr(mcfg, "decoder", ""))):
         if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
             raise SystemExit(f"error: --{flag} {path!r} is not an HF checkpoint dir (no config.json)")
+    config = os.path.join(tiny.base_path(cfg.init_from), "config.json")  # (sac's "any length" is 2^20)
+    doc = read_json(config) if os.path.isfile(config) else {}  # (a broken one: its line when the model loads)
+    positions = doc.get("max_position_embeddings") if isinstance(doc, dict) else None
+    if isinstance(positions, int) and cfg.max_context + cfg.max_answer > positions and cfg.max_context < 1 << 20:
+        print(f"note: --max_context {cfg.max_context} and --max_answer {cfg.max_answer} reach past the {positions} "
+              f"positions {config} was trained at (max_position_embeddings)", file=sys.stderr)
     turn = data.CHAT_FORMATS.get(cfg.prompt, ())
     if turn and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would train before its QA stage failed)
         if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
@@ -1556,9 +1562,13 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         shown = f" ratios {ratios}" if hasattr(method, "compress") else ""  # (teacher, base: none)
+        fmt = (data.chat_format(tok) or "plain") if cfg.prompt == "auto" else cfg.prompt
         print(f"{cfg.method} ({cfg.objective}){shown}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
-              f"{cfg.grad_accum} micro-batches), {device} {dtype} -> {cfg.out_dir}; {val_text}")
+              f"{cfg.grad_accum} micro-batches), {device} {dtype}, {fmt} prompts -> {cfg.out_dir}; {val_text}")
+        if tok.chat_template and fmt == "plain" and cfg.prompt == "auto":  # (Mistral's [INST], say)
+            print(f"note: the chat template of {tiny.base_path(cfg.init_from)} is none of {', '.join(data.CHAT_FORMATS)}"
+                  ": --prompt auto reads plain prompts", file=sys.stderr)
         if cfg.objective == "kd" and not cfg.teacher and not tiny.is_tiny(cfg.init_from):
             print(f"note: no --teacher: {cfg.init_from} as it is teaches (meanpool §5.1 distils from a LoRA-finetuned "
                   "teacher: a --method teacher run first)", file=sys.stderr)

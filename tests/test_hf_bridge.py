@@ -3,6 +3,7 @@ tokens, for every method that bridges (embeddings: meanpool, pic, the token base
 on Llama and Qwen3 checkpoints, two prompts of different lengths; first-token logits within 1e-4.
 sentence_gist, whose answering rule changes the cache while decoding, and a Memory that does not fit
 get one line each."""
+import itertools
 import json
 import re
 import subprocess
@@ -85,6 +86,11 @@ def test_sentence_gist_and_a_memory_that_does_not_fit_are_one_line(tmp_path):
     for name in ("gist", "sac"):
         evaluate.main([str(a) for a in [tmp_path / name, "--context", tmp_path / "doc.txt", "--question", "Where?",
                                         "--save_memory", tmp_path / f"{name}.mem"]])
+    (tmp_path / "doc2.txt").write_text(SQUAD_TEXTS[0][0] + "\n\n")  # an editor's last newlines: the same memory
+    evaluate.main([str(a) for a in [tmp_path / "sac", "--context", tmp_path / "doc2.txt", "--question", "Where?",
+                                    "--save_memory", tmp_path / "sac2.mem"]])
+    assert all(torch.equal(a, b) for a, b in zip(*(itertools.chain(*Memory.load(str(tmp_path / f)).kv)
+                                                   for f in ("sac.mem", "sac2.mem"))))
     question = "Which city was Ada Lovelace born in?"  # README's
     p = run([tmp_path / "sac", "--memory", tmp_path / "sac.mem", "--question", question], script="scripts/hf_generate.py")
     assert p.stdout.startswith("answer:")

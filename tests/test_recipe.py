@@ -211,6 +211,16 @@ def test_no_held_out_question_has_a_context_training_reads(tmp_path, capsys):
     assert "note: 40 of the 40 --eval_data questions have a context of" in capsys.readouterr().err
 
 
+def test_contexts_longer_than_the_checkpoints_positions_are_a_note(tmp_path, capsys):
+    """A stage whose --max_context and --max_answer reach past max_position_embeddings trains on, with a note (it
+    read positions the model never saw, in silence: 1,024 on a 512-position checkpoint)."""
+    ckpt = hf_checkpoint(tmp_path / "hf")  # (2,048 positions)
+    for max_context, noted in ((1984, False), (1985, True), (1 << 20, False)):  # (2^20: sac's "any length")
+        train.check_files(train.TrainConfig(init_from=ckpt, max_context=max_context, max_answer=64), object())
+        err = capsys.readouterr().err
+        assert (f"note: --max_context {max_context} and --max_answer 64 reach past the 2048 positions" in err) == noted
+
+
 def test_split_steps_sums_to_max_iters_and_gives_every_stage_one():
     """--max_iters over a recipe's stages: their sum, each at least 1 (sentence_gist --max_iters 3 trained 1, 2, 1)."""
     rng = random.Random(0)

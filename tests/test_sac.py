@@ -304,10 +304,11 @@ def test_memory_round_trip_and_one_shot(tmp_path, base_dir):
     loaded = Memory.load(tmp_path / "m.safetensors")
     prompts = [batch["qa"][b, :batch["prompt_len"][b]].tolist() for b in range(3)]
     assert evaluate.answer_from_memory(method, loaded, prompts, 8, data.stop_ids(tok)) == outs
-    (tmp_path / "doc.txt").write_text(batch["records"][0]["context"])
+    (tmp_path / "doc.txt").write_text(batch["records"][0]["context"] + "\n\n")  # (an editor's last newlines)
     q = batch["questions"][0]
     first = run([out, "--context", tmp_path / "doc.txt", "--question", q, "--save_memory", tmp_path / "doc.mem"],
                 script="eval.py")
+    assert f"memory at ratio 4: {int(mem.slots()[0])} slots, " in first.stdout  # the context as training reads it
     again = run([out, "--memory", tmp_path / "doc.mem", "--question", q], script="eval.py")
     answer = [line for line in first.stdout.splitlines() if line.startswith("answer:")]
     assert answer and answer == [line for line in again.stdout.splitlines() if line.startswith("answer:")]

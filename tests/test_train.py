@@ -539,6 +539,24 @@ def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
     assert p.returncode != 0 and "--prompt 'vicuna'" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_a_run_says_its_prompt_format_and_a_template_it_does_not_know(tmp_path, capsys):
+    """The start line names the format --prompt auto picked; a chat template of none of the known formats (Mistral's
+    [INST] here) is a note, as it trains on plain prompts (it did so in silence)."""
+    ckpt = Path(hf_checkpoint(tmp_path / "hf", "llama"))
+    squad = squad_file(tmp_path / "squad.json")
+    flags = ["--method", "teacher", "--init_from", ckpt, "--data", squad, "--max_iters", 1, "--batch_size", 2,
+             "--device", "cpu", "--quiet"]
+    in_process(flags + ["--out_dir", tmp_path / "a"])
+    out = capsys.readouterr()
+    assert ", plain prompts -> " in out.out and "chat template" not in out.err
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% for m in messages %}[INST] "
+                                                            "{{ m.content }} [/INST]{% endfor %}"}))
+    in_process(flags + ["--out_dir", tmp_path / "b"])
+    assert f"note: the chat template of {ckpt} is none of llama3, chatml, gemma: --prompt auto reads plain prompts" \
+        in capsys.readouterr().err
+
+
 def test_train_does_not_import_eval():
     """No import cycle: eval.py reads runs through train.py; train.py's __main__ hands over to eval.py."""
     out = subprocess.run([sys.executable, "-c", "import sys, train; print('eval' in sys.modules)"],
