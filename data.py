@@ -525,7 +525,10 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
     with the answer cue ("\\nAnswer:" or the assistant header), answer with answer_end (chat: the turn end).
     template: an index into QA_TEMPLATES or a string with {question}; None: drawn with rng, else 0. format: "plain",
     "llama3", "chatml", "gemma" (no system turn), "auto" (chat_format(tok) or plain), or "sac", the official SAC
-    code's: no prefix; BOS "### Context:\n" context "\n### Question:\n" q "\n### Answer:\n" (no template) answer eos."""
+    code's: no prefix; BOS "### Context:\n" context "\n### Question:\n" q "\n### Answer:\n" (no template) answer eos.
+    Choices: no system turn where a template writes a default one (Qwen2.5, SmolLM2, Llama 3.1's date): every memory
+    keeps the prefix, and the teacher learns the layout. The parts are encoded apart (a compressor reads the context's
+    own tokens), so a token across a boundary (Llama 3's and Qwen's ".\n") splits, for teacher and compressor alike."""
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
     text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
@@ -548,6 +551,8 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
     else:  # chatml, gemma: <start>user\n ... <end>\n<start>assistant\n (Gemma: model\n)
         start = [tok.special(CHAT_FORMATS[fmt][0])]
         reply = "assistant\n" if fmt == "chatml" else "model\n"
+        if "<think>" in (tok.chat_template or ""):  # Qwen3: its template's answer without thinking (an empty block)
+            reply += "<think>\n\n</think>\n\n"
         prefix, prompt = bos + start + enc("user\n"), enc(text) + end + enc("\n") + start + enc(reply)
     ctx, spans = encode_chunks(tok, context, chunks, start=not (lead or prefix[len(bos):]))
     return {"bos": bos, "prefix": prefix, "context": lead + ctx, "prompt": prompt, "answer": enc(answer) + end,

@@ -539,6 +539,38 @@ def test_prompt_format_follows_the_checkpoints_chat_template(tmp_path):
     assert p.returncode != 0 and "--prompt 'vicuna'" in p.stderr and "Traceback" not in p.stderr
 
 
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN3_TEMPLATE = (  # the parts of Qwen3's chat template a one-turn QA renders
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+def test_chat_prompts_are_what_the_checkpoints_template_renders(tmp_path, template):
+    """--prompt auto's question and answer, as transformers' apply_chat_template renders them (a BOS before, the
+    newline after the turn end aside); Qwen3's, with its template's empty think block (an answer without thinking:
+    a prompt ending at "assistant\\n" asks Qwen3 to think first)."""
+    import transformers
+    import data
+    ckpt = Path(hf_checkpoint(tmp_path / "hf", "llama", chat=True))
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": QWEN3_TEMPLATE if template == "qwen3" else CHATML_TEMPLATE}))
+    tok, hf = data.load_tokenizer(ckpt), transformers.AutoTokenizer.from_pretrained(ckpt)
+    context, question, answer = "Ada Lovelace was born in London.", "Where was Ada born?", "London"
+    ex = data.format_qa(tok, context, question, answer, format="auto")
+    user = [{"role": "user", "content": context + data.QA_TEMPLATES[0].format(question=question)}]
+    ours = tok.decode(ex["prefix"][len(ex["bos"]):] + ex["context"] + ex["prompt"])
+    assert ours == hf.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    whole = hf.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=False)
+    assert ours + tok.decode(ex["answer"]) + "\n" == whole, (ours, whole)
+
+
 def test_a_run_says_its_prompt_format_and_a_template_it_does_not_know(tmp_path, capsys):
     """The start line names the format --prompt auto picked; a chat template of none of the known formats (Mistral's
     [INST] here) is a note, as it trains on plain prompts (it did so in silence)."""
