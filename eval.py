@@ -130,8 +130,9 @@ def eval_records(cfg, ecfg):
         held = records if ecfg.eval_data or cfg.eval_data else train.held_out(records, cfg.seed)[1]
         if held is not records:  # (a file of one context holds none out)
             records, path = held, f"the held-out questions of {path}"
-        if ecfg.n > len(records):  # every question is read, and the rows' n says how many
-            print(f"note: --n {ecfg.n}: {path} holds {len(records)} questions; evaluating them all", file=sys.stderr)
+        if n > len(records):  # every question is read, and the rows' n says how many
+            flag = f"--n {n}" if ecfg.n else f"the run's --eval_examples {n}"
+            print(f"note: {flag}: {path} holds {len(records)} questions; evaluating them all", file=sys.stderr)
         return records[:n]
     return tiny.Synthetic(seed=cfg.seed, split=ecfg.split).qa_examples(n)
 

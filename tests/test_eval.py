@@ -290,6 +290,20 @@ def test_answers_stop_at_the_chat_turn_end_that_the_checkpoints_eos_leaves_out(t
     assert [row["em"] for row in rows] == [100.0] * len(rows), [row.get("examples") for row in rows]
 
 
+def test_asking_for_more_questions_than_the_file_holds_is_a_note(tmp_path, capsys):
+    """--n, and a run's --eval_examples (train.py's final evaluation), past the questions there are: all of them are
+    read, with a note (the run's said nothing: --eval_examples 4 read the one held-out question)."""
+    squad = squad_file(tmp_path / "squad.json")
+    cfg = train.TrainConfig(data=squad, eval_examples=50)
+    held = len(train.held_out(data.read_dataset(squad), cfg.seed)[1])
+    for ecfg, flag in ((evaluate.EvalConfig(), "the run's --eval_examples 50"), (evaluate.EvalConfig(n=60), "--n 60")):
+        assert len(evaluate.eval_records(cfg, ecfg)) == held
+        assert capsys.readouterr().err == f"note: {flag}: the held-out questions of {squad} holds {held} questions; " \
+                                          "evaluating them all\n"
+    assert len(evaluate.eval_records(replace(cfg, eval_examples=held), evaluate.EvalConfig())) == held
+    assert capsys.readouterr().err == ""
+
+
 def _stand_in_run(run, train_config):
     """A run dir for a stand-in method (train.load_run patched): its run.json and a checkpoint of no tensors."""
     run.mkdir()
