@@ -109,7 +109,7 @@ class SAC(nn.Module):
     @staticmethod
     def recipe(mcfg):  # §4.1, Table 6: L_LM pretraining (§3.2), then QA, each 20k steps; constant lr after warmup
         both = dict(ratio="5", max_iters=20_000, batch_size=16, warmup_iters=300, min_lr_frac=1.0, weight_decay=0.1,
-                    grad_clip=2.0, lora_r=128, lora_alpha=256)
+                    grad_clip=2.0, lora_r=128, lora_alpha=256, sub_len=510)
         official, ours = dict(lora_targets="q_proj,v_proj"), dict(max_context=1 << 20)  # the whole context
         texts = dict(max_context=1020)  # App. A: texts of up to 2,040 tokens, C their first half
         return [dict(objective=objective, cite=cite, paper={**both, "lr": lr, **more}, official=official, ours=ours)

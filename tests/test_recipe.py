@@ -12,7 +12,7 @@ from common import hf_checkpoint, squad_file
 TABLE6 = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, grad_clip=1.0, max_iters=48_000,
               batch_size=32, max_context=1024, max_answer=256, lora_r=16, lora_alpha=16)  # meanpool_multi_ratio
 SAC = dict(ratio="5", batch_size=16, warmup_iters=300, min_lr_frac=1.0, weight_decay=0.1, grad_clip=2.0,
-           lora_r=128, lora_alpha=256, max_iters=20_000)  # SAC §4.1, Table 6
+           lora_r=128, lora_alpha=256, sub_len=510, max_iters=20_000)  # SAC §4.1, Table 6
 ATA = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, max_context=600,
            ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2)  # ATA Tables 4-5
 GIST = dict(weight_decay=0.1, max_context=4096, lora_r=0)  # sentence_gist Table 3, App. A, §3.5
