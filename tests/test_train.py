@@ -589,6 +589,25 @@ def test_a_run_says_its_prompt_format_and_a_template_it_does_not_know(tmp_path, 
         in capsys.readouterr().err
 
 
+def test_an_answer_end_the_checkpoint_never_learnt_to_write_is_a_note(tmp_path, capsys):
+    """A base model's chat tokens can be untrained rows (Llama 3's <|eot_id|>): a frozen head never writes the turn
+    end that chat answers stop at. A near-zero output row of the answer end is a note naming --prompt plain."""
+    from safetensors.torch import load_file, save_file
+    ckpt = Path(hf_checkpoint(tmp_path / "hf", "llama", chat=True))
+    flags = ["--method", "teacher", "--init_from", ckpt, "--data", squad_file(tmp_path / "squad.json"), "--max_iters",
+             1, "--batch_size", 2, "--device", "cpu", "--quiet"]
+    in_process(flags + ["--out_dir", tmp_path / "a"])
+    assert "output row near zero" not in capsys.readouterr().err
+    weights = load_file(ckpt / "model.safetensors")
+    end = json.loads((ckpt / "tokenizer.json").read_text())["added_tokens"]
+    end = next(t["id"] for t in end if t["content"] == "<|im_end|>")
+    weights["lm_head.weight"][end] *= 1e-3
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    in_process(flags + ["--out_dir", tmp_path / "b"])
+    assert f"note: <|im_end|>, which ends answers in chatml prompts, has an output row near zero in {ckpt}" in \
+        capsys.readouterr().err
+
+
 def test_train_does_not_import_eval():
     """No import cycle: eval.py reads runs through train.py; train.py's __main__ hands over to eval.py."""
     out = subprocess.run([sys.executable, "-c", "import sys, train; print('eval' in sys.modules)"],
