@@ -1569,8 +1569,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
         if tok.chat_template and fmt == "plain" and cfg.prompt == "auto":  # (Mistral's [INST], say)
             print(f"note: the chat template of {tiny.base_path(cfg.init_from)} is none of {', '.join(data.CHAT_FORMATS)}"
                   ": --prompt auto reads plain prompts", file=sys.stderr)
-        end, rows = data.answer_end(tok, fmt)[0], base.lm_head.weight.detach().float().norm(dim=1)  # (V,)
-        if fmt in data.CHAT_FORMATS and rows[end] < 0.1 * rows.median():  # (a frozen head: no adapter lifts it)
+        rows = base.lm_head.weight.detach().norm(dim=1).float() if fmt in data.CHAT_FORMATS else None  # (V,)
+        if rows is not None and rows[end := data.answer_end(tok, fmt)[0]] < 0.1 * rows.median():  # (frozen head)
             print(f"note: {tok.decode([end])}, which ends answers in {fmt} prompts, has an output row near zero in "
                   f"{tiny.base_path(cfg.init_from)} (untrained, as in a base model's chat tokens): answers may not end; "
                   "--prompt plain ends them with the eos", file=sys.stderr)
