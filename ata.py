@@ -139,7 +139,8 @@ class ATA(nn.Module):
     def recipe(mcfg):
         """§3.5: rel 3 epochs, then qa 1 epoch (Tables 4-5) of 280k examples at batch 16; constant lr after warmup."""
         both = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, max_context=600,
-                    ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2)
+                    ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2, k_max=8,
+                    huber_lambda=1e-4, huber_delta=10.0, rel_ratios="1,5,10,20,50")  # (delta: App. C; qa draws no r)
         return [dict(objective="rel", cite="§3.5, Table 4", paper={**both, "max_iters": 52_500}),
                 dict(objective="qa", cite="§3.5, Table 5", paper={**both, "max_iters": 17_500})]
 
@@ -247,8 +248,7 @@ class ATA(nn.Module):
         return Memory(kv=kv, mask=mask, next_pos=enc_len + k)
 
     def policy_k(self, L, r):  # --no_aac: fixed_k for every example
-        fixed = torch.full_like(L, self.cfg.fixed_k, dtype=torch.long)
-        return fixed if self.cfg.no_aac else policy(L, r, self.cfg.k_max)
+        return torch.full_like(L, self.cfg.fixed_k, dtype=int) if self.cfg.no_aac else policy(L, r, self.cfg.k_max)
 
     def forward(self, batch, ratios):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""

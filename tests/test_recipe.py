@@ -14,7 +14,8 @@ TABLE6 = dict(lr=2e-4, min_lr_frac=0.1, warmup_frac=0.05, weight_decay=0.0, grad
 SAC = dict(ratio="5", batch_size=16, warmup_iters=300, min_lr_frac=1.0, weight_decay=0.1, grad_clip=2.0,
            lora_r=128, lora_alpha=256, sub_len=510, max_iters=20_000)  # SAC §4.1, Table 6
 ATA = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, max_context=600,
-           ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2)  # ATA Tables 4-5
+           ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2, k_max=8,
+           huber_lambda=1e-4, huber_delta=10.0, rel_ratios="1,5,10,20,50")  # ATA Tables 4-5, App. C
 GIST = dict(weight_decay=0.1, max_context=4096, lora_r=0)  # sentence_gist Table 3, App. A, §3.5
 PAPERS = {  # method (and flags): [(objective, values)] per stage
     ("teacher",): [("sft", TABLE6)],
