@@ -502,9 +502,14 @@ def encode_chunks(tok, context, chunks=None, start=True):
     return ids, spans[:len(ends)]
 
 
+def prompt_format(tok, format):
+    """The format a --prompt value reads in: "auto" is the checkpoint's chat format (chat_format), else plain."""
+    return (chat_format(tok) or "plain") if format == "auto" else format
+
+
 def answer_end(tok, format="auto"):
     """[the id that ends an answer] in `format` (format_qa's): a chat format's turn end, else the first eos id."""
-    fmt = (chat_format(tok) or "plain") if format == "auto" else format
+    fmt = prompt_format(tok, format)
     if fmt in CHAT_FORMATS:
         return [tok.special(CHAT_FORMATS[fmt][1])]
     if not tok.eos_ids:
@@ -532,7 +537,7 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
     if template is None:
         template = rng.randrange(len(QA_TEMPLATES)) if rng is not None else 0
     text = (QA_TEMPLATES[template] if isinstance(template, int) else template).format(question=question)
-    fmt = (chat_format(tok) or "plain") if format == "auto" else format
+    fmt = prompt_format(tok, format)
     if fmt not in ("plain", "sac", *CHAT_FORMATS):
         raise ValueError(f"unknown prompt format {format!r}; choose from plain, llama3, chatml, gemma, sac, auto")
     bos, end = ([tok.bos_id] if tok.bos_id is not None else []), answer_end(tok, fmt)

@@ -793,8 +793,7 @@ def check_files(cfg, mcfg):
     taught = teacher_prompt(cfg.teacher)
     if taught and taught != cfg.prompt and not tiny.needs_training(cfg.init_from):
         tok = data.load_tokenizer(tiny.base_path(cfg.init_from))
-        as_read = lambda p: (data.chat_format(tok) or "plain") if p == "auto" else p  # noqa: E731
-        if as_read(taught) != as_read(cfg.prompt):
+        if data.prompt_format(tok, taught) != data.prompt_format(tok, cfg.prompt):
             raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
                              "prompts (drop the flag to take its format)")
 
@@ -1562,18 +1561,19 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         shown = f" ratios {ratios}" if hasattr(method, "compress") else ""  # (teacher, base: none)
-        fmt = (data.chat_format(tok) or "plain") if cfg.prompt == "auto" else cfg.prompt
+        fmt = data.prompt_format(tok, cfg.prompt)
         print(f"{cfg.method} ({cfg.objective}){shown}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
               f"{cfg.grad_accum} micro-batches), {device} {dtype}, {fmt} prompts -> {cfg.out_dir}; {val_text}")
         if tok.chat_template and fmt == "plain" and cfg.prompt == "auto":  # (Mistral's [INST], say)
             print(f"note: the chat template of {tiny.base_path(cfg.init_from)} is none of {', '.join(data.CHAT_FORMATS)}"
                   ": --prompt auto reads plain prompts", file=sys.stderr)
-        rows = base.lm_head.weight.detach().norm(dim=1).float() if fmt in data.CHAT_FORMATS else None  # (V,)
-        if rows is not None and rows[end := data.answer_end(tok, fmt)[0]] < 0.1 * rows.median():  # (frozen head)
-            print(f"note: {tok.decode([end])}, which ends answers in {fmt} prompts, has an output row near zero in "
-                  f"{tiny.base_path(cfg.init_from)} (untrained, as in a base model's chat tokens): answers may not end; "
-                  "--prompt plain ends them with the eos", file=sys.stderr)
+        if fmt in data.CHAT_FORMATS:  # (a frozen head: no adapter lifts an untrained row)
+            rows, end = base.lm_head.weight.detach().norm(dim=1).float(), data.answer_end(tok, fmt)[0]  # (V,), id
+            if rows[end] < 0.1 * rows.median():
+                print(f"note: {tok.decode([end])}, which ends answers in {fmt} prompts, has an output row near zero in "
+                      f"{tiny.base_path(cfg.init_from)} (untrained, as in a base model's chat tokens): answers may not "
+                      "end; --prompt plain ends them with the eos", file=sys.stderr)
         if cfg.objective == "kd" and not cfg.teacher and not tiny.is_tiny(cfg.init_from):
             print(f"note: no --teacher: {cfg.init_from} as it is teaches (meanpool §5.1 distils from a LoRA-finetuned "
                   "teacher: a --method teacher run first)", file=sys.stderr)
