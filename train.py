@@ -1566,8 +1566,8 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "
               f"{cfg.grad_accum} micro-batches), {device} {dtype}, {fmt} prompts -> {cfg.out_dir}; {val_text}")
         if tok.chat_template and fmt == "plain" and cfg.prompt == "auto":  # (Mistral's [INST], say)
-            print(f"note: the chat template of {tiny.base_path(cfg.init_from)} is none of {', '.join(data.CHAT_FORMATS)}"
-                  ": --prompt auto reads plain prompts", file=sys.stderr)
+            print(f"note: the chat template of {tiny.base_path(cfg.init_from)} is none of "
+                  f"{', '.join(data.CHAT_FORMATS)}: --prompt auto reads plain prompts", file=sys.stderr)
         if fmt in data.CHAT_FORMATS:  # (a frozen head: no adapter lifts an untrained row)
             rows, end = base.lm_head.weight.detach().norm(dim=1).float(), data.answer_end(tok, fmt)[0]  # (V,), id
             if rows[end] < 0.1 * rows.median():
