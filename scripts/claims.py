@@ -82,7 +82,8 @@ CLAIMS = [
           None, None),
     # sentence_gist, Llama-3.2-3B. T4 stage 3: the mean accuracy of ARC, HS, MMLU, WG (each column agrees; T2's
     # HELMET longqa does not order N_g) and PG19 perplexity, whose tokens include the gists (App. C.3; ours: the
-    # regular tokens of each evaluation context's second half, after its first). T7: R_c (eq. 2, gist_rc) on HellaSwag. The real suite trains N_g 2 and 4.
+    # regular tokens of each evaluation context's second half, after its first). T7: R_c (eq. 2, gist_rc) on
+    # HellaSwag. The real suite trains N_g 2 and 4.
     Claim(f"{GIST} T4", "more gists, higher quality: N_g 8 > 1", "gist-8", "gist-1", 56.02, 52.65),
     Claim(f"{GIST} T4", "more gists, higher quality: N_g 4 > 2", "gist-4", "gist-2", 55.97, 55.04),
     Claim(f"{GIST} T4", "more gists, lower perplexity: N_g 8 < 1", "gist-8", "gist-1", 7.17, 12.83, "<", "ppl_compressed"),
