@@ -31,8 +31,7 @@ Choices the paper leaves open, made here:
 - `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.
 - r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
 - AdamW's betas and clip (Tables 4-5 name AdamW alone): train.py's 0.9, 0.95 and 1.0, as for every method.
-- Tiny base: tiny.py's aids, its attention distillation in output form (c_j read the whole prompt, so hold no fixed
-  chunk) and its writer loss (c_j read the answer one layer below the last; without it they do not hold it).
+- Tiny base: tiny.py's aids, attention distillation in output form (c_j hold no fixed chunk) and the writer loss.
 - Ablations (Table 2): --no_aac (k = --fixed_k, 6: Table 2's "w/o AAC" row; SPEC §3.5's k_max is --fixed_k 8),
   --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it; the encoder's prompt is unchanged).
 """
@@ -160,6 +159,8 @@ class ATA(nn.Module):
         self.comp = nn.Parameter(torch.randn(cfg.k_max, d) * std)  # (k_max, d) compression tokens
         self.probe = Probe(d, min(4 * d, 1024))
         self.rel_ratios = [int(r) for r in cfg.rel_ratios.split(",")]
+        self.ratios_text = f"k = --fixed_k {cfg.fixed_k}" if cfg.no_aac else ", ".join(  # train.py's start line
+            f"{obj} ratios {dict(qa=run.ratio, rel=cfg.rel_ratios)[obj]}" for obj in run.objective.split("+"))
 
     @staticmethod
     def check_config(run, cfg):
@@ -235,8 +236,7 @@ class ATA(nn.Module):
             h, kv = self.base(embeds=x, pos=pos, mask=encoder_mask(valid), return_kv=True, output="hidden")
         return h[:, :T], [(k[:, :, T:], v[:, :, T:]) for k, v in kv]
 
-    def length(self, batch, h):
-        """Probe estimate L^_rel (B,) from the prompt's final hidden states."""
+    def length(self, batch, h):  # the probe's L^_rel (B,) from the prompt's final hidden states
         T = batch["enc_ids"].shape[1]
         return self.probe(h, torch.arange(T, device=h.device)[None] >= T - batch["enc_len"][:, None])
 

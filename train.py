@@ -1560,7 +1560,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
     ratios = ratios_of(cfg.ratio)
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        shown = f" ratios {ratios}" if hasattr(method, "compress") else ""  # (teacher, base: none)
+        shown = f" {getattr(method, 'ratios_text', f'ratios {ratios}')}" if hasattr(method, "compress") else ""
         fmt = data.prompt_format(tok, cfg.prompt)
         print(f"{cfg.method} ({cfg.objective}){shown}: {sum(p.numel() for p in params):,} "
               f"trainable parameters, {cfg.max_iters} steps x {cfg.batch_size} examples ({world} ranks x "

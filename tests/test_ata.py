@@ -149,6 +149,13 @@ def test_no_aac_fixed_k_is_a_flag_with_the_papers_value(base_dir):
         assert m(batch, [10])[2]["k_rel"] == 3.0 and m.compress(batch, 1).slots().tolist() == [P + 3] * 3
 
 
+def test_start_line_names_the_ratios_each_objective_draws(base_dir):
+    """train.py's start line: `rel` draws r from --rel_ratios, `qa` from --ratio, --no_aac none (k = --fixed_k)."""
+    assert _method(base_dir, "rel")[0].ratios_text == "rel ratios 1,5,10,20,50"
+    assert _method(base_dir, "qa+rel")[0].ratios_text == "qa ratios 10, rel ratios 1,5,10,20,50"
+    assert _method(base_dir, "rel", no_aac=True)[0].ratios_text == "k = --fixed_k 6"
+
+
 def test_r_is_drawn_per_step_for_the_whole_batch(base_dir):
     """Issue 20 item 8: r is drawn "for each training batch" (§C), a pure function of (seed,
     step): one example meets different r over the steps; every micro-batch of a step (and
