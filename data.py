@@ -137,8 +137,13 @@ class Tokenizer:
             ids += bpe_merge(ranks, bytes(run))
         return ids
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special=False):
+        """skip_special: without special tokens, as HF's skip_special_tokens (an added token that is not special,
+        like <tool_call>, stays): what eval writes as a prediction."""
         ids = [int(i) for i in ids]
+        if skip_special:
+            special = {i for s, i in self.specials.items() if s not in self.always}
+            ids = [i for i in ids if i not in special]
         if self.kind == "tiktoken":
             return self.model.decode(ids)
         # sentencepiece decodes runs of its own pieces; added tokens (ids >= its size) are spliced in

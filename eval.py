@@ -165,7 +165,7 @@ def answer(method, batch, ratio, max_new_tokens, stop, memory=None):
 
 
 def decode(tok, outs):
-    return [tok.decode(o).strip() for o in outs]
+    return [tok.decode(o, skip_special=True).strip() for o in outs]
 
 
 def timed(fn):

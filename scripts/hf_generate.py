@@ -122,7 +122,7 @@ def main(argv):
         warnings.filterwarnings("ignore", ".*(is_gradient_checkpointing|past_key_values)", FutureWarning)
         answers, _ = hf_answer(hf_decoder(method, cfg), memory, [prompt], args.max_new_tokens,
                                data.stop_ids(tok, cfg.prompt))
-    print(f"answer: {tok.decode(answers[0]).strip()}")
+    print(f"answer: {tok.decode(answers[0], skip_special=True).strip()}")
 
 
 if __name__ == "__main__":

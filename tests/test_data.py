@@ -104,10 +104,11 @@ def test_bpe_json_matches_hf(hf_pair, texts):
     hf, tok = hf_pair
     assert tok.kind == "tiktoken"
     assert tok.vocab_size == hf.get_vocab_size(with_added_tokens=True)
-    for t in texts:
+    for t in texts + ["<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi <tool_call> a<|eot_id|>b"]:
         ids = tok.encode(t, allow_special=True)
         assert ids == hf.encode(t, add_special_tokens=False).ids, repr(t)
         assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+        assert tok.decode(ids, skip_special=True) == hf.decode(ids, skip_special_tokens=True), repr(t)
         if t == t.encode("utf-8").decode("utf-8") and hf.normalizer is None:
             assert tok.decode(ids) == t
 

@@ -263,13 +263,15 @@ def test_a_method_rows_nll_is_its_qa_training_loss():
 def test_answers_stop_at_the_chat_turn_end_that_the_checkpoints_eos_leaves_out(tmp_path, method):
     """A base checkpoint with a chat template (Qwen2.5, Llama 3.1): its config's eos is its end-of-text, and --prompt
     auto's answers end with the turn end (<|im_end|> here). Every row stops there: a decoder that writes "Paris", the
-    turn end, then "Paris" again answers "Paris" (it answered "Paris<|im_end|>ParisParis...", F1 0)."""
+    turn end, then "Paris" again answers "Paris" (it answered "Paris<|im_end|>ParisParis...", F1 0). A special token
+    inside the answer is not written (HF's skip_special_tokens)."""
     ckpt = hf_checkpoint(tmp_path / "hf", chat=True)
     cfg = train.TrainConfig(method=method, init_from=ckpt, objective="qa" if method == "meanpool" else "lm", ratio="4")
     tok, base, m = train.build(cfg, train.method_registry()[method].Config(), "cpu", torch.float32)
     end = tok.special("<|im_end|>")
     assert end not in base.config.eos_token_id and data.stop_ids(tok, "auto")[0] == end
-    script, at = tok.encode(" Paris", start=False) + [end] + tok.encode(" Paris", start=False) * 4, [0]
+    paris = [tok.special("<|im_start|>")] + tok.encode(" Paris", start=False)
+    script, at = paris + [end] + tok.encode(" Paris", start=False) * 4, [0]
     real_prefill = base.prefill
 
     def logits(h):  # (..., V): the script's next token, counted from each answer's first
