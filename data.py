@@ -188,7 +188,7 @@ def load_tokenizer(path):
     if path.is_dir() and not (tj.exists() or tm.exists()):
         raise ValueError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
     try:
-        json_wins = tj.exists() and (not tm.exists() or _is_byte_level(_load_json(tj)))
+        json_wins = tj.exists() and (not tm.exists() or _is_byte_level(_checkpoint_json(tj)))
         file = path if not path.is_dir() else tj if json_wins else tm
         tok = _from_tokenizer_json(file) if file.suffix == ".json" else _from_model_file(file)
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # a JSON file of another shape
@@ -205,7 +205,7 @@ def _is_byte_level(spec):
 
 
 def _from_tokenizer_json(path):
-    spec = _load_json(path)
+    spec = _checkpoint_json(path)
     model = spec.get("model") or {}
     if not _is_byte_level(spec):
         kind = model.get("type", "?") + (" (not byte-level)" if model.get("type") == "BPE" else "")
@@ -350,7 +350,7 @@ def _from_model_file(path):
 def _apply_checkpoint_config(tok, folder):
     """bos / eos / pad ids and the chat template from the HF config files next to the tokenizer."""
     names = ("tokenizer_config.json", "generation_config.json", "config.json")
-    tcfg, gcfg, cfg = (_load_json(folder / name) if (folder / name).exists() else {} for name in names)
+    tcfg, gcfg, cfg = (_checkpoint_json(folder / name) if (folder / name).exists() else {} for name in names)
     for name, doc in zip(names, (tcfg, gcfg, cfg)):
         if not isinstance(doc, dict):
             raise ValueError(f"{folder / name}: a JSON {type(doc).__name__}, expected an object of keys")
@@ -367,7 +367,7 @@ def _apply_checkpoint_config(tok, folder):
         raise ValueError(f"{folder / 'tokenizer_config.json'}: {key} {text!r} is not a token of this tokenizer")
 
     if tok.kind == "sentencepiece" and (folder / "tokenizer.json").exists():
-        for t in _load_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
+        for t in _checkpoint_json(folder / "tokenizer.json").get("added_tokens", []):  # e.g. an added <pad>
             tok.specials.setdefault(t["content"], t["id"])
         tok.vocab_size = max(tok.vocab_size, max(tok.specials.values()) + 1)
     if tcfg:
@@ -696,6 +696,14 @@ def _load_json(path):
         hint = (" (JSON lines? name the file .jsonl)" if e.msg == "Extra data" else "" if named else
                 " (read as JSON by its name; text is .txt or .md, JSON lines .jsonl)")
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}{hint}") from None
+
+
+def _checkpoint_json(path):
+    """A checkpoint's JSON file (tokenizer.json, its configs): one that is not UTF-8 is a ValueError naming it."""
+    try:
+        return _load_json(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
 
 
 def _jsonl(path):

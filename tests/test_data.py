@@ -433,6 +433,13 @@ def test_chat_template_picks_the_format(fmt, tmp_path):
         (tmp_path / "chat_template.jinja").write_bytes(b"{{ '\xff' }}")
         with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text \(byte 4\)"):
             data.load_tokenizer(tmp_path)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # (a line naming no file)
+            (tmp_path / "bad").mkdir(exist_ok=True)
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                (tmp_path / "bad" / f).write_bytes((tmp_path / f).read_bytes())
+            (tmp_path / "bad" / name).write_bytes(b'{"x": "\xff"}')
+            with pytest.raises(ValueError, match=rf"bad/{name}: not UTF-8 text$"):
+                data.load_tokenizer(tmp_path / "bad")
 
 
 # -----------------------------------------------------------------------------
