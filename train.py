@@ -894,7 +894,7 @@ def build(cfg, mcfg, device, dtype):
         if isinstance(m, Transformer):
             m.grad_ckpt = cfg.grad_ckpt
     if cfg.method != "base" and run_state(cfg.init_from, cfg.method):
-        load_checkpoint(cfg.init_from, method)  # a second stage starts from the first (pic, ata, sentence_gist)
+        load_checkpoint(cfg.init_from, method, partial=True)  # a second stage starts from the first (pic, ata, sentence_gist)
     return tok, base, method
 
 
@@ -1050,8 +1050,9 @@ def checkpoint_of(run_dir):
     return state, os.path.join(run_dir, files["ckpt"])
 
 
-def load_checkpoint(out_dir, method, opt=None):
-    """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step."""
+def load_checkpoint(out_dir, method, opt=None, partial=False):
+    """Trainable tensors (and optimizer state, RNG) of a run dir; returns the step. partial: the run is an earlier
+    stage, which may train fewer (sentence_gist's stage 1, the gist rows alone)."""
     state, ckpt = checkpoint_of(out_dir)
     params = {n: p for n, p in method.named_parameters() if p.requires_grad or opt is None}  # --resume: trainable only
     tensors = read_tensors(ckpt)
@@ -1060,8 +1061,8 @@ def load_checkpoint(out_dir, method, opt=None):
         raise SystemExit(f"error: {out_dir}: checkpoint tensors {unknown[:5]} do not match this method's parameters "
                          "(names or shapes)")
     missing = [n for n, p in method.named_parameters() if p.requires_grad and n not in tensors]
-    if opt is not None and missing:  # --resume would load the optimizer's state onto the wrong tensors (a first
-        # stage, whose checkpoint starts the next, may train fewer: sentence_gist's stage 1, the gist rows alone)
+    if missing and not partial:  # (--resume would load the optimizer's state onto the wrong tensors; eval would read
+        # the missing ones at their initial values)
         raise SystemExit(f"error: {out_dir}: its checkpoint lacks this method's trainable {missing[:5]}: a run of "
                          "other flags")
     with torch.no_grad():

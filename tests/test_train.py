@@ -194,6 +194,9 @@ def test_resume_takes_the_runs_objective_ratio_and_aids(base_dir, tmp_path):
                       (0.9, 0.95))
     with pytest.raises(SystemExit, match=r"its checkpoint lacks this method's trainable \['extra'\]"):
         train.load_checkpoint(str(out), method, opt)
+    with pytest.raises(SystemExit, match=r"its checkpoint lacks this method's trainable \['extra'\]"):
+        train.load_checkpoint(str(out), method)  # eval's (it read `extra` at its initial value, and scored that)
+    assert train.load_checkpoint(str(out), method, partial=True) == 4  # a stage that trains more starts from it
 
 
 def test_adamw_is_torchs_step_for_step_and_reads_its_state():
