@@ -718,6 +718,9 @@ def check_stage(cfg, mcfg, cls):
             raise SystemExit(f"error: --{flag} {value!r} must be a finite number >= 0")
         if flag in ("min_lr_frac", "warmup_frac") and value > 1:
             raise SystemExit(f"error: --{flag} {value!r} is a fraction (of the peak lr, of the steps): 0 to 1")
+    if cfg.lr * cfg.weight_decay >= 1:  # (1e10 went on to a nan loss at step 2, past the first checkpoint)
+        raise SystemExit(f"error: --weight_decay {cfg.weight_decay!r} at --lr {cfg.lr!r}: AdamW scales the weights "
+                         "by 1 - lr x weight_decay each step, which must stay above 0")
     if cfg.warmup_iters < 0 or cfg.eval_interval < 0 or cfg.eval_examples < 0:
         raise SystemExit("error: --warmup_iters, --eval_interval and --eval_examples must be >= 0")
     if cfg.eval_examples > 1 << 20:  # (as eval.py's --n: the synthetic benchmark would build every one first)
@@ -737,14 +740,20 @@ def check_stage(cfg, mcfg, cls):
     if cfg.cuda_graphs and not (cfg.compile and cuda and not cfg.grad_ckpt):
         raise SystemExit("error: --cuda_graphs replays --compile's layers as CUDA graphs: it needs --compile and "
                          "a CUDA device, and not --grad_ckpt (a recompute runs outside the graphs)")
+    check_method_config(cfg, mcfg, cls)
+
+
+def check_method_config(cfg, mcfg, cls):
+    """The method's values (a stage's, or an edited run.json's: run_config): one-line errors."""
     lowest = 0 if getattr(cls, "full_finetuning", False) else 1  # pic and sentence_gist: --lora_r 0 trains weights
     if getattr(mcfg, "lora_r", lowest) < lowest:
         raise SystemExit(f"error: --lora_r {mcfg.lora_r} must be >= {lowest}"
                          + (" (0: full finetuning, no LoRA)" if lowest == 0 else " (the adapters' rank)"))
     if getattr(mcfg, "lora_r", 0) > 1 << 16:  # (far above any paper's 16-128; a typo's 10^11 asked for 150 TB)
         raise SystemExit(f"error: --lora_r {mcfg.lora_r}: at most 65536")
-    if getattr(mcfg, "lora_alpha", 1) <= 0:
-        raise SystemExit(f"error: --lora_alpha {mcfg.lora_alpha} must be > 0 (the adapters scale by alpha / r)")
+    if not 0 < getattr(mcfg, "lora_alpha", 1) <= 1 << 16:  # (the papers' 16-128; 10^41 overflowed to a nan loss)
+        raise SystemExit(f"error: --lora_alpha {mcfg.lora_alpha} must lie in (0, 65536] (the adapters scale by "
+                         "alpha / r)")
     if hasattr(cls, "check_config"):
         cls.check_config(cfg, mcfg)
 
@@ -894,7 +903,7 @@ def build(cfg, mcfg, device, dtype):
         if isinstance(m, Transformer):
             m.grad_ckpt = cfg.grad_ckpt
     if cfg.method != "base" and run_state(cfg.init_from, cfg.method):
-        load_checkpoint(cfg.init_from, method, partial=True)  # a second stage starts from the first (pic, ata, sentence_gist)
+        load_checkpoint(cfg.init_from, method, partial=True)  # a later stage starts from the first (pic, ata, gist)
     return tok, base, method
 
 
@@ -927,9 +936,14 @@ def run_config(run_dir):
             ratios_of(getattr(cfg, key) or cfg.ratio, key)
         except SystemExit as e:
             raise SystemExit(f"error: {path}: train.{key}: {str(e).partition(': ')[2]}") from None
+    mcfg = methods[name].Config(**state["method"])
+    try:
+        check_method_config(cfg, mcfg, methods[name])
+    except SystemExit as e:
+        raise SystemExit(f"error: {path}: {str(e).removeprefix('error: ')}") from None
     if name == "base":
         cfg.init_from = run_dir
-    return cfg, methods[name].Config(**state["method"]), methods[name]
+    return cfg, mcfg, methods[name]
 
 
 def check_moved(run_dir, cfg):

@@ -152,7 +152,9 @@ CASES = [  # (what is broken, flags, what the one line says)
     ("max_iters", ["--max_iters", -3], "--max_iters -3 must be a finite number >= 0 (0: the recipe's)"),
     ("grad_accum", ["--grad_accum", 0], "--grad_accum 0 must be a positive integer"),
     ("lora_r", ["--lora_r", 0], "--lora_r 0 must be >= 1 (the adapters' rank)"),
-    ("lora_alpha", ["--lora_alpha", 0], "--lora_alpha 0 must be > 0"),
+    ("lora_alpha", ["--lora_alpha", 0], "--lora_alpha 0 must lie in (0, 65536]"),
+    ("lora_alpha huge", ["--lora_alpha", 10 ** 41], f"--lora_alpha {10 ** 41} must lie in (0, 65536]"),  # (a nan loss)
+    ("weight_decay", ["--weight_decay", 1e10], "--weight_decay 10000000000.0 at --lr"),  # (a nan loss at step 2)
     ("prompt", ["--prompt", "gemma"], "--prompt gemma: the tokenizer of"),  # was an error at the first batch
     ("teacher ratio", ["--method=teacher", "--ratio", 4], "--ratio does not apply to --method teacher"),
     ("nothing trains", ["--fixed_encoder", "--fixed_decoder", "--no_linear"], "(kd) with these flags trains no"),
@@ -248,6 +250,9 @@ def test_resume_keeps_the_runs_method_and_its_config(files, tmp_path):
                                                   command=dict(state["command"], lora_r=8))))  # (the command's too)
     line = in_process([a for a in common if a not in ("--lora_r", 4)] + ["--max_iters", 2, "--resume"])
     assert line.startswith("error: ") and "do not match this method's parameters (names or shapes)" in line, line
+    (out / "run.json").write_text(json.dumps(dict(state, method=dict(state["method"], lora_r=-4))))
+    with pytest.raises(SystemExit, match=f"error: {out}/run.json: --lora_r -4 must be >= 1"):
+        train.run_config(str(out))  # what eval.py and hf_generate.py read (a traceback in add_adapter)
     (out / "run.json").write_bytes(before["run.json"])
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     assert in_process([a for a in common if a not in ("--lora_r", 4)] + ["--max_iters", 2, "--resume"]) == ""
