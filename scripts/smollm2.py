@@ -32,6 +32,7 @@ the vocabulary is byte-level BPE as the GGUF says ("gpt2"): transformers 5.17 wr
 sentencepiece's byte fallback, unknown token and decoder, which data.load_tokenizer refuses.
 """
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -169,6 +170,8 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     eval.py's first n questions span every held-out article (in title order, 1,000 spanned 5).
     Returns {"train", "heldout"}: (path, articles, questions)."""
     import data
+    if data.file_kind(path) == "jsonl":  # (its JSON error said to name the file .jsonl)
+        raise SystemExit(f"error: --squad {path}: JSON lines; give SQuAD v1.1's JSON file (or its .zip)")
     doc = data._load_json(path)
     if not (isinstance(doc, dict) and isinstance(doc.get("data"), list) and all(
             isinstance(a, dict) and isinstance(a.get("title"), str) and isinstance(a.get("paragraphs"), list)
@@ -178,11 +181,11 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     articles = sorted(doc["data"], key=lambda a: a["title"])
     if not 0 < heldout_articles < len(articles):
         raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")
-    held = set(random.Random(seed).sample([a["title"] for a in articles], heldout_articles))
+    held = set(random.Random(seed).sample(range(len(articles)), heldout_articles))  # (positions: titles may repeat)
     os.makedirs(out_dir, exist_ok=True)
     out = {}
-    for name, keep in (("train", lambda a: a["title"] not in held), ("heldout", lambda a: a["title"] in held)):
-        part = [a for a in articles if keep(a)]
+    for name, keep in (("train", lambda i: i not in held), ("heldout", lambda i: i in held)):
+        part = [a for i, a in enumerate(articles) if keep(i)]
         out[name] = (os.path.join(out_dir, f"squad-{name}.json"), len(part),
                      sum(len(p["qas"]) for a in part for p in a["paragraphs"]))
         if name == "heldout":
@@ -238,6 +241,8 @@ def main(argv):
     if os.path.isfile(os.path.join(args.out_dir, "run.json")):
         raise SystemExit(f"error: {args.out_dir} is a train.py run dir; convert into another folder")
     model, standin = (os.path.isfile(os.path.join(args.out_dir, f)) for f in ("model.safetensors", STANDIN))
+    if not model and glob.glob(os.path.join(args.out_dir, "*.safetensors*")):  # (a sharded checkpoint: its config
+        raise SystemExit(f"error: {args.out_dir} holds another checkpoint's weights: name another folder")  # went)
     if model and args.random != standin:  # (converting kept any model there; --random overwrote the converted one)
         raise SystemExit(f"error: {args.out_dir} holds {'a --random stand-in' if standin else 'a converted model'}; "
                          f"{'--random' if args.random else 'the conversion'} would not be it: name another folder")

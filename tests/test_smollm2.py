@@ -87,6 +87,25 @@ def test_a_file_that_is_not_squad_is_one_line(tmp_path):
             smollm2.split_squad(str(tmp_path / "s.json"), str(tmp_path / "out"))
 
 
+def test_articles_of_one_title_split_by_position_and_json_lines_or_shards_are_one_line(tmp_path):
+    """Articles that share a title (the split drew titles: 4 of one held out 1 and trained on none); a .jsonl --squad
+    (its line said to name it .jsonl); a dir of a sharded checkpoint (the conversion wrote over its config)."""
+    qa = {"context": "Ann lives in Oslo.", "qas": [{"id": "q", "question": "Where?", "answers": [
+        {"text": "Oslo", "answer_start": 13}]}]}
+    (tmp_path / "s.json").write_text(json.dumps({"data": [{"title": "same", "paragraphs": [
+        dict(qa, qas=[dict(qa["qas"][0], id=f"q{i}")])]} for i in range(4)]}))
+    out = smollm2.split_squad(str(tmp_path / "s.json"), str(tmp_path / "out"), heldout_articles=1)
+    assert [(n, q) for _, n, q in out.values()] == [(3, 3), (1, 1)]
+    (tmp_path / "s.jsonl").write_text(json.dumps(qa) + "\n")
+    with pytest.raises(SystemExit, match="--squad .*s.jsonl: JSON lines; give SQuAD v1.1's JSON file"):
+        smollm2.split_squad(str(tmp_path / "s.jsonl"), str(tmp_path / "out"))
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(SystemExit, match="sharded holds another checkpoint's weights"):
+        smollm2.main([str(tmp_path / "sharded"), "--random", "--squad", str(tmp_path / "s.json")])
+    assert os.listdir(tmp_path / "sharded") == ["model.safetensors.index.json"]
+
+
 @pytest.mark.skipif(not SQUAD.exists(), reason="assets absent")
 def test_bad_flags_are_one_line_before_anything_is_written(tmp_path):
     """A split that cannot be made stops before the random stand-in (or the GGUF's conversion) is written; a negative
