@@ -335,11 +335,12 @@ def check_args():
     """The flags' values before any work: one line naming the flag."""
     for flag, least in (("iters", 1), ("burn_in", 0), ("threads", 0), ("loss_vocab", 1), ("tokens", 1), ("dim", 1),
                         ("context", 1), ("train_batch", 1), ("attn_batch", 1)):
-        if getattr(args, flag) < least:
-            sys.exit(f"error: --{flag} {getattr(args, flag)} must be >= {least}")
+        most = 4096 if flag == "threads" else 1 << 20  # (a typo's 10^11 reached torch or the sampler as a traceback)
+        if not least <= getattr(args, flag) <= most:
+            sys.exit(f"error: --{flag} {getattr(args, flag)} must lie in {least}..{most}")
     if unknown := sorted(set(args.shapes.split(",")) - SHAPES.keys()):
         sys.exit(f"error: --shapes {','.join(unknown)}: no such shape; choose from {', '.join(SHAPES)}")
-    if not all(n.isdigit() and int(n) > 0 for n in args.lengths.split(",")):
+    if not all(n.isascii() and n.isdigit() and 0 < int(n) <= 1 << 20 for n in args.lengths.split(",")):  # (not ²)
         sys.exit(f"error: --lengths {args.lengths!r}: a comma list of positive token counts")
     selected_rows()
 

@@ -144,9 +144,12 @@ def test_bench_flags_are_one_line_before_any_work():
     import pytest
     bench = load_script("hf_twins", "benchmarks").bench
     try:
-        for argv, message in ((["train", "--iters", "0"], "--iters 0 must be >= 1"),
+        for argv, message in ((["train", "--iters", "0"], "--iters 0 must lie in 1..1048576"),
+                              (["loss", "--threads", str(10 ** 11)], f"--threads {10 ** 11} must lie in 0..4096"),
+                              (["train", "--context", str(10 ** 11)], f"--context {10 ** 11} must lie in 1..1048576"),
                               (["train", "--shapes", "llama-3.1-8b,bogus"], "--shapes bogus: no such shape"),
                               (["attention", "--lengths", "4k"], "--lengths '4k': a comma list"),
+                              (["attention", "--lengths", "²"], "--lengths '²': a comma list"),  # (int('²') failed)
                               (["loss", "--device", "tpu"], "--device 'tpu' is not a device"),
                               (["loss", "--only", "bogus"], "--only: invalid choice: 'bogus'"),  # (it timed a loss)
                               (["train", "--cuda_graphs"], "--cuda_graphs needs --compile"),  # (argparse's usage)
