@@ -284,6 +284,20 @@ def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
     assert line == f"error: --max_iters 2: the run --resume continues, {out}, is at step 3 already", line
 
 
+def test_resume_with_a_stage_the_run_never_had_or_has_lost_is_one_line(tmp_path):
+    """--resume --pretrain 1 on a run trained with --pretrain 0 said the run "began from" a pretrain dir it never had;
+    a run whose first stage's dir has gone since says that."""
+    out, two = tmp_path / "one", tmp_path / "two"
+    assert in_process(["--method", "sac", *FAST, "--out_dir", out, "--pretrain", 0]) == ""
+    line = in_process(["--method", "sac", "--out_dir", out, "--resume", "--pretrain", 1, "--max_iters", 3])
+    assert line == f"error: --resume: {out} was trained with no pretrain stage before it, which this command adds: " \
+                   "leave --pretrain out", line
+    assert in_process(["--method", "sac", *FAST, "--out_dir", two, "--pretrain", 1]) == ""
+    shutil.rmtree(two / "pretrain")
+    line = in_process(["--method", "sac", "--out_dir", two, "--resume", "--max_iters", 3])
+    assert line == f"error: --resume: {two} began from {two / 'pretrain'}, which holds no checkpoint now", line
+
+
 def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(files, tmp_path, monkeypatch):
     """A run stopped in its first stage, in a dir holding an earlier finished run: --resume finished the first stage,
     then found the earlier run's last stage "at its step already" and kept its weights; and a last stage not begun
