@@ -622,16 +622,17 @@ def _count(stats, key, n=1):
         stats[key] = stats.get(key, 0) + n
 
 
-def _parsed(path, items, parse, skip_bad, stats):
-    """Records from parse(raw) for each (line, raw) item (items=None: the JSON lines of a JSONL(.gz) file); its
-    ValueError becomes "path:line: what is wrong" (skip_bad: counts it). Records without an id get "file:line"."""
+def _parsed(path, items, parse, skip_bad, stats, unit=""):
+    """Records from parse(raw) for each (n, raw) item (items=None: the JSON lines of a JSONL(.gz) file); its
+    ValueError becomes "path:line: what is wrong", or "path: question 3: ..." where the items are the units of one
+    JSON file (unit: "question", "record"); skip_bad: counts it. Records without an id get "file:n"."""
     for line, raw in _jsonl(path) if items is None else items:
         try:
             records = parse(json.loads(raw) if items is None else raw)
         except ValueError as e:
             if not skip_bad:
                 why = f"invalid JSON: {e.msg}" if isinstance(e, json.JSONDecodeError) else e
-                raise ValueError(f"{path}:{line}: {why}") from None
+                raise ValueError(f"{path}: {unit} {line}: {why}" if unit else f"{path}:{line}: {why}") from None
             _count(stats, "skipped_bad")
             continue
         for k, r in enumerate(records):
@@ -720,8 +721,8 @@ def _jsonl(path):
 
 def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=None):
     """SQuAD v1.1 / v2.0 JSON (or a .zip of it), a record per question; chunks = sentences, relevant = those the first
-    answer overlaps. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Error "line" = question
-    index. doc: the file's JSON where the caller has read it (read_dataset)."""
+    answer overlaps. v2 unanswerable questions: counted and skipped, or kept with answers=[]. Errors name the question
+    (1-based, in file order). doc: the file's JSON where the caller has read it (read_dataset)."""
     doc = _load_json(path) if doc is None else doc
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise ValueError(f"{path}:1: not a SQuAD file (no top-level 'data' list)")
@@ -769,7 +770,7 @@ def read_squad(path, skip_bad=False, keep_unanswerable=False, stats=None, doc=No
         if any(context[s:s + len(t)] != t for s, t in zip(starts, texts)):  # (relevant reads the start)
             _count(stats, "answer_not_at_its_start")
         return [record]
-    return _parsed(path, enumerate(items, 1), parse, skip_bad, stats)
+    return _parsed(path, enumerate(items, 1), parse, skip_bad, stats, "question")
 
 
 def read_mrqa(path, skip_bad=False, stats=None):
@@ -789,7 +790,7 @@ def read_mrqa(path, skip_bad=False, stats=None):
 
 def read_hotpot(path, distractors=False, skip_bad=False, stats=None, doc=None):
     """HotpotQA JSON list. chunks = "Title: sentences" paragraphs, the gold ones (titles in supporting_facts) or all
-    ten with distractors=True; relevant = the gold paragraphs. Error "line" = 1-based index of the record."""
+    ten with distractors=True; relevant = the gold paragraphs. Errors name the record (1-based)."""
     recs = _load_json(path) if doc is None else doc
     if not isinstance(recs, list):
         raise ValueError(f"{path}:1: not a HotpotQA file (expected a JSON list)")
@@ -811,12 +812,12 @@ def read_hotpot(path, distractors=False, skip_bad=False, stats=None, doc=None):
         relevant = [p for t, p in paras if t in gold]
         chunks = [p for _, p in paras] if distractors else relevant
         return [_record(rec.get("_id"), "\n".join(chunks), question, [answer], relevant, chunks)]
-    return _parsed(path, enumerate(recs, 1), parse, skip_bad, stats)
+    return _parsed(path, enumerate(recs, 1), parse, skip_bad, stats, "record")
 
 
 def read_msmarco(path, skip_bad=False, stats=None, doc=None):
-    """MS MARCO v2.1: the official columnar JSON ({"query": {"0": ...}, "passages": ...}; error "line" = 1-based
-    record index) or JSONL records {"query", "passages": [{"passage_text", "is_selected"}], "answers"}. chunks =
+    """MS MARCO v2.1: the official columnar JSON ({"query": {"0": ...}, "passages": ...}; errors name the 1-based
+    record) or JSONL records {"query", "passages": [{"passage_text", "is_selected"}], "answers"}. chunks =
     passages, relevant = the selected ones; records answered "No Answer Present." are skipped and counted."""
     items = None  # JSONL
     if file_kind(path) != "jsonl":
@@ -837,7 +838,7 @@ def read_msmarco(path, skip_bad=False, stats=None, doc=None):
             raise ValueError("'is_selected' should be 0 or 1")
         relevant = [c for c, p in zip(chunks, passages) if p.get("is_selected") == 1]
         return [_record(rec.get("query_id"), "\n".join(chunks), question, answers, relevant, chunks)]
-    return _parsed(path, items, parse, skip_bad, stats)
+    return _parsed(path, items, parse, skip_bad, stats, "record" if items else "")
 
 
 def read_jsonl(path, skip_bad=False, stats=None):

@@ -455,7 +455,8 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     n_stages = len(stages)
     if begun and begun[-1] > 0:  # --resume: the stages before the last one begun stand as they are (another split
         j, init_from = begun[-1], dirs[begun[-1] - 1]  # of --max_iters retrained them under the later one's weights)
-        if as_compared("init_from", ran[j].init_from) != as_compared("init_from", init_from):  # (pretrain 0, then 1)
+        if os.path.basename(os.path.normpath(ran[j].init_from)) != stages[j - 1].name:  # (--pretrain 0, then 1; a
+            # relative init_from is the run's start folder's: the name alone)
             raise SystemExit(f"error: --resume: {dirs[j]} was trained with no {stages[j - 1].name} stage before it, "
                              "which this command adds" + (": leave --pretrain out" if "pretrain" in explicit else ""))
         if not ran[j - 1]:  # (else the first stage would train anew, then this one fail)

@@ -472,7 +472,7 @@ def squad_fixture(path):
 def test_read_squad(tmp_path):
     p = tmp_path / "dev.json.zip"
     squad_fixture(p)
-    with pytest.raises(ValueError, match=r"dev\.json\.zip:3: missing field 'question'"):
+    with pytest.raises(ValueError, match=r"dev\.json\.zip: question 3: missing field 'question'"):
         list(data.read_squad(p))
     stats = {}
     recs = list(data.read_squad(p, skip_bad=True, stats=stats))
@@ -485,7 +485,8 @@ def test_read_squad(tmp_path):
     text = json.dumps({"data": [{"paragraphs": [{"context": "Ann.", "qas": [  # ("no" skipped it as unanswerable)
         {"question": "Who?", "answers": [{"text": "Ann", "answer_start": 0}], "is_impossible": "no"}]}]}]})
     (tmp_path / "v2.json").write_text(text)
-    with pytest.raises(ValueError, match=r"v2\.json:1: field 'is_impossible' should be true or false, got \"no\""):
+    with pytest.raises(ValueError, match=r"v2\.json: question 1: field 'is_impossible' should be true or false, "
+                                         r"got \"no\""):
         list(data.read_squad(tmp_path / "v2.json"))
 
 
@@ -515,7 +516,7 @@ def test_read_hotpot(tmp_path):
     bad = dict(good, _id="h2", supporting_facts=[["Z", 0]])
     p = tmp_path / "hotpot.json"
     p.write_text(json.dumps([good, bad]))
-    with pytest.raises(ValueError, match=r"hotpot\.json:2: supporting fact titles \['Z'\] not in context"):
+    with pytest.raises(ValueError, match=r"hotpot\.json: record 2: supporting fact titles \['Z'\] not in context"):
         list(data.read_hotpot(p))
     (r,) = data.read_dataset(p, skip_bad=True)
     assert r["chunks"] == r["relevant"] == ["B: B is a place. It is in Bland.", "D: D is a place. It is in Dland."]
@@ -524,7 +525,7 @@ def test_read_hotpot(tmp_path):
     assert len(r["chunks"]) == 4 and len(r["relevant"]) == 2
     no_facts = {k: v for k, v in good.items() if k != "supporting_facts"}
     p.write_text(json.dumps([no_facts, good]))  # (its format was read from the first record alone: "cannot tell")
-    with pytest.raises(ValueError, match=r"hotpot\.json:1: missing field 'supporting_facts'"):
+    with pytest.raises(ValueError, match=r"hotpot\.json: record 1: missing field 'supporting_facts'"):
         data.read_dataset(p)
     assert [r["id"] for r in data.read_dataset(p, skip_bad=True)] == ["h1"]
 
@@ -536,7 +537,7 @@ def test_read_msmarco(tmp_path):
             "answers": {"0": ["two"], "1": ["No Answer Present."], "2": ["x"]}}
     p = tmp_path / "dev_v2.1.json"
     p.write_text(json.dumps(cols))
-    with pytest.raises(ValueError, match=r"dev_v2\.1\.json:3: missing field 'passage_text'"):
+    with pytest.raises(ValueError, match=r"dev_v2\.1\.json: record 3: missing field 'passage_text'"):
         list(data.read_msmarco(p))
     stats = {}
     (r,) = data.read_dataset(p, skip_bad=True, stats=stats)
@@ -648,7 +649,7 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
     """Records that parse but cannot be read or scored as their format says: an empty context, question or answer
     (an empty prediction scores EM 100 against it), SQuAD's answer_start outside the context, HotpotQA sentences
     that are not strings or no supporting fact, MS MARCO's is_selected other than 0 / 1, JSONL's relevant
-    without chunks. Each: "file:record: what is wrong"."""
+    without chunks. Each: "file: question n: what is wrong" (JSONL: "file:line: ...")."""
     def squad(context="A b. C d.", question="q", text="A", start=0):
         qa = {"question": question, "answers": [{"text": text, "answer_start": start}]}
         return {"data": [{"paragraphs": [{"context": context, "qas": [qa]}]}]}
@@ -656,17 +657,18 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
     marco = {"query": "q", "answers": ["A"], "passages": [{"passage_text": "A.", "is_selected": "0"}]}
     jsonl = {"context": "A b.", "question": "q", "answers": ["A"], "relevant": ["A b."]}
     for name, doc, message in (
-            ("c.json", squad(context=""), "c.json:1: empty context"),  # was an IndexError
-            ("w.json", squad(context="   ", start=2), "w.json:1: empty context"),  # (named its answer_start)
-            ("q.json", squad(question=" "), "q.json:1: empty question"),
-            ("a.json", squad(text=""), 'a.json:1: an empty answer: [""]'),
-            ("s.json", squad(start=99), "s.json:1: answer_start [99] should lie in the context's 9 characters"),
-            ("n.json", squad(start=-1), "n.json:1: answer_start [-1]"),
-            ("b.json", squad(start=True), "b.json:1: field 'answer_start' should be int, got [true]"),  # (True is 1)
-            ("h.json", [{**hotpot, "context": [["T", [1, 2]]]}], "h.json:1: context should be [title, [sentences]] "
-                                                                 "pairs of strings"),  # was a TypeError
-            ("f.json", [{**hotpot, "supporting_facts": []}], "f.json:1: supporting_facts is empty"),
-            ("e.json", [{**hotpot, "answer": ""}], "e.json:1: an empty answer"),
+            ("c.json", squad(context=""), "c.json: question 1: empty context"),  # was an IndexError
+            ("w.json", squad(context="   ", start=2), "w.json: question 1: empty context"),  # (named its answer_start)
+            ("q.json", squad(question=" "), "q.json: question 1: empty question"),
+            ("a.json", squad(text=""), 'a.json: question 1: an empty answer: [""]'),
+            ("s.json", squad(start=99), "s.json: question 1: answer_start [99] should lie in the context's 9 "
+                                        "characters"),
+            ("n.json", squad(start=-1), "n.json: question 1: answer_start [-1]"),
+            ("b.json", squad(start=True), "b.json: question 1: field 'answer_start' should be int, got [true]"),  # (1)
+            ("h.json", [{**hotpot, "context": [["T", [1, 2]]]}], "h.json: record 1: context should be [title, "
+                                                                 "[sentences]] pairs of strings"),  # was a TypeError
+            ("f.json", [{**hotpot, "supporting_facts": []}], "f.json: record 1: supporting_facts is empty"),
+            ("e.json", [{**hotpot, "answer": ""}], "e.json: record 1: an empty answer"),
             ("m.jsonl", [marco], "m.jsonl:1: 'is_selected' should be 0 or 1"),  # "0" was selected
             ("r.jsonl", [jsonl], "r.jsonl:1: 'relevant' entries must be chunks (give the context's 'chunks' too)"),
             ("x.jsonl", [{**jsonl, "relevant": None, "answers": [" "]}], "x.jsonl:1: an empty answer")):
