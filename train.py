@@ -299,6 +299,9 @@ class Stage:
     name: str = "pretrain"  # its run dir under --out_dir when a later stage follows
     scaled: tuple = ()  # --no_aids on the tiny base: the keys of `paper` that hold TINY's other values (SCALE)
 
+    def steps(self):  # as stage_values reads it: the paper's over the official code's over ours over FALLBACK
+        return {**FALLBACK, **self.ours, **self.official, **self.paper}["max_iters"]
+
 
 # what --no_aids keeps of the tiny recipe: a 1.1M-parameter base on a CPU needs its own steps, batch and lr
 SCALE = ("max_iters", "batch_size", "grad_accum", "lr", "warmup_iters", "warmup_frac", "ratio", "eval_ratio")
@@ -440,7 +443,7 @@ def resolve(cfg, mcfg, explicit, cls, world=1):
     if taught and "prompt" not in explicit:
         cfg.prompt = taught
     stages, source = recipe_stages(cfg, mcfg, explicit, cls)
-    recipe_steps = [s.paper.get("max_iters", s.ours.get("max_iters", FALLBACK["max_iters"])) for s in stages]
+    recipe_steps = [s.steps() for s in stages]
     steps, fixed = list(recipe_steps), 1 if "pretrain" in explicit and cfg.pretrain else 0
     if fixed:
         steps[0] = cfg.pretrain
@@ -567,8 +570,7 @@ def recipe_stages(cfg, mcfg, explicit, cls):
         if small:  # --no_aids: the paper's recipe at the tiny base's scale
             scaled = tiny_stages(cls, mcfg)
             scale = {k: v for k, v in scaled[-1].paper.items() if k in SCALE and k != "max_iters"}
-            steps = split_steps(sum(s.paper.get("max_iters", 1) for s in scaled),
-                                [s.paper.get("max_iters", 1) for s in stages])
+            steps = split_steps(sum(s.steps() for s in scaled), [s.steps() for s in stages])  # (pic's qa: ours)
             stages = [replace(s, paper={**s.paper, **scale, "max_iters": n},
                               scaled=tuple(k for k, v in {**scale, "max_iters": n}.items() if s.paper.get(k) != v))
                       for s, n in zip(stages, steps)]

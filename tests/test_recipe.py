@@ -77,6 +77,8 @@ def test_the_tiny_base_keeps_its_own_recipe_and_no_aids_is_the_papers_at_its_sca
     assert sum(c.max_iters for c, _, _ in paper_gist) == 700 and paper_gist[1][0].max_iters == 525  # 1 : 9 : 2
     pic_stages = resolved(["--method", "pic"])  # ae+lm 100, then qa 1100
     assert [(c.objective, c.max_iters) for c, _, _ in pic_stages] == [("ae+lm", 100), ("qa", 1100)]
+    paper_pic = resolved(["--method", "pic", "--no_aids"])  # 90,000 : 5,427 (its qa steps are ours: they read 1)
+    assert [(c.objective, c.max_iters) for c, _, _ in paper_pic] == [("ae+lm", 1132), ("qa", 68)]
 
 
 def test_stage_flags_and_the_one_steps_rule(base_dir, capsys):
