@@ -127,9 +127,10 @@ class SAC(nn.Module):
             raise SystemExit(f"error: --anchor_emb {mcfg.anchor_emb!r}; choose one (eq. 1) or table (official code)")
         if mcfg.no_anchor_embedding and mcfg.anchor_emb != "one":
             raise SystemExit("error: --anchor_emb table and --no_anchor_embedding: the ablation has no anchor rows")
-        if mcfg.lora_targets != "all" and not set(mcfg.lora_targets.split(",")) <= set(LORA_TARGETS):
+        targets = mcfg.lora_targets.split(",")
+        if mcfg.lora_targets != "all" and not (set(targets) <= set(LORA_TARGETS) and len(set(targets)) == len(targets)):
             raise SystemExit(f"error: --lora_targets {mcfg.lora_targets!r}: all, or a comma list of "
-                             f"{', '.join(LORA_TARGETS)}")
+                             f"{', '.join(LORA_TARGETS)}, each once")
 
     def __init__(self, base, cfg, tok, run):
         super().__init__()

@@ -333,7 +333,8 @@ def test_bad_input_is_one_line_error(tmp_path, base_dir, flags, message):
 
 @pytest.mark.parametrize("flags", [["--anchors", "best"], ["--sub_len", "0"], ["--objective", "kd"],
                                    ["--sub_len", "100000000", "--anchor_emb", "table"],  # (a table of 10^8 rows: OOM)
-                                   ["--no_anchor_embedding", "--anchor_emb", "table"]])  # (table was ignored)
+                                   ["--no_anchor_embedding", "--anchor_emb", "table"],  # (table was ignored)
+                                   ["--lora_targets", "q_proj,q_proj"]])  # (accepted: one projection named twice)
 def test_bad_sac_flags(tmp_path, base_dir, flags):
     with pytest.raises(SystemExit, match=f"^error: .*{flags[0]}"):
         train.main(["--method", "sac", "--init_from", base_dir, "--out_dir", str(tmp_path / "x"), *flags])
