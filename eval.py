@@ -713,6 +713,8 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
+    if ecfg.question.encode("utf-8", "replace").decode() != ecfg.question:  # (a byte argv could not decode)
+        raise SystemExit("error: --question is not UTF-8 text")
     check_evaluable(run_dir, ecfg.ratio, ecfg.max_new_tokens)
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
     if memory is not None:

@@ -104,6 +104,8 @@ def main(argv):
         raise SystemExit(f"error: --max_new_tokens {args.max_new_tokens} must be a positive integer")
     if not args.question.strip():
         raise SystemExit("error: --question is empty")
+    if args.question.encode("utf-8", "replace").decode() != args.question:  # (a byte argv could not decode)
+        raise SystemExit("error: --question is not UTF-8 text")
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: {train.not_a_file(args.memory)}")
     evaluate.check_evaluable(args.run, "", args.max_new_tokens)  # a compressor's run, whole

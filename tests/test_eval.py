@@ -1005,7 +1005,8 @@ def test_scripts_bad_input_is_one_line(tmp_path):
             (hf_generate.main, [tmp_path, "--memory", "m", "--question", "q", "--max_new_tokens", 0],
              "--max_new_tokens 0 must be a positive integer"),
             (hf_generate.main, [tmp_path, "--memory", "m"], "the following arguments are required: --question"),
-            (hf_generate.main, [tmp_path, "--memory", "m", "--question", " "], "--question is empty")):
+            (hf_generate.main, [tmp_path, "--memory", "m", "--question", " "], "--question is empty"),
+            (hf_generate.main, [tmp_path, "--memory", "m", "--question", "why\udcff"], "--question is not UTF-8 text")):
         assert message in _one_line(main, argv), argv
     assert out.read_text() == "kept\n"
     p = subprocess.run([sys.executable, "scripts/claims.py", "--help"], cwd=ROOT, capture_output=True, text=True)

@@ -508,6 +508,8 @@ def test_eval_inputs_are_one_line(files, tmp_path, monkeypatch):
                           ([run_dir, "--memory", files / "squad.json"], "squad.json: not a readable safetensors file"),
                           ([run_dir, "--context", tmp_path / "none.txt"], "--context"),
                           ([run_dir, "--context", tmp_path / "doc.txt", "--question", " "], "--question is empty"),
+                          ([run_dir, "--context", tmp_path / "doc.txt", "--question", "why\udcff"],  # ($'why\xff')
+                           "--question is not UTF-8 text"),
                           ([run_dir, "--context", tmp_path / "doc.txt", "--question", "why " * 3000],
                            "more than half of"),  # (an answer past the decoder's positions)
                           ([run_dir, "--context", files / "latin1.json"], "not UTF-8 text"),
