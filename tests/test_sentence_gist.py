@@ -320,7 +320,7 @@ def test_init_from_a_stage_runs_the_stages_after_it(tmp_path):
         stage_dir = tmp_path / f"stage{done}"
         stage_dir.mkdir()
         (stage_dir / "run.json").write_text(json.dumps({"train": {"method": "sentence_gist", "objective": "lm",
-                                                                  "init_from": str(tmp_path / "hf")},
+                                                                  "ratio": "1", "init_from": str(tmp_path / "hf")},
                                                         "method": {"stage": done}}))
         argv = ["--method", "sentence_gist", "--init_from", str(stage_dir)]
         (cfg, mcfg), explicit = train.parse_args(argv, train.TrainConfig, sg.SentenceGistConfig)
