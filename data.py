@@ -3,7 +3,7 @@
    becomes a tiktoken Encoding; tokenizer.model: tiktoken ranks or sentencepiece).
 2. Prompt formats: `format_qa` -> token spans `prefix | context | prompt | answer`.
 3. Readers: SQuAD, MRQA, HotpotQA, MS MARCO, JSONL, text. Errors in user files are ValueError("file:line: what is
-   wrong"); for JSON files (not JSONL) "line" is the record index.
+   wrong"), in one JSON file's questions or records ("file: question 3: what is wrong").
 4. Batching: `collate_qa`, `collate_lm` -> padded LongTensors."""
 import base64
 import collections

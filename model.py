@@ -209,7 +209,7 @@ class Memory:
     kv: list = None                    # [(k, v)] per layer, each (B, Hkv, C, hd)
     mask: torch.Tensor = None          # (B, C) bool
     next_pos: torch.Tensor = None      # (B,) long
-    origin: dict = None                # what saved it: {"run": its dir, "method", "base"} (eval.py --save_memory)
+    origin: dict = None                # eval.py --save_memory's run, method, base, checkpoint (and ata's question)
 
     def __post_init__(self):
         if self.mask is None:
