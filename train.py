@@ -830,6 +830,9 @@ def check_out_dirs(stages):
         if there and there["train"]["method"] != c.method:  # (--resume of it: resolve said so)
             raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
                              f"{there['step']}); give this run another dir")
+        if not there and os.path.isfile(os.path.join(c.out_dir, "metrics.json")):  # (eval.py writes one in a run dir)
+            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a metrics.json and no run.json: not a train.py run "
+                             "dir (a run replaces its files); give this run another dir")
         if there and not c.resume:
             print(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts anew and "
                   "replaces it (--resume continues it)", file=sys.stderr)
@@ -1306,6 +1309,8 @@ def prepare_base(cfg, mcfg, master, ddp):
     whose base is the shipped tiny_base/ trains it first when it has been deleted."""
     if cfg.method == "base" and tiny.is_tiny(cfg.init_from):
         if master:
+            for old in ("run.json", "metrics.json") if not cfg.resume else ():  # a base trained there: its model
+                Path(cfg.out_dir, old).unlink(missing_ok=True)  # is replaced now, as step 1 replaces a run's (below)
             tiny.init_base(cfg.out_dir, mcfg, cfg.seed, cfg.resume)
         cfg.init_from = cfg.out_dir
     elif ddp and tiny.needs_training(cfg.init_from):

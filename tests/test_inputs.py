@@ -289,6 +289,24 @@ def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
     assert line == f"error: --max_iters 2: the run --resume continues, {out}, is at step 3 already", line
 
 
+def test_a_folder_that_is_no_run_keeps_its_files_and_a_failed_base_leaves_no_trained_one_behind(base_dir, tmp_path):
+    """A folder with a metrics.json and no run.json is not a run's: its files were replaced (one line now). A new
+    --method base run in a trained base's dir replaces the model first: run.json goes with it, so a run that fails
+    leaves no run.json claiming the old training over random weights."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.json").write_text('{"my": 1}')
+    line = in_process(["--method", "meanpool", *FAST, "--out_dir", mine])
+    assert line == f"error: --out_dir '{mine}' holds a metrics.json and no run.json: not a train.py run dir (a run " \
+                   "replaces its files); give this run another dir", line
+    assert os.listdir(mine) == ["metrics.json"]
+    old = tmp_path / "old_base"
+    shutil.copytree(base_dir, old)
+    line = in_process(["--method", "base", "--out_dir", old, "--attn_weight", 1e38, *FAST[:6]])
+    assert line.startswith("error: step 1: the training loss is inf"), line
+    assert not (old / "run.json").exists()
+
+
 def test_resume_with_a_stage_the_run_never_had_or_has_lost_is_one_line(tmp_path):
     """--resume --pretrain 1 on a run trained with --pretrain 0 said the run "began from" a pretrain dir it never had;
     a run whose first stage's dir has gone since says that."""
