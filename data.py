@@ -13,6 +13,7 @@ import json
 import math
 import random
 import re
+import string
 import unicodedata
 import zipfile
 import zlib
@@ -578,8 +579,15 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 # 3. Readers: iterators of {"id", "context", "question", "answers", "relevant", "chunks"}. chunks: the context's
 # natural units (sentences, paragraphs, passages) in order, or None; relevant: those holding the answer, or None.
 # skip_bad: count malformed records instead of raising; stats: "records", "skipped_bad", "unanswerable", "no_answer",
-# "answer_not_at_its_start" (SQuAD: an answer's text not at its answer_start; the official files have none),
+# "unscorable" (every answer only articles and punctuation: skipped), "answer_not_at_its_start" (SQuAD: an answer's
+# text not at its answer_start; the official files have none),
 # "answer_not_in_context" (generic JSONL: none of a question's answers in its context), "repeated_ids".
+
+def normalize_answer(s):
+    """Lower text and remove punctuation, articles and extra whitespace (official SQuAD; eval.py's metrics)."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
 
 def _record(id, context, question, answers, relevant=None, chunks=None):
     if not context.strip():
@@ -636,6 +644,9 @@ def _parsed(path, items, parse, skip_bad, stats, unit=""):
             _count(stats, "skipped_bad")
             continue
         for k, r in enumerate(records):
+            if isinstance(r, dict) and r["answers"] and not any(map(normalize_answer, r["answers"])):
+                _count(stats, "unscorable")  # "The", "A", ".": SQuAD's scoring empties them, so an empty prediction
+                continue  # would match (beside a real answer they stay, as in the official script: SQuAD dev has 3)
             if isinstance(r, dict) and not r["id"]:
                 r["id"] = f"{Path(path).name}:{line}" + (f":{k}" if len(records) > 1 else "")
             _count(stats, "records")

@@ -511,7 +511,7 @@ def test_read_mrqa(tmp_path):
 
 def test_read_hotpot(tmp_path):
     para = lambda t: [t, [f"{t} is a place.", f" It is in {t}land."]]  # noqa: E731
-    good = {"_id": "h1", "question": "Q?", "answer": "A", "supporting_facts": [["B", 0], ["D", 1]],
+    good = {"_id": "h1", "question": "Q?", "answer": "B", "supporting_facts": [["B", 0], ["D", 1]],
             "context": [para(t) for t in "ABCD"]}
     bad = dict(good, _id="h2", supporting_facts=[["Z", 0]])
     p = tmp_path / "hotpot.json"
@@ -520,7 +520,7 @@ def test_read_hotpot(tmp_path):
         list(data.read_hotpot(p))
     (r,) = data.read_dataset(p, skip_bad=True)
     assert r["chunks"] == r["relevant"] == ["B: B is a place. It is in Bland.", "D: D is a place. It is in Dland."]
-    assert r["context"] == "\n".join(r["chunks"]) and r["answers"] == ["A"]
+    assert r["context"] == "\n".join(r["chunks"]) and r["answers"] == ["B"]
     (r,) = data.read_hotpot(p, distractors=True, skip_bad=True)
     assert len(r["chunks"]) == 4 and len(r["relevant"]) == 2
     no_facts = {k: v for k, v in good.items() if k != "supporting_facts"}
@@ -552,7 +552,7 @@ def test_read_msmarco(tmp_path):
 
 def test_read_jsonl_and_text(tmp_path):
     p = tmp_path / "g.jsonl"
-    p.write_text(json.dumps({"context": "A. B.", "question": "q", "answers": ["A"], "relevant": ["A."],
+    p.write_text(json.dumps({"context": "A. B.", "question": "q", "answers": ["B"], "relevant": ["A."],
                              "chunks": ["A.", "B."]}) + "\n\n" + json.dumps({"context": "x", "question": "q"}) + "\n")
     with pytest.raises(ValueError, match=r"g\.jsonl:3: missing field 'answers'"):
         list(data.read_dataset(p))
@@ -603,7 +603,7 @@ def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tm
     (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"one\n\ntwo\n"))
     lines = "".join(json.dumps({"text": t}) + "\n" for t in ("one", "two"))
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
-    qa = "".join(json.dumps({"context": c, "question": "q", "answers": ["a"]}) + "\n" for c in ("one", "one", "two"))
+    qa = "".join(json.dumps({"context": c, "question": "q", "answers": ["x"]}) + "\n" for c in ("one", "one", "two"))
     (tmp_path / "qa.jsonl").write_text(qa)
     (tmp_path / "titled.jsonl").write_text(qa.replace('{"context"', '{"text": "a title", "context"'))
     cfg = train.TrainConfig()
@@ -616,7 +616,7 @@ def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tm
 def test_every_record_gets_an_id_of_its_own(tmp_path):
     """eval.py pairs rows by question id: a missing one is named by its place (the reader's), a repeated one gets
     #2, #3, ..., past those the file holds itself."""
-    qas = [{"question": "q", "answers": [{"text": "A", "answer_start": 0}], **({"id": i} if i is not None else {})}
+    qas = [{"question": "q", "answers": [{"text": "A b", "answer_start": 0}], **({"id": i} if i is not None else {})}
            for i in ("a", None, "a", "a#2", None)]
     p = tmp_path / "s.json"
     p.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "A b.", "qas": qas}]}]}))
@@ -650,12 +650,12 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
     (an empty prediction scores EM 100 against it), SQuAD's answer_start outside the context, HotpotQA sentences
     that are not strings or no supporting fact, MS MARCO's is_selected other than 0 / 1, JSONL's relevant
     without chunks. Each: "file: question n: what is wrong" (JSONL: "file:line: ...")."""
-    def squad(context="A b. C d.", question="q", text="A", start=0):
+    def squad(context="A b. C d.", question="q", text="A b", start=0):
         qa = {"question": question, "answers": [{"text": text, "answer_start": start}]}
         return {"data": [{"paragraphs": [{"context": context, "qas": [qa]}]}]}
-    hotpot = {"_id": "h", "question": "q", "answer": "A", "supporting_facts": [["T", 0]], "context": [["T", ["A."]]]}
-    marco = {"query": "q", "answers": ["A"], "passages": [{"passage_text": "A.", "is_selected": "0"}]}
-    jsonl = {"context": "A b.", "question": "q", "answers": ["A"], "relevant": ["A b."]}
+    hotpot = {"_id": "h", "question": "q", "answer": "T", "supporting_facts": [["T", 0]], "context": [["T", ["A."]]]}
+    marco = {"query": "q", "answers": ["B"], "passages": [{"passage_text": "A.", "is_selected": "0"}]}
+    jsonl = {"context": "A b.", "question": "q", "answers": ["b"], "relevant": ["A b."]}
     for name, doc, message in (
             ("c.json", squad(context=""), "c.json: question 1: empty context"),  # was an IndexError
             ("w.json", squad(context="   ", start=2), "w.json: question 1: empty context"),  # (named its answer_start)
@@ -676,15 +676,22 @@ def test_a_record_no_reader_could_score_is_one_line(tmp_path):
         with pytest.raises(ValueError) as e:
             data.read_dataset(tmp_path / name)
         assert str(e.value).startswith(str(tmp_path)) and message in str(e.value), e.value
-    (tmp_path / "y.jsonl").write_text(json.dumps({**jsonl, "relevant": None, "answers": ["A", " "]}))
-    assert data.read_dataset(tmp_path / "y.jsonl")[0]["answers"] == ["A"]  # a blank alternative beside one: dropped
+    (tmp_path / "y.jsonl").write_text(json.dumps({**jsonl, "relevant": None, "answers": ["b", " "]}))
+    assert data.read_dataset(tmp_path / "y.jsonl")[0]["answers"] == ["b"]  # a blank alternative beside one: dropped
+    # answers SQuAD's scoring empties ("The", "A", "."): an empty prediction scored EM 100 (F1 0). Skipped and counted;
+    # beside a real answer kept, as the official script keeps them (3 of SQuAD dev's questions list a ".")
+    lines = [{**jsonl, "relevant": None, "answers": answers} for answers in (["The", "A."], [".", "b"])]
+    (tmp_path / "z.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    stats = {}
+    assert [r["answers"] for r in data.read_dataset(tmp_path / "z.jsonl", stats=stats)] == [[".", "b"]]
+    assert stats["unscorable"] == 1 and stats["records"] == 1
 
 
 def test_a_broken_or_odd_file_is_one_line_naming_it(tmp_path):
     """A zip failing its checksum, a gzip failing its CRC, JSON nested past the recursion limit, a JSONL with a
     non-UTF-8 line deep in it (its line, not the decoder chunk's byte), a text file named .md or .TXT (read as text),
     a .JSONL (read as JSON lines), another name (read as JSON: the error says so)."""
-    good = json.dumps({"context": "A b.", "question": "q", "answers": ["A"]}) + "\n"
+    good = json.dumps({"context": "A b.", "question": "q", "answers": ["b"]}) + "\n"
     zipped = tmp_path / "squad.zip"
     with zipfile.ZipFile(zipped, "w") as z:
         z.writestr("squad.json", json.dumps({"data": [{"paragraphs": [{"context": "A b. " * 200, "qas": []}]}]}))

@@ -73,7 +73,7 @@ def files(tmp_path_factory):
     (root / "edited").mkdir()
     (root / "edited" / "run.json").write_text('{"train": {"method": "meanpool"}, "method": {"lora_r": "abc"}}')
     (root / "bad.json").write_text('{"data": [')
-    (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["a"]}\n{oops\n')
+    (root / "bad.jsonl").write_text('{"context": "a b", "question": "q", "answers": ["b"]}\n{oops\n')
     (root / "latin1.json").write_bytes(b"\xff\xfe garbage")
     (root / "surrogate.jsonl").write_text('{"context": "a \\ud800 b", "question": "q?", "answers": ["a"]}\n')
     (root / "surrogate_text.jsonl").write_text('{"text": "a b."}\n{"text": "a \\udfff b"}\n')
