@@ -66,7 +66,7 @@ class EvalConfig:
 # -----------------------------------------------------------------------------
 # SQuAD v1.1 metrics and bootstrap intervals
 
-normalize_answer = data.normalize_answer  # official SQuAD's (in data.py: its readers skip a question it leaves no answer)
+normalize_answer = data.normalize_answer  # official SQuAD's (data.py: readers skip a question it leaves no answer)
 
 
 def f1_score(prediction, gold):
