@@ -58,9 +58,9 @@ def test_a_step_counts_the_input_tokens_its_passes_read_not_their_labels():
 
 def test_training_again_into_a_run_dir_drops_its_stale_metrics(base_dir, tmp_path):
     """eval.py serves <run>/metrics.json from cache: a new checkpoint in the same dir must not keep
-    the scores of the one before it."""
+    the scores of the one before it (a folder with a metrics.json and no run.json is no run's: test_inputs)."""
     out = tmp_path / "r"
-    out.mkdir()
+    in_process(args(base_dir, out, "--max_iters", 1, "--eval_examples", 0))
     (out / "metrics.json").write_text(json.dumps({"rows": [{"f1": 99.0}]}))
     in_process(args(base_dir, out, "--max_iters", 2, "--eval_examples", 0))
     assert (out / "run.json").exists() and not (out / "metrics.json").exists()
