@@ -668,6 +668,13 @@ def base_of(cfg):
     return os.path.realpath(tiny.base_path(cfg.init_from))
 
 
+def check_question(question):
+    """A one-shot --question (eval.py's, hf_generate.py's) is UTF-8 text: a byte argv could not decode arrives as a
+    lone surrogate, which no tokenizer takes."""
+    if question.encode("utf-8", "replace").decode() != question:
+        raise SystemExit("error: --question is not UTF-8 text")
+
+
 def check_origin(memory, path, run_dir, question):
     """The run that saved a Memory (--save_memory records it) against the one answering from it, before it loads:
     another method's or another base's is one line, as another question where the encoder read it (ata); another run
@@ -709,8 +716,6 @@ def one_shot(ecfg, run_dir, device):
         raise SystemExit(f"error: --context {ecfg.context}: not UTF-8 text") from None
     if ecfg.context and not context.strip():
         raise SystemExit(f"error: --context {ecfg.context}: empty, nothing to compress")
-    if ecfg.question.encode("utf-8", "replace").decode() != ecfg.question:  # (a byte argv could not decode)
-        raise SystemExit("error: --question is not UTF-8 text")
     check_evaluable(run_dir, ecfg.ratio, ecfg.max_new_tokens)
     memory = Memory.load(ecfg.memory, device) if ecfg.memory else None
     if memory is not None:
@@ -755,6 +760,7 @@ def check_flags(ecfg, given):
         if not getattr(ecfg, flag).strip():
             raise SystemExit(f"error: --{flag} is empty" + (" (leave it out to ask what the text is about)"
                                                                if flag == "question" else ""))
+    check_question(ecfg.question)
     if ecfg.context and ecfg.memory:
         raise SystemExit("error: --context and --memory: give one (--memory answers from a saved compressed context)")
     for flag in ("ratio", "save_memory"):

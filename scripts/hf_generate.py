@@ -104,8 +104,7 @@ def main(argv):
         raise SystemExit(f"error: --max_new_tokens {args.max_new_tokens} must be a positive integer")
     if not args.question.strip():
         raise SystemExit("error: --question is empty")
-    if args.question.encode("utf-8", "replace").decode() != args.question:  # (a byte argv could not decode)
-        raise SystemExit("error: --question is not UTF-8 text")
+    evaluate.check_question(args.question)
     if not os.path.isfile(args.memory):
         raise SystemExit(f"error: --memory {args.memory!r}: {train.not_a_file(args.memory)}")
     evaluate.check_evaluable(args.run, "", args.max_new_tokens)  # a compressor's run, whole
@@ -124,7 +123,7 @@ def main(argv):
         warnings.filterwarnings("ignore", ".*(is_gradient_checkpointing|past_key_values)", FutureWarning)
         answers, _ = hf_answer(hf_decoder(method, cfg), memory, [prompt], args.max_new_tokens,
                                data.stop_ids(tok, cfg.prompt))
-    print(f"answer: {tok.decode(answers[0], skip_special=True).strip()}")
+    print(f"answer: {evaluate.decode(tok, answers)[0]}")
 
 
 if __name__ == "__main__":
