@@ -392,15 +392,12 @@ def _apply_checkpoint_config(tok, folder):
             tok.bos_id = None if tcfg.get("add_bos_token") is False else bos
     elif "bos_token_id" in cfg and not tok.bos_from_file:
         tok.bos_id = cfg["bos_token_id"]
-        if tok.bos_id is not None and not (type(tok.bos_id) is int and 0 <= tok.bos_id < tok.vocab_size):
-            raise ValueError(f"{folder / 'config.json'}: key 'bos_token_id' is {tok.bos_id!r:.40}, expected a token id "
-                             f"below the tokenizer's {tok.vocab_size} (or null)")
+        if tok.bos_id is not None and not (type(tok.bos_id) is int and tok.bos_id >= 0):  # (as id_list's eos; one
+            raise ValueError(f"{folder / 'config.json'}: key 'bos_token_id' is {tok.bos_id!r:.40}, expected a token "
+                             "id (or null)")  # past the vocab: train.load_base's line for every id)
     eos = [token_id("eos_token")] if tcfg.get("eos_token") else []
     for name, v in (("generation_config.json", gcfg.get("eos_token_id")), ("config.json", cfg.get("eos_token_id"))):
         eos += id_list(v, f"{folder / name}: ")
-        if any(i >= tok.vocab_size for i in eos):
-            raise ValueError(f"{folder / name}: key 'eos_token_id' is {v!r:.40}, an id past the tokenizer's "
-                             f"{tok.vocab_size} tokens")
     tok.eos_ids = list(dict.fromkeys(eos)) or tok.eos_ids
     if tcfg.get("pad_token"):
         tok.pad_id = token_id("pad_token")

@@ -137,13 +137,14 @@ def test_bpe_json_specials(hf_pair):
     assert len(texts) == tok.vocab_size and texts[tok.special("<|eot_id|>")] == "<|eot_id|>"
 
 
-def test_config_ids_outside_the_tokenizer_are_one_line(hf_pair, tmp_path):
-    """config.json's bos_token_id (read without a tokenizer_config.json) and an eos_token_id past the vocab: a line
-    naming the file and key (a bos of -1 failed in the first step's embedding, with a traceback)."""
+def test_config_ids_that_are_no_token_ids_are_one_line(hf_pair, tmp_path):
+    """config.json's bos_token_id (read without a tokenizer_config.json) that is no token id: a line naming the file
+    and key (a bos of -1 failed in the first step's embedding, with a traceback; one past the vocabulary is
+    train.load_base's line, with the eos ids')."""
     hf, tok = hf_pair
     hf.save(str(tmp_path / "tokenizer.json"))
     for doc, key in (({"bos_token_id": -1}, "bos_token_id"), ({"bos_token_id": "1"}, "bos_token_id"),
-                     ({"eos_token_id": [1, tok.vocab_size]}, "eos_token_id")):
+                     ({"eos_token_id": [1, -2]}, "eos_token_id")):
         (tmp_path / "config.json").write_text(json.dumps(doc))
         with pytest.raises(ValueError, match=rf"config\.json: key '{key}' is"):
             data.load_tokenizer(tmp_path)
