@@ -1304,13 +1304,19 @@ def init_distributed(cfg):
     return True, dist.get_rank(), dist.get_world_size(), torch.device(device)
 
 
+def drop_commit_points(run_dirs):
+    """A run dir whose run is being replaced: its run.json (the checkpoint it names) and eval.py's metrics.json go."""
+    for d, old in itertools.product(run_dirs, ("run.json", "metrics.json")):
+        Path(d, old).unlink(missing_ok=True)
+
+
 def prepare_base(cfg, mcfg, master, ddp):
     """`--method base` starts from a fresh tiny model in its own run dir; any other run
     whose base is the shipped tiny_base/ trains it first when it has been deleted."""
     if cfg.method == "base" and tiny.is_tiny(cfg.init_from):
         if master:
-            for old in ("run.json", "metrics.json") if not cfg.resume else ():  # a base trained there: its model
-                Path(cfg.out_dir, old).unlink(missing_ok=True)  # is replaced now, as step 1 replaces a run's (below)
+            if not cfg.resume:  # a base trained there: its model is replaced now, before step 1 (init_base)
+                drop_commit_points([cfg.out_dir])
             tiny.init_base(cfg.out_dir, mcfg, cfg.seed, cfg.resume)
         cfg.init_from = cfg.out_dir
     elif ddp and tiny.needs_training(cfg.init_from):
@@ -1637,8 +1643,7 @@ def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, com
                 bar.write(f"step {step}: loss {loss:.4f} val {val_loss:.4f}")
             if step == 1:  # a new run in a used dir starts its own log; the old run's commit points go, this
                 # stage's and its later stages' (trained from the old one: --resume would have kept their weights)
-                for d, old in itertools.product((cfg.out_dir, *later), ("run.json", "metrics.json")):
-                    Path(d, old).unlink(missing_ok=True)
+                drop_commit_points([cfg.out_dir, *later])
             with open(log, "w" if step == 1 else "a") as f:  # (resumed: step > 1)
                 f.write(json.dumps(record) + "\n")
             if checkpoint:
