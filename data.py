@@ -579,10 +579,12 @@ def format_qa(tok, context, question, answer, template=None, rng=None, chunks=No
 # "unscorable" (every answer only articles and punctuation: skipped), "answer_not_at_its_start" (SQuAD: an answer's
 # text not at its answer_start; the official files have none),
 # "answer_not_in_context" (generic JSONL: none of a question's answers in its context), "repeated_ids".
+NO_PUNCTUATION = str.maketrans("", "", string.punctuation)  # (official SQuAD: its set of characters)
+
 
 def normalize_answer(s):
     """Lower text and remove punctuation, articles and extra whitespace (official SQuAD; eval.py's metrics)."""
-    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    s = s.lower().translate(NO_PUNCTUATION)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
 
 

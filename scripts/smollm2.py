@@ -191,8 +191,8 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
         if name == "heldout":
             part = [{"title": a["title"], "paragraphs": [p]} for a in part for p in a["paragraphs"]]
             random.Random(seed).shuffle(part)
-        with open(out[name][0], "w") as f:
-            json.dump({"version": doc.get("version", "1.1"), "data": part}, f)
+        with open(out[name][0], "w") as f:  # (dumps: json.dump encodes in Python, 4x slower)
+            f.write(json.dumps({"version": doc.get("version", "1.1"), "data": part}))
     return out
 
 
