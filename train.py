@@ -830,12 +830,23 @@ def check_out_dirs(stages):
         if there and there["train"]["method"] != c.method:  # (--resume of it: resolve said so)
             raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a --method {there['train']['method']} run (step "
                              f"{there['step']}); give this run another dir")
-        if not there and os.path.isfile(os.path.join(c.out_dir, "metrics.json")):  # (eval.py writes one in a run dir)
-            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a metrics.json and no run.json: not a train.py run "
+        others = [] if there else [f for f in ("metrics.json", "log.jsonl") if os.path.isfile(os.path.join(
+            c.out_dir, f)) and not (f == "log.jsonl" and logs_step_one(os.path.join(c.out_dir, f)))]
+        if others:  # (eval.py writes a metrics.json in a run dir; a run stopped before its first checkpoint, a log)
+            raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a {others[0]} and no run.json: not a train.py run "
                              "dir (a run replaces its files); give this run another dir")
         if there and not c.resume:
             print(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts anew and "
                   "replaces it (--resume continues it)", file=sys.stderr)
+
+
+def logs_step_one(log):
+    """Whether a log.jsonl's first line is a train.py run's step 1 record."""
+    try:
+        with open(log) as f:
+            return json.loads(f.readline()).get("step") == 1
+    except (ValueError, AttributeError):  # (not UTF-8, not JSON, not an object)
+        return False
 
 
 def check_writable(path, flag, folder=True):

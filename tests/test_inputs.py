@@ -285,7 +285,8 @@ def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
 
 
 def test_a_folder_that_is_no_run_keeps_its_files_and_a_failed_base_leaves_no_trained_one_behind(base_dir, tmp_path):
-    """A folder with a metrics.json and no run.json is not a run's: its files were replaced (one line now). A new
+    """A folder with a metrics.json, or a log.jsonl that is not a run's, and no run.json is not a run's: its files were
+    replaced (one line now); a log of a run stopped before its first checkpoint is a run's. A new
     --method base run in a trained base's dir replaces the model first: run.json goes with it, so a run that fails
     leaves no run.json claiming the old training over random weights."""
     mine = tmp_path / "mine"
@@ -295,6 +296,15 @@ def test_a_folder_that_is_no_run_keeps_its_files_and_a_failed_base_leaves_no_tra
     assert line == f"error: --out_dir '{mine}' holds a metrics.json and no run.json: not a train.py run dir (a run " \
                    "replaces its files); give this run another dir", line
     assert os.listdir(mine) == ["metrics.json"]
+    (mine / "metrics.json").unlink()
+    (mine / "log.jsonl").write_text('{"my": 1}\n')  # a log no train.py run wrote: kept too
+    line = in_process(["--method", "meanpool", *FAST, "--out_dir", mine])
+    assert line == f"error: --out_dir '{mine}' holds a log.jsonl and no run.json: not a train.py run dir (a run " \
+                   "replaces its files); give this run another dir", line
+    assert (mine / "log.jsonl").read_text() == '{"my": 1}\n'
+    (mine / "log.jsonl").write_text('{"step": 1, "loss": 9.0, "lr": 0.1}\n')  # a run stopped before its checkpoint
+    assert in_process(["--method", "meanpool", *FAST, "--out_dir", mine]) == ""
+    assert json.loads((mine / "log.jsonl").read_text())["loss"] != 9.0
     old = tmp_path / "old_base"
     shutil.copytree(base_dir, old)
     line = in_process(["--method", "base", "--out_dir", old, "--attn_weight", 1e38, *FAST[:6]])
