@@ -282,7 +282,7 @@ def perplexity(method, texts, base=None):
         nll["compressed"] += ce(method.base.logits(h).float(), target, reduction="sum").item()
         count, ratios = count + len(target), ratios + [(P + cut) / memory.slots().item()]
     out = {k: torch.tensor(v / max(count, 1)).exp().item() for k, v in nll.items()}
-    return dict(out, ratio=sum(ratios) / max(len(ratios), 1), tokens=count)
+    return dict(out, ratio=sum(ratios) / max(len(ratios), 1), tokens=count) if count else {"tokens": 0}  # (not ppl 1)
 
 
 def main():

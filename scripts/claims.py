@@ -23,9 +23,10 @@ threshold). The verdict comes from our numbers:
          disagrees when lo > margin or hi < -margin (the whole interval outside it), else
          cannot tell. Also cannot tell when neither row beats the no-context row (lo > 0
          against it): two compressors that learned nothing "match" vacuously. The default
-         margin, 5 F1: per-question F1 differences (0-100) have a standard deviation of
-         ~50 at most, so at 400 questions the interval's half-width is up to ~5; a
-         tighter band could rarely agree at this size.
+         margin, 5 F1: per-question F1 differences (-100 to 100) have a standard deviation
+         of about 50 in RESULTS.md's rows (100 at most), so at 400 questions the interval's
+         half-width is about 5; a tighter band could rarely agree at this size.
+  Either: cannot tell when the rows share fewer than MIN_SHARED (30) questions, whatever the interval.
   Scalar claims (a number the row reports without per-question values: achieved "ratio", "gist_rc",
   "ppl_compressed", "probe_abs_err"): no interval, so the verdict reads the point values
   and says "(no CI)":
@@ -58,6 +59,9 @@ class Claim:
     margin: float = 5.0     # "~": F1 points (f1), or the allowed error of A / B (scalars)
 
 
+MIN_SHARED = 30  # questions two rows must share for an F1 verdict: the percentile interval covers 93 % of the time
+# at 30, 86 % at 10, 63 % at 4 (paired F1 differences, simulated), not the 95 % it names
+
 MP, PIC, GIST = "meanpool_multi_ratio", "pic_blockwise_causal", "sentence_gist"
 SAC, ATA = "sac_semantic_anchor", "ata_compressor"
 CLAIMS = [
@@ -82,15 +86,12 @@ CLAIMS = [
           None, None),
     # sentence_gist, Llama-3.2-3B. T4 stage 3: the mean accuracy of ARC, HS, MMLU, WG (each column agrees; T2's
     # HELMET longqa does not order N_g) and PG19 perplexity, whose tokens include the gists (App. C.3; ours: the
-    # regular tokens of each evaluation context's second half, after its first). T7: R_c (eq. 2, gist_rc) on
-    # HellaSwag. The real suite trains N_g 2 and 4.
+    # regular tokens of each evaluation context's second half, after its first). The real suite trains N_g 2 and 4.
+    # Not a claim: T7's R_c halving per doubling of N_g, which eq. 2's R_c = tokens / (N_g x sentences) does by itself.
     Claim(f"{GIST} T4", "more gists, higher quality: N_g 8 > 1", "gist-8", "gist-1", 56.02, 52.65),
     Claim(f"{GIST} T4", "more gists, higher quality: N_g 4 > 2", "gist-4", "gist-2", 55.97, 55.04),
     Claim(f"{GIST} T4", "more gists, lower perplexity: N_g 8 < 1", "gist-8", "gist-1", 7.17, 12.83, "<", "ppl_compressed"),
     Claim(f"{GIST} T4", "more gists, lower perplexity: N_g 4 < 2", "gist-4", "gist-2", 9.24, 11.29, "<", "ppl_compressed"),
-    Claim(f"{GIST} T7", "R_c halves per doubling of N_g: 1 -> 2", "gist-1", "gist-2", 16.55, 8.28, "~", "gist_rc", 0.5),
-    Claim(f"{GIST} T7", "R_c halves per doubling of N_g: 2 -> 4", "gist-2", "gist-4", 8.28, 4.14, "~", "gist_rc", 0.5),
-    Claim(f"{GIST} T7", "R_c halves per doubling of N_g: 4 -> 8", "gist-4", "gist-8", 4.14, 2.07, "~", "gist_rc", 0.5),
     # sac Tables 3-4: 5x, Llama-3.2-1B, avg F1 of the in-domain sets (TriviaQA, HotpotQA)
     Claim(f"{SAC} T3", "SAC > w/o bidirectional mask", "sac-r5", "sac-causal-r5", 66.24, 63.62),
     Claim(f"{SAC} T3", "SAC > w/o anchor embedding", "sac-r5", "sac-no_emb-r5", 66.24, 64.58),
@@ -151,7 +152,7 @@ def judge(claim, results):
     c = paired(ra["scores"]["f1"], rb["scores"]["f1"])
     if c is None:
         return {"a": ra["f1"], "b": rb["f1"], "verdict": "no data"}
-    out = {**c, "verdict": verdict(claim, *c["ci"])}
+    out = {**c, "verdict": verdict(claim, *c["ci"]) if c["n"] >= MIN_SHARED else "cannot tell"}
     floors = [find_row(results, name, floor=True) for name in (claim.a, claim.b)]  # each run's own (a PRIOR's too)
     to_floor = [paired(r["scores"]["f1"], f["scores"]["f1"]) for r, f in zip((ra, rb), floors) if f and "scores" in f]
     above = [d["ci"][0] > 0 for d in to_floor if d]
@@ -244,7 +245,8 @@ def controls(results):
                 cells += ["-", "no data"]
                 continue
             lo, hi = c["ci"]
-            cells += [f"{c['diff']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]", side_of_zero(lo, hi)]
+            cells += [f"{c['diff']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]",
+                      side_of_zero(lo, hi) if c["n"] >= MIN_SHARED else "cannot tell"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -608,6 +608,11 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
              (C("t", "ppl under 8", "g1", "8", 7.2, 8, "<", "ppl_compressed"), "disagrees (no CI)")]
     got = [claims.judge(c, results)["verdict"] for c, _ in cases]
     assert got == [v for _, v in cases]
+    few = _suite_results({"a": {4: (dict(list(high.items())[:29]), {})}, "b": {4: (dict(list(low.items())[:29]), {})}})
+    assert claims.judge(cases[0][0], few)["verdict"] == "cannot tell"  # 29 shared questions: under MIN_SHARED
+    assert claims.controls(few).splitlines()[3].endswith("| cannot tell | - | no data |")
+    few[0]["rows"][0]["scores"]["f1"]["q29"] = few[1]["rows"][0]["scores"]["f1"]["q29"] = 0.0  # 30
+    assert claims.judge(cases[0][0], few)["verdict"] == "agrees"
     j = claims.judge(cases[0][0], results)
     assert j["diff"] == pytest.approx(sum(high.values()) / 200 - sum(low.values()) / 200) and j["ci"][0] > 0
     path = tmp_path / "results.json"
@@ -703,9 +708,9 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     """The report: header (command, commit, machine, base tokens/s, wall time, seeds,
     steps, questions), the table with intervals, the claims, the controls; rerunning rewrites it."""
     results_md = load_script("results_md")
-    ids = [f"q{i}" for i in range(20)]
-    runs = {"meanpool": {4: ({q: 100.0 * (i % 2) for i, q in enumerate(ids)}, {"n": 20})},
-            "ctok-bidir": {4: ({q: 0.0 for q in ids}, {"n": 20})}}
+    ids = [f"q{i}" for i in range(40)]  # (an F1 verdict needs claims.MIN_SHARED questions)
+    runs = {"meanpool": {4: ({q: 100.0 * (i % 2) for i, q in enumerate(ids)}, {"n": 40})},
+            "ctok-bidir": {4: ({q: 0.0 for q in ids}, {"n": 40})}}
     results = _suite_results(runs)
     for res in results:
         res["run"] = str(tmp_path / os.path.basename(res["run"]))
@@ -721,7 +726,7 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     text = out.read_text()
     assert "hand-written" not in text and text.startswith("# Results: the reproduction suite")
     for want in ("- command: `bash x.sh`", "- wall time: 125 s (2.1 min) for 2 evaluated runs",
-                 "- seeds: 1337; training steps x batch per run: 150 x 16; held-out questions per row: 20",
+                 "- seeds: 1337; training steps x batch per run: 150 x 16; held-out questions per row: 40",
                  "tokens/s (fwd + bwd", "| meanpool | 4.0x | 0.0 [0.0, 0.0] | 50.0 [",
                  "| mean pooling > bidirectional compression tokens, 4x | meanpool@4 > ctok-bidir@4 | 70.55 / 69.57 |"
                  " 50.0 / 0.0 | +50.0 [", "agrees** |", "no data** |", "F1 claims (per question",

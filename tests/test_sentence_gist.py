@@ -235,6 +235,7 @@ def test_perplexity_compressed_equals_one_pass(base_dir):
     body, cut, P = m.tok.encode(text), len(m.tok.encode(first)), len(m.prefix())
     assert body[:cut] == m.tok.encode(first)  # two sentences: the only cut is after the first
     out = sg.perplexity(m, [text])
+    assert sg.perplexity(m, [first]) == {"tokens": 0} and m.heldout_metrics([first], m.base) == {}  # nothing scored
     L = m.layout([(m.prefix(), body, [])], [[-100] * (P + cut - 1) + body[cut:] + [-100]])
     nll, n = kernels.chunked_ce(m.hidden(L), m.base.lm_head.weight, L["labels"])
     ids = torch.tensor([m.prefix() + body])
