@@ -165,7 +165,8 @@ def random_standin(out_dir, texts, seed=0):
 
 def split_squad(path, out_dir, heldout_articles=10, seed=0):
     """SQuAD v1.1 (JSON or .zip) split by article: `heldout_articles` titles drawn with
-    `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both).
+    `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both; a file already
+    holding its part is left as it is).
     The held-out paragraphs come in a seeded order, each under its article's title, so that
     eval.py's first n questions span every held-out article (in title order, 1,000 spanned 5).
     Returns {"train", "heldout"}: (path, articles, questions)."""
@@ -191,8 +192,10 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
         if name == "heldout":
             part = [{"title": a["title"], "paragraphs": [p]} for a in part for p in a["paragraphs"]]
             random.Random(seed).shuffle(part)
-        with open(out[name][0], "w") as f:  # (dumps: json.dump encodes in Python, 4x slower)
-            f.write(json.dumps({"version": doc.get("version", "1.1"), "data": part}))
+        text = json.dumps({"version": doc.get("version", "1.1"), "data": part})  # (json.dump encodes in Python)
+        if not (os.path.isfile(out[name][0]) and open(out[name][0], encoding="utf-8").read() == text):
+            with open(out[name][0], "w", encoding="utf-8") as f:  # (the same split kept: eval.py's cached rows
+                f.write(text)  # name the file's size and time)
     return out
 
 
@@ -255,8 +258,8 @@ def main(argv):
         raise SystemExit("error: --heldout_articles splits --squad's articles: give --squad")
     if args.squad:  # first: a broken file stops the script before the conversion's half minute
         for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, 10 if args.heldout_articles is None else args.heldout_articles).items():
-            print(f"wrote {path}: {arts} articles, {qs} questions")
-    if args.random:
+            print(f"{path}: {arts} articles, {qs} questions")
+    if args.random and not (model and standin):  # (one there is kept, as a converted model is: runs trained on it)
         import data
         random_standin(args.out_dir, [r["context"] for r in data.read_dataset(args.squad)][::5])
     if not os.path.exists(os.path.join(args.out_dir, "model.safetensors")):

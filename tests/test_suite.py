@@ -212,9 +212,12 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
     assert "(which resumed runs an earlier one began: meanpool teacher)" in (out / "RESULTS.md").read_text()
     times = (out / "times.txt").read_text()  # the teacher's from the first command, meanpool's from the second
     assert re.fullmatch(r"   teacher: train \d+ s\n   meanpool: train \d+ s, eval \d+ s\n", times), times
-    before = log.read_text()  # once more: the finished run is read back, not loaded to train
+    before = log.read_text()  # once more: the finished run is read back, neither trained nor evaluated again
+    files = {f: f.stat().st_mtime_ns for f in (out / "meanpool" / "metrics.json", out / "model" / "squad-heldout.json",
+                                               out / "model" / "model.safetensors")}
     p = suite({**env, "STEPS": str(step + 2), "DEADLINE": ""})
     assert p.returncode == 0 and log.read_text() == before, p.stdout[-2000:] + p.stderr[-2000:]
+    assert {f: f.stat().st_mtime_ns for f in files} == files  # (a rewritten split: its rows no longer cached)
     assert "   meanpool: finished by an earlier command" in p.stdout and (out / "times.txt").read_text() == times
 
 
