@@ -3,12 +3,10 @@ real Llama 2 / Llama 3 / Qwen files, readers on fixtures and the real QA files, 
 synthetic benchmark, and batching."""
 import gzip
 import json
-import os
 import random
 import re
 import zipfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,7 @@ import data
 import tiny
 import train
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(os.environ.get("NANOCOMPRESS_ASSETS", ROOT.parent / "shared" / "assets"))
+from conftest import ASSETS, ROOT
 
 
 def need(path):

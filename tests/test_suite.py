@@ -11,6 +11,7 @@ import time
 import pytest
 
 from common import ROOT, squad_file
+from conftest import ASSETS
 
 
 @pytest.mark.slow
@@ -114,7 +115,7 @@ def test_suite_scripts_resume_their_own_runs_and_stop_the_others_when_one_fails(
     assert not os.path.exists(sleeper) or "\nState:\tZ" in open(sleeper).read(), "seed 1's run outlived seeds.sh"
 
 
-SQUAD_ZIP = ROOT.parent / "shared" / "assets" / "qa" / "squad" / "dev-v1.1.json.zip"
+SQUAD_ZIP = ASSETS / "qa" / "squad" / "dev-v1.1.json.zip"
 
 
 @pytest.mark.slow
