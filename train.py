@@ -845,7 +845,7 @@ def logs_step_one(log):
     try:
         with open(log) as f:
             return json.loads(f.readline()).get("step") == 1
-    except (ValueError, AttributeError):  # (not UTF-8, not JSON, not an object)
+    except (ValueError, AttributeError, OSError):  # (not UTF-8, not JSON, not an object; unreadable)
         return False
 
 
