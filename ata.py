@@ -4,7 +4,7 @@ Compression for Efficient Long-Context Processing in LLM" (../shared/papers/ata_
 Tables 2, 4-6, Fig. 10.
 
     encoder input  <QUESTION> q </QUESTION> <CONTEXT> <PA> C_1 </PA> ... </CONTEXT> <INST> ... </INST>
-                   then k_max learned compression tokens c_1..c_kmax          (Fig. 10, eq. 2-3)
+                   then k_max compression tokens c_1..c_kmax (learned, appended: ours)  (Fig. 10, eq. 2-3)
     encoder        base + `encoder` LoRA, causal; memory KV = K/V of c_1..c_k, all layers
     probe          L^_rel = zeta(H): attention pooling of the input's final states (query: its last), an MLP  (eq. 4)
     policy         k = eta(L^_rel) = clamp(ceil(L^_rel / r), 1, k_max)       (eq. 5: min(L^_rel / r, k_max))
@@ -14,8 +14,8 @@ Tables 2, 4-6, Fig. 10.
 Choices the paper leaves open, made here:
 - Chunks: the records' "chunks", space-joined, tags as text (Fig. 7-9); HotpotQA's: data.read_hotpot's "Title:
   sentences" (Fig. 7: no titles) and its distractors (recipe: --hotpot_distractors; Fig. 7: 2 gold of 8; a --data
-  batch of only gold chunks warns). Training keeps only encoder inputs within --max_context (§4.1.4: 600), a longer
-  one first losing chunks that are not relevant, in a seeded order (ten HotpotQA paragraphs rarely fit); eval cuts.
+  batch of only gold chunks warns). Training keeps encoder inputs within --max_context (§4.1.4: 600, drops others);
+  ours: a longer one first loses chunks not relevant, seeded (ten HotpotQA paragraphs rarely fit); eval cuts.
 - C_rel: the gold chunks space-joined, no <PA> tags (Table 7's regenerations; Figs. 7-9 show tags), then EOS; L_rel:
   its length. c_j start at the embeddings' scale; the probe's MLP is min(4d, 1024) wide, its output in 64 tokens.
 - [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); a BOS also starts the encoder input.
@@ -30,7 +30,7 @@ Choices the paper leaves open, made here:
 - Positions: left-padded prompt at 0..n-1, c_j at n+j-1; the decoder goes on at n + k, as if only k were appended.
 - `qa` reads [prefix K/V, KV, q, a] (eq. 11: no prefix): the frozen base's K/V of BOS / a chat header, as every method.
 - r: one per training batch (§C) from --rel_ratios (`rel`, Table 4) or --ratio (`qa`, Table 5: 10), by draw_ratio.
-- AdamW's betas and clip (Tables 4-5 name AdamW alone): train.py's 0.9, 0.95 and 1.0, as for every method.
+- AdamW's betas and clip (Tables 4-5 name AdamW alone): train.py's 0.9, 0.95 and 1.0; bf16, not their fp16.
 - Tiny base: tiny.py's aids, attention distillation in output form (c_j hold no fixed chunk) and the writer loss.
 - Ablations (Table 2): --no_aac (k = --fixed_k, 6: Table 2's "w/o AAC" row; SPEC §3.5's k_max is --fixed_k 8),
   --no_selective (C_rel = the whole context, 500xCompressor-like; L_rel follows it; the encoder's prompt is unchanged).
@@ -136,7 +136,7 @@ class ATA(nn.Module):
 
     @staticmethod
     def recipe(mcfg):
-        """§3.5: rel 3 epochs, then qa 1 epoch (Tables 4-5) of 280k examples at batch 16; constant lr after warmup."""
+        """§3.5: rel 3 epochs, then qa 1 epoch (Tables 4-5) of §4.1.4's 280k at batch 16, as steps; constant lr."""
         both = dict(lr=1e-5, min_lr_frac=1.0, warmup_iters=300, weight_decay=0.2, batch_size=16, max_context=600,
                     ratio="10", hotpot_distractors=True, lora_r=64, lora_alpha=32, lora_dropout=0.2, k_max=8,
                     huber_lambda=1e-4, huber_delta=10.0, rel_ratios="1,5,10,20,50")  # (delta: App. C; qa draws no r)

@@ -52,7 +52,7 @@ class MeanPoolConfig:
 
 def mean_pool(h, lengths, r):
     """h (B, L, d), lengths (B,), r an int or (B,) ratios -> (z (B, C, d) fp32, mask (B, C)),
-    C = ceil(max L / min r); window k of example b averages its real tokens k*r_b .. ."""
+    C = max over b of ceil(L_b / r_b); window k of example b averages its real tokens k*r_b .. ."""
     B, L, d = h.shape
     r = torch.as_tensor(r, device=h.device).expand(B)
     window = torch.arange(L, device=h.device)[None] // r[:, None]  # (B, L)

@@ -9,7 +9,7 @@ meanpool_multi_ratio §5.1.
                bidir (meanpool §5.1): m_t -> all context and every memory token
     memory     H = Converter(Enc(Z)[m_1 .. m_N]): final hidden states, an MLP into the frozen decoder's embeddings
     pretrain   L = lam L_TC + (1 - lam) L_TR,  lam = 0.5                                           (eq. 6-8)
-               TR: decoder reads [H, <AE>, x_1 .. x_{k-1}] and predicts x_1 .. x_k
+               TR: decoder reads [H, <AE>, x_1 .. x_{k-1}] and predicts x_1 .. x_k  (<AE>: a learned vector)
                TC: decoder reads [H, x_k .. x_{L-1}] and predicts x_{k+1} .. x_L
     finetune   qa: CE on the answer given [H, prompt]; kd: KL to the decoder reading the full context (meanpool's)
 

@@ -8,7 +8,7 @@ Paper: "Autoencoding-Free Context Compression for LLMs via Contextual Semantic A
                   "middle": split C_j into |S_j| chunks, take each chunk's middle token
     embeddings    e_i = Emb(c_i) + 1[c_i in S] * e_A                        (eq. 1)
     encoder       M~ = LLM(E | theta_LoRA)   base + `encoder` LoRA, bidirectional attention
-    memory        per-layer K/V of the anchor tokens only, at their original positions P + 510*j + i
+    memory        per-layer K/V of the anchor tokens only, at their original positions P + 510*j + i (ours)
     decoder       the frozen base continues after the memory, at P + L:
                   L_LM = -log P(C' | M~)      (pretraining, `--objective lm`, §3.1)
                   L_QA = -log P(A | M~, Q)    (finetuning, `--objective qa`, the default)
@@ -28,11 +28,11 @@ Choices, each marked paper, official code (the authors' public repository, where
 - Context length: any (official code): a real checkpoint's --max_context is 2^20 (ours), the tiny base's 1024.
 - `lm`: L_LM alone (paper, §3.2, Table 5; the official config averages AE and LM) on texts of at most 2,040 tokens
   (App. A: SlimPajama, 510 to 2,040; here --pretrain_data, else the QA contexts, shorter ones kept, longer ones cut),
-  each cut in half (App. A): C, then C'. C'_1 is the decoder's first input (ours: a K/V memory has no position to
-  predict it from), its targets the tokens after it.
+  each cut in half (App. A's halves, read as ICAE's: C, then C'). C'_1 is the decoder's first input (ours: a K/V
+  memory has no position to predict it from), its targets the tokens after it.
 - Recipe (§4.1, Table 6; `recipe`): `lm`, then `qa`, at r = 5; `--ratio 15` or `--ratio 51` for the paper's others.
 - Scores: eval.py's SQuAD EM / F1 for every method (SPEC §4); Tables 1-2 report ROUGE-1 F1, without SQuAD's article
-  and punctuation normalisation ("the Eiffel Tower" against "Eiffel Tower": F1 1.0, ROUGE-1 0.8), so ours read higher.
+  and punctuation normalisation ("the Eiffel Tower" against "Eiffel Tower": F1 1.0, ROUGE-1 0.8).
 - Tiny base: `qa` alone (no `lm` stage; `--pretrain N` runs it), tiny.py's aids (curriculum, `qa` attention
   distillation onto the nearest anchor, several QA pairs per context, a LoRA decoder); the r = 5 model is also read
   at 15 (`--eval_ratio 5,15`): it beats one trained at 15.

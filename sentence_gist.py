@@ -3,7 +3,7 @@
 Paper: "Sentence-Anchored Gist Compression for Long-Context LLMs" (../shared/papers/sentence_gist.txt), §3,
 Tables 1-5, App. A and C.3; SPEC §3.3.
 
-    vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, Sigma) of the old rows  (§3.1, mean-resizing)
+    vocabulary  V + N_g gist tokens g_1..g_Ng, rows ~ N(mu, 1e-5 Sigma) of the old rows  (§3.1, mean-resizing)
     placement   t t t .  g_1..g_Ng  t t ?  g_1..g_Ng  t t ...   after every token ending in . ! ?  (§3.2)
     mask        token of sentence s: the tokens of s up to itself + the gists of sentences < s  (§3.3, Fig. 1)
                 gist j of s: all of s, g_1..g_j of s (ours: §3.3 is silent), the gists of sentences < s
@@ -145,7 +145,7 @@ class SentenceGist(nn.Module):
         self.is_end = torch.tensor(ends + [False] * (self.V - len(ends)))  # (V,): ends in . ! ? (§3.2), or ." .) ?"
         g = torch.Generator().manual_seed(run.seed)  # same rows on every DDP rank
         self.gist = nn.Parameter(mean_resize(base.model.embed_tokens.weight, cfg.gists, g))  # (N_g, d)
-        self.trains_base = cfg.lora_r == 0  # §3.5: stages 2-3 "unfreeze all parameters" (eval.py: teacher rows apart)
+        self.trains_base = cfg.lora_r == 0  # §3.5: stage 2 "unfreeze all parameters", 3 as 2 (eval.py: teacher apart)
         self.dec_adapter = None if self.trains_base else "gist"  # the one adapter: it reads (and writes) gists
         if self.dec_adapter:
             base.add_adapter("gist", cfg.lora_r, cfg.lora_alpha)
