@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 
@@ -118,9 +119,21 @@ def test_suite_scripts_resume_their_own_runs_and_stop_the_others_when_one_fails(
 SQUAD_ZIP = ASSETS / "qa" / "squad" / "dev-v1.1.json.zip"
 
 
+@pytest.fixture(scope="module")
+def small_squad(tmp_path_factory):
+    """SQuAD v1.1 dev's 14 smallest articles (1,568 questions: 4 articles to train, 10 held out), the real file's
+    format on the suite's path, read by each of its processes in a seventh of the whole file's time."""
+    with zipfile.ZipFile(SQUAD_ZIP) as z:
+        doc = json.loads(z.read("dev-v1.1.json"))
+    doc["data"] = sorted(doc["data"], key=lambda a: sum(len(p["qas"]) for p in a["paragraphs"]))[:14]
+    path = tmp_path_factory.mktemp("squad") / "dev-small.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
-def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
+def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path, small_squad):
     """scripts/real_suite.sh --smoke: the GPU suite's code path on CPU (a random stand-in with a byte-level
     tokenizer.json and ChatML; SQuAD dev split by article): the teacher, 13 compressor runs from it, one
     table, the claims, RESULTS.md's section. `python` here stands in for two runs: one fails, one stops as
@@ -130,7 +143,8 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
     stub.write_text(f'#!/bin/sh\ncase "$*" in\n  *"/meanpool-single4 "*) exit 3 ;;\n  *"/meanpool-single16 "*) exit 124 ;;\n'
                     f'esac\nexec {sys.executable} "$@"\n')
     stub.chmod(0o755)
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), PATH=f"{stub.parent}:{os.environ['PATH']}")
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad),
+               PATH=f"{stub.parent}:{os.environ['PATH']}")
     p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert p.returncode == 1 and "error: failed: meanpool-single4" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
@@ -150,7 +164,7 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
         assert [st["values"]["max_iters"] for st in recipe] == want, (name, recipe)
     report = (out / "RESULTS.md").read_text()
     assert "## SmolLM2-135M-Instruct on SQuAD: every method on one GPU" in report
-    assert "38 articles" in report and "held out" in report and "| teacher | 1.0x |" in report
+    assert "4 articles" in report and "held out" in report and "| teacher | 1.0x |" in report
     assert "- every compressor starts from the teacher (--teacher" in report  # (the decoder pic, sac and ata freeze)
     assert "| pic_blockwise_causal T4 |" in report and "ppl" in report
     assert "not finished by the deadline" in report and ": meanpool-single16\n" in report
@@ -178,7 +192,7 @@ def test_real_suite_smoke_runs_every_entry_on_smollm2s_path(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
-def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
+def test_real_suite_continues_what_a_deadline_stopped(tmp_path, small_squad):
     """A run the deadline stops while training saves its step (train.py's Ctrl-C: `timeout -s INT`); the same
     command again resumes it from there, the teacher too (nothing left to train), and evaluates it. `timeout`
     here is a stand-in that sends meanpool's run INT once it has logged a step, as the deadline would later
@@ -192,7 +206,7 @@ def test_real_suite_continues_what_a_deadline_stopped(tmp_path):
                     f'until [ -s {out / "meanpool" / "log.jsonl"} ] || ! kill -0 $run 2> /dev/null; do sleep 0.2; done\n'
                     f'kill -INT $run 2> /dev/null; wait $run; exit 124\n')
     stub.chmod(0o755)
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", STEPS="100000",
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), ONLY="meanpool", STEPS="100000",
                DEADLINE="100000", PATH=f"{stub.parent}:{os.environ['PATH']}")
 
     def suite(env):
@@ -411,7 +425,7 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
 
 
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
-def test_real_suite_reads_a_converted_model_again_without_its_gguf(tmp_path):
+def test_real_suite_reads_a_converted_model_again_without_its_gguf(tmp_path, small_squad):
     """real_suite.sh on an OUT whose model an earlier call converted (device_suite.sh part3, the same command again)
     passes no --gguf: smollm2.py refuses a conversion into a converted dir, and part3 stopped there every time."""
     stubs, calls = tmp_path / "bin", tmp_path / "calls"
@@ -419,7 +433,7 @@ def test_real_suite_reads_a_converted_model_again_without_its_gguf(tmp_path):
     (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *smollm2.py*) echo "$*" >> {calls}; exit 3 ;;\nesac\n'
                                   f'exec {sys.executable} "$@"\n')
     (stubs / "python").chmod(0o755)
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), GGUF=str(tmp_path / "m.gguf"),
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), GGUF=str(tmp_path / "m.gguf"),
                PATH=f"{stubs}:{os.environ['PATH']}")
     for converted in (False, True):
         if converted:
@@ -432,7 +446,7 @@ def test_real_suite_reads_a_converted_model_again_without_its_gguf(tmp_path):
 
 
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
-def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tmp_path):
+def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tmp_path, small_squad):
     """The GPU sampler (nvidia-smi -l 1) ends with the suite: left running after the teacher failed, it held the
     pipe device_suite.sh reads through `tee`, and the device call waited out its whole time limit."""
     stubs = tmp_path / "bin"
@@ -445,7 +459,7 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
                                   f'exec {sys.executable} "$@"\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool",
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), ONLY="meanpool",
                PATH=f"{stubs}:{os.environ['PATH']}")
     p = subprocess.run(["bash", "-c", "bash scripts/real_suite.sh --smoke 2>&1 | cat"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)  # (the sampler alone would run 90 s)
@@ -458,7 +472,7 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
-def test_real_suite_counts_a_run_killed_after_the_deadline_as_stopped(tmp_path):
+def test_real_suite_counts_a_run_killed_after_the_deadline_as_stopped(tmp_path, small_squad):
     """A run still going GRACE s after the deadline's signal is killed (`timeout -k`, 137): stopped, as one that
     saved its step, not failed (the same command again continues it from its last checkpoint)."""
     stub = tmp_path / "bin" / "python"
@@ -466,7 +480,7 @@ def test_real_suite_counts_a_run_killed_after_the_deadline_as_stopped(tmp_path):
     stub.write_text(f'#!/bin/bash\ncase "$*" in\n  *"/meanpool "*) trap "" INT; sleep 100 ;;\nesac\n'
                     f'exec {sys.executable} "$@"\n')
     stub.chmod(0o755)
-    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(SQUAD_ZIP), ONLY="meanpool", DEADLINE="15",
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), ONLY="meanpool", DEADLINE="15",
                GRACE="2", PATH=f"{stub.parent}:{os.environ['PATH']}")
     p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
