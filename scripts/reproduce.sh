@@ -47,7 +47,7 @@ CMD="${ITERS:+ITERS=$ITERS }${ITERS:-PRE_ITERS=$PRE_ITERS }JOBS=$JOBS EXAMPLES=$
 if [ "${1:-}" = "--smoke" ]; then
   BASE=$OUT/base CMD="bash scripts/reproduce.sh --smoke"
   EVAL_EACH=0  # the table's one eval.py evaluates every run: a process start costs more than 4 questions
-  COMMON+=(--batch_size 2 --init_from "$BASE")
+  COMMON+=(--batch_size 2 --eval_interval 2 --init_from "$BASE")  # (2 steps: one validation and checkpoint, at the end)
   python train.py --method base --out_dir "$BASE" --max_iters 2 --batch_size 2 --quiet \
     $([ ! -f "$BASE/run.json" ] || echo --resume)  # (trained anew, it changed the base under the runs it resumes)
 elif [ -n "${INIT_FROM:-}" ]; then
