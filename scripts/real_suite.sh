@@ -58,7 +58,7 @@ CMD="STEPS=$STEPS TEACHER_STEPS=$TEACHER_STEPS JOBS=$JOBS EXAMPLES=$EXAMPLES MIC
 if [ "${1:-}" = "--smoke" ]; then
   OUT=$OUT-smoke CMD="${given}bash scripts/real_suite.sh --smoke"
   RESULTS=$OUT/RESULTS.md
-  EXTRA=(--batch_size 4 --max_context 96 --device cpu) SMOKE=1
+  EXTRA=(--batch_size 4 --max_context 96 --device cpu --eval_interval 2) SMOKE=1  # (a run: one validation, at its end)
   export OMP_NUM_THREADS=1
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
