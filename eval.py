@@ -575,7 +575,7 @@ def earlier_results(path):
 # the table, the plot
 
 EXTRA = {"k": "mean k {:.2f}", "probe_abs_err": "probe MAE {:.1f}", "gist_rc": "gist r_c {:.1f}",
-         "ppl_compressed": "ppl {:.2f}", "ppl_full": "(full {:.2f})"}  # method-specific columns
+         "ppl_compressed": "ppl {:.2f}", "ppl_full": "(full {:.2f})", "ppl_none": "(none {:.2f})"}  # method-specific
 
 
 def extra_text(row):

@@ -22,8 +22,7 @@ Choices the paper leaves open (or that differ from it), made here:
   in the paper) ends a sentence at `max_sentence_len` tokens, and a context's end its last (a question follows).
 - Stages (§3.5, `recipe`): 1 the gist rows; 2 and every weight (`--lora_r 0`; `--lora_r R`: a LoRA `gist`); 3 as 2,
   lr to 0; one command runs all three, `--stage N` one; text: --pretrain_data / --data (the paper's: FineWeb-Edu).
-- Objectives: `lm` (the paper's), `qa` (the tiny base's: stage 2, N_g 2, LoRA, tiny.py's aids). --ratio does
-  not apply (it is achieved). Ablations: --gists (Tables 1-2), --stage (Tables 4-5), --max_sentence_len.
+- Objectives: `lm` (the paper's), `qa` (the tiny base's, with tiny.py's aids). Ablations: --gists, --stage (T4-5).
 """
 from dataclasses import dataclass
 
@@ -198,11 +197,10 @@ class SentenceGist(nn.Module):
             rows = [(batch["prefix"], c, qa[:n].tolist()) for c, qa, n in zip(ctx, batch["qa"], batch["qa_len"])]
             labels = [[-100] * (len(batch["prefix"]) + len(c)) + lab[:n].tolist()
                       for c, lab, n in zip(ctx, batch["qa_labels"], batch["qa_len"])]
-        teacher_attn = self.aid.teacher(batch)[1] if self.aid is not None and "full" in batch else None
         L = self.layout(rows, labels)
         loss, n = self.base.ce(self.hidden(L), L["labels"])
-        if teacher_attn is not None:
-            loss = loss + n * self.aid.layout_loss(teacher_attn, L, batch)
+        if self.aid is not None and "full" in batch:  # tiny.py's aid: the teacher's attention over the layout
+            loss = loss + n * self.aid.layout_loss(self.aid.teacher(batch)[1], L, batch)
         gists_per_token = (L["kind"] == GIST).sum().item() / max(1, (L["kind"] == TOKEN).sum().item())
         return loss, n, {"gists_per_token": gists_per_token}
 
@@ -258,10 +256,11 @@ class SentenceGist(nn.Module):
 @torch.no_grad()
 def perplexity(method, texts, base=None):
     """Perplexity of each text's second half (cut at the sentence end nearest the middle) given (a) "full": the first
-    half read by `base` (eval.py's: as loaded; default the method's), no adapter, no gists; (b) "compressed": its
-    cache, the second half gisted, a sentence's first token scored from its gist (App. C.3). "ratio": tokens / slots."""
-    base, ce = method.base if base is None else base, torch.nn.functional.cross_entropy
-    nll, count, ratios = {"full": 0.0, "compressed": 0.0}, 0, []
+    half read by `base` (eval.py's: as loaded; default the method's), no adapter, no gists; (b) "none": no first half
+    (`base` reads the prefix, or an end of text: the floor a cache must beat); (c) "compressed": its cache, the
+    second half gisted, a sentence's first token scored from its gist (App. C.3). "ratio": tokens / slots."""
+    base, ce, dev = method.base if base is None else base, torch.nn.functional.cross_entropy, method.gist.device
+    nll, count, ratios = {"full": 0.0, "none": 0.0, "compressed": 0.0}, 0, []
     for text in texts:
         prefix, body = method.prefix(), method.tok.encode(text)
         _, _, kind, src = insert_gists(body, method.is_end, method.cfg.gists, method.cfg.max_sentence_len)
@@ -269,10 +268,11 @@ def perplexity(method, texts, base=None):
         if not ends:
             continue  # one sentence: no second half
         cut, P = min(ends, key=lambda e: abs(e - len(body) / 2)), len(prefix)
-        ids = torch.tensor([prefix + body], device=method.gist.device)  # (1, P + N)
-        target = ids[0, P + cut:]
+        ids, target = torch.tensor([prefix + body], device=dev), torch.tensor(body[cut:], device=dev)  # (1, P + N)
+        alone = torch.tensor([(prefix or method.tok.eos_ids[:1]) + body[cut:]], device=dev)
         with base.adapter(None):
             nll["full"] += ce(base(ids)[0, P + cut - 1:-1].float(), target, reduction="sum").item()
+            nll["none"] += ce(base(alone)[0, -len(target) - 1:-1].float(), target, reduction="sum").item()
         L1 = method.layout([(prefix, body[:cut], [])])
         L2 = method.layout([([], [], body[cut:])], [body[cut + 1:] + [-100]])
         h1, kv = method.hidden(L1, return_kv=True)

@@ -32,6 +32,8 @@ threshold). The verdict comes from our numbers:
   and says "(no CI)":
     ">" / "<"  A's value above / below B's;
     "~"  A / B within `margin` of the paper's A / B (e.g. the ratio halving per doubling).
+    A perplexity claim where neither row's cache beats no first half (its ppl_none) cannot tell:
+    it would order two failures.
   A claim whose rows the results lack, or whose two rows share no question, gets "no data".
 
 Given one results file, a second table follows (`controls`): the teacher and every method row against its run's
@@ -141,6 +143,9 @@ def judge(claim, results):
         a, b = value_of(claim.a, results, claim.metric), value_of(claim.b, results, claim.metric)
         if a is None or b is None:
             return {"a": a, "b": b, "verdict": "no data"}
+        floors = [(find_row(results, side) or {}).get("ppl_none") for side in (claim.a, claim.b)]
+        if claim.metric == "ppl_compressed" and None not in floors and a >= floors[0] and b >= floors[1]:
+            return {"a": a, "b": b, "verdict": "cannot tell (no CI)"}
         if claim.kind == "~":
             ok = abs(a / b - claim.paper_a / claim.paper_b) <= claim.margin
         else:

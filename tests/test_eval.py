@@ -586,8 +586,10 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
     near = {q: v + (1.0 if i % 2 else -1.0) for i, (q, v) in enumerate(high.items())}  # within +-1 of high
     results = _suite_results({"a": {4: (high, {}), 16: (low, {})}, "b": {4: (low, {}), 16: (high, {})},
                               "c": {4: (coin, {}), 16: (near, {})}, "z": {4: (zero, {}), 16: (zero, {})}, "d": {4: ({q: 100 - v for q, v in coin.items()}, {})},
-                              "g1": {8: (coin, {"ratio": 8.1, "ppl_compressed": 9.0})},
-                              "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0})},
+                              "g1": {8: (coin, {"ratio": 8.1, "ppl_compressed": 9.0, "ppl_none": 10.0})},
+                              "g2": {4: (coin, {"ratio": 4.0, "ppl_compressed": 12.0, "ppl_none": 10.0})},
+                              "h1": {8: (coin, {"ppl_compressed": 11.0, "ppl_none": 10.0})},
+                              "h2": {4: (coin, {"ppl_compressed": 12.0, "ppl_none": 10.0})},
                               "p": {4: (high, {})}, "q": {4: (near, {})}})
     results.insert(0, _suite_results({"o": {4: ({"other": 50.0}, {})}})[0])  # a run read on other questions
     for res in results[-2:]:  # p and q: another part's runs, whose own no-context row is where they are
@@ -604,7 +606,8 @@ def test_claims_three_verdicts_from_a_fake_results_json(tmp_path, capsys):
              (C("t", "a beats zz", "a@4", "zz@4", 60, 50), "no data"),
              (C("t", "a beats o", "a@4", "o@4", 60, 50), "no data"),  # (other questions: the whole table stopped)
              (C("t", "halves", "g1", "g2", 16.55, 8.28, "~", "ratio", 0.5), "agrees (no CI)"),
-             (C("t", "lower ppl", "g1", "g2", 7.2, 12.8, "<", "ppl_compressed"), "agrees (no CI)"),
+             (C("t", "lower ppl", "g1", "g2", 7.2, 12.8, "<", "ppl_compressed"), "agrees (no CI)"),  # g1 < none
+             (C("t", "lower ppl", "h1", "h2", 7.2, 12.8, "<", "ppl_compressed"), "cannot tell (no CI)"),  # both >=
              (C("t", "ppl under 8", "g1", "8", 7.2, 8, "<", "ppl_compressed"), "disagrees (no CI)")]
     got = [claims.judge(c, results)["verdict"] for c, _ in cases]
     assert got == [v for _, v in cases]

@@ -239,9 +239,12 @@ def test_perplexity_compressed_equals_one_pass(base_dir):
     L = m.layout([(m.prefix(), body, [])], [[-100] * (P + cut - 1) + body[cut:] + [-100]])
     nll, n = kernels.chunked_ce(m.hidden(L), m.base.lm_head.weight, L["labels"])
     ids = torch.tensor([m.prefix() + body])
+    alone = torch.tensor([m.prefix() + body[cut:]])  # "none": the second half after the sink alone
     with m.base.adapter(None):
         full = torch.nn.functional.cross_entropy(m.base(ids)[0, P + cut - 1:-1], ids[0, P + cut:])
+        none = torch.nn.functional.cross_entropy(m.base(alone)[0, P - 1:-1], alone[0, P:])
     assert out["tokens"] == n == len(body) - cut
+    assert abs(out["none"] - none.exp().item()) < 1e-3 * out["none"] and P == 1  # (a random base: no order)
     assert abs(out["compressed"] - (nll / n).exp().item()) < 1e-3 * out["compressed"]
     assert abs(out["full"] - full.exp().item()) < 1e-3 * out["full"]
     assert out["ratio"] == (P + cut) / 2  # the cache of the first half: sink + one gist
