@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time

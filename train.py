@@ -1002,7 +1002,7 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command=None, last_stage=True, kept=None):
+def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, command, last_stage, kept):
     """ckpt-<step>.safetensors (trainable tensors), optim-<step>.safetensors (AdamW state, torch's RNGs), then run.json
     naming them: its rename is the commit point, so a kill leaves the previous one whole. Older files go after,
     with a metrics.json (eval.py's cache) from an earlier run in the same dir. kept: more run.json keys (the
@@ -1027,8 +1027,7 @@ def save_checkpoint(out_dir, method, opt, step, cfg, mcfg, flags, recipe, comman
     flags = set(flags) | set(before.get("flags", []) if before else ())
     state = {"step": step, "files": files, "train": asdict(cfg), "method": asdict(mcfg), "flags": sorted(flags),
              "recipe": recipe, "param_groups": opt_state["param_groups"], "python_rng": list(random.getstate()[1]),
-             **(kept or {}),
-             **({"command": command, "last_stage": last_stage} if command is not None else {})}
+             **kept, "command": command, "last_stage": last_stage}
     atomic_write(os.path.join(out_dir, "run.json"), lambda p: json.dump(state, open(p, "w"), indent=1))
     for f in os.listdir(out_dir):  # and eval.py's metrics.json, which scored the checkpoint before this one
         if (f.startswith(("ckpt-", "optim-")) and f not in files.values()) or f == "metrics.json":
@@ -1307,7 +1306,7 @@ def init_distributed(cfg):
     device = str(pick_device(cfg.device))
     if int(os.environ.get("RANK", -1)) == -1:
         return False, 0, 1, torch.device(device)
-    if not dist.is_initialized():  # one group per process: --pretrain's two stages share it
+    if not dist.is_initialized():  # one group per process (train.main called again in it)
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -1555,7 +1554,7 @@ def run_dtypes(cfg, device):
     return dtype, torch.bfloat16 if bf16 else torch.float32
 
 
-def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, command=None, later=(), data_hash=None):
+def train(cfg, mcfg, explicit, cls, recipe, items, ddp, rank, world, device, command, later, data_hash):
     """One stage: build its method, train it for cfg.max_iters steps into cfg.out_dir; returns cfg.out_dir. command:
     the command's flags and values (run.json keeps them for --resume); later: the dirs of the stages after it;
     data_hash: its items' (run.json keeps it for --resume)."""
