@@ -407,9 +407,10 @@ RESUME_DEFAULTS = ("max_iters", "lr", "min_lr_frac", "warmup_iters", "warmup_fra
 
 
 def as_compared(key, value):
-    """A flag's value as --resume compares it: ratios as numbers, paths as real paths."""
+    """A flag's value as --resume compares it: ratios as numbers, paths as real paths ("" --init_from: tiny_base/)."""
     if key in ("ratio", "eval_ratio") and value:
         return ratios_of(value, key)
+    value = tiny.BASE_DIR if key == "init_from" and not value else value
     return os.path.realpath(value) if key in PATH_FLAGS and value else value
 
 
@@ -659,6 +660,11 @@ def inherit_resumed(c, m, explicit, sources, own_start=False):
             continue
         if key in explicit and key in PATH_FLAGS and saved and not os.path.exists(saved):  # moved: where it is now
             continue
+        stage = os.path.basename(os.path.normpath(saved)) if key == "init_from" and saved else ""
+        if stage and os.path.isfile(os.path.join(c.out_dir, stage, "run.json")):  # its earlier stage (a copy's too)
+            raise SystemExit(f"error: --resume: {c.out_dir} was trained after its {stage} stage, which this command "
+                             f"leaves out (--pretrain 0, --objective or --stage): drop that flag, or give --init_from "
+                             f"{saved}")
         if key in explicit:
             raise SystemExit(f"error: --{key} {now!r} conflicts with the run --resume continues, {c.out_dir} "
                              f"({key}={saved!r}); drop the flag to inherit it")
@@ -1391,9 +1397,9 @@ class AdamW:
                 "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in self.param_groups]}
 
     def load_state_dict(self, state):
+        """The moments and step counts; the hyperparameters stay this command's (--resume gives the run's, or a flag's:
+        its --weight_decay applies), where torch's copies the saved ones."""
         params = [p for g in self.param_groups for p in g["params"]]
-        for g, saved in zip(self.param_groups, state["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k in ("lr", "betas", "eps", "weight_decay")})
         self.state = {params[i]: {k: x.clone() if k == "step" else x.to(params[i], copy=True) for k, x in s.items()}
                       for i, s in state["state"].items()}
 
@@ -1407,10 +1413,10 @@ def diverged(loss, which, step, saved, out_dir):
 
 
 def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, cfg):
-    """One optimizer step over this rank's micro-batches; returns (loss per token, metrics, the input tokens its
-    passes read (padding included, labels not), whether a rank got Ctrl-C). Gradients are sums over tokens, scaled by
-    the global token count (DDP already averaged over ranks); one all_reduce carries loss, count and every rank's
-    Ctrl-C."""
+    """One optimizer step over this rank's micro-batches; returns (loss per token, metrics: this rank's means weighted
+    by each micro-batch's targets, the input tokens its passes read (padding included, labels not), whether a rank got
+    Ctrl-C). Gradients are sums over tokens, scaled by the global token count (DDP already averaged over ranks); one
+    all_reduce carries loss, count and every rank's Ctrl-C."""
     total, count, metrics, tokens = 0.0, 0.0, {}, 0
     for i, mb in enumerate(micro):
         mb = to_device(mb, device)
@@ -1423,7 +1429,9 @@ def train_step(model, micro, params, opt, ratios, device, autocast, ddp, world, 
         total, count = total + loss.item(), count + float(n)
         tokens += sum(v.numel() for k, v in mb.items() if torch.is_tensor(v) and v.dim() == 2 and v.dtype == torch.long
                       and not k.endswith("labels"))
-        metrics.update(m)
+        for k, v in m.items():  # (summed, n-weighted: the step's mean over its micro-batches, not the last one's)
+            metrics[k] = metrics.get(k, 0.0) + float(v) * float(n)
+    metrics = {k: v / max(count, 1.0) for k, v in metrics.items()}
     counts = torch.tensor([total, count, len(STOP)], device=device, dtype=torch.float64)
     if ddp:
         dist.all_reduce(counts)

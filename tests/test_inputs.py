@@ -280,8 +280,11 @@ def test_resume_keeps_the_runs_data_and_schedule(files, tmp_path):
         assert line.startswith(f"error: {message}") and "conflicts with the run --resume continues" in line, line
     assert in_process(flags + ["--resume", "--max_iters", 3]) == ""
     assert json.loads((out / "run.json").read_text())["step"] == 3
+    assert in_process(flags + ["--resume", "--max_iters", 4, "--weight_decay", 0.1]) == ""  # a value it may change
+    state = json.loads((out / "run.json").read_text())  # (the optimizer applies it: not the checkpoint's 0.0)
+    assert [g["weight_decay"] for g in state["param_groups"]] == [0.1, 0.0] == [state["train"]["weight_decay"], 0.0]
     line = in_process(flags + ["--resume", "--max_iters", 2])
-    assert line == f"error: --max_iters 2: the run --resume continues, {out}, is at step 3 already", line
+    assert line == f"error: --max_iters 2: the run --resume continues, {out}, is at step 4 already", line
 
 
 def test_a_folder_that_is_no_run_keeps_its_files_and_a_failed_base_leaves_no_trained_one_behind(base_dir, tmp_path):
@@ -352,6 +355,9 @@ def test_resume_after_a_stopped_first_stage_trains_the_rest_of_that_command(file
     assert (out / "pretrain" / "run.json").read_bytes() == first  # 3 retrained it under the last one's weights)
     line = in_process(["--method", "ata", "--out_dir", out, "--resume", "--max_iters", 6, "--init_from", files])
     assert line.startswith(f"error: --init_from '{files}' conflicts with the run --resume continues"), line  # (kept)
+    line = in_process(["--method", "ata", "--out_dir", out, "--resume", "--objective", "qa", "--max_iters", 6])
+    assert line == f"error: --resume: {out} was trained after its pretrain stage, which this command leaves out " \
+                   f"(--pretrain 0, --objective or --stage): drop that flag, or give --init_from {out / 'pretrain'}"
     assert in_process(["--method", "ata", "--out_dir", out, "--resume", "--objective", "qa", "--init_from",
                        out / "pretrain", "--max_iters", 6]) == ""  # its last stage alone (the command's --pretrain
     assert json.loads((out / "run.json").read_text())["step"] == 6  # 2 gives way to --objective)
@@ -463,6 +469,14 @@ def test_resume_refuses_data_files_that_hold_other_records_now(files, tmp_path):
     line = in_process([*argv, "--resume", "--max_iters", 3])
     assert line.startswith(f"error: --resume: {out} trained on other records than its data files hold now"), line
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+
+
+def test_resume_of_a_tiny_base_run_takes_the_shipped_base_named(tmp_path):
+    """--init_from tiny_base/ is what a run without the flag read: --resume accepts it (was: conflicts with '')."""
+    out = tmp_path / "run"
+    assert in_process(["--method", "meanpool", *FAST, "--out_dir", out]) == ""
+    assert in_process(["--out_dir", out, "--resume", "--max_iters", 2, "--init_from", tiny.BASE_DIR, "--quiet"]) == ""
+    assert json.loads((out / "run.json").read_text())["step"] == 2
 
 
 def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):

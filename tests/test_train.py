@@ -710,3 +710,18 @@ def test_a_switch_turns_off_a_recipes_true(base_dir, tmp_path):
         assert all(c.hotpot_distractors is want for c, _, _ in train.resolve(cfg, mcfg, explicit, cls)), extra
     with pytest.raises(SystemExit, match=r"argument --compile: invalid true / false value: 'x'"):
         train.configure(["--compile", "x"])
+
+
+def test_a_steps_metrics_are_the_target_weighted_mean_of_its_micro_batches():
+    """--grad_accum 2: the logged per-ratio loss is the step's (3 x 1 + 7 x 3) / 4, not its last micro-batch's 7."""
+    w = torch.nn.Parameter(torch.ones(1))
+
+    class Fake(torch.nn.Module):
+        def forward(self, mb, ratios):  # (loss summed over n targets, n, metrics)
+            return w.sum() * mb["n"], mb["n"], {"loss_r4": mb["value"]}
+
+    opt = train.AdamW([{"params": [w], "weight_decay": 0.0}], lr=0.0, betas=(0.9, 0.95))
+    micro = [{"n": 1, "value": 3.0}, {"n": 3, "value": 7.0}]
+    loss, metrics, _, _ = train.train_step(Fake(), micro, [w], opt, [4], torch.device("cpu"), nullcontext(),
+                                           False, 1, train.TrainConfig())
+    assert loss == 1.0 and metrics == {"loss_r4": 6.0}
