@@ -57,6 +57,10 @@ case "${1:-}" in
     for f in "GGUF=$GGUF" "SQUAD=$SQUAD"; do  # (before the last prepare's files go)
       [ -f "${f#*=}" ] || { echo "error: $f: no such file" >&2; exit 1; }
     done
+    other=$(find "$DIR" -mindepth 1 -maxdepth 1 ! -name "gguf.part[12]" ! -name wheels ! -name dev-v1.1.json.zip \
+            ! -name gguf.sha256 2> /dev/null | head -n 1 || true)  # (what a prepare writes goes; DIR=.: the repo)
+    [ -z "$other" ] && { [ ! -e "$DIR" ] || [ -d "$DIR" ]; } ||
+      { echo "error: DIR=$DIR holds ${other:-a file}, which no prepare wrote: name a new or empty folder" >&2; exit 1; }
     rm -rf "$DIR" && mkdir -p "$DIR/wheels"
     split -n 2 -d -a 1 "$GGUF" "$DIR/gguf.part"  # gguf.part0, gguf.part1: about half each
     mv "$DIR/gguf.part1" "$DIR/gguf.part2" && mv "$DIR/gguf.part0" "$DIR/gguf.part1"

@@ -256,6 +256,10 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
                        text=True, env=dict(env, SQUAD=str(tmp_path / "gone.zip")))
     assert p.returncode == 1 and p.stderr == f"error: SQUAD={tmp_path / 'gone.zip'}: no such file\n", p.stderr
     assert (tmp_path / "dev" / "dev-v1.1.json.zip").read_bytes() == b"zip"  # the last prepare's, kept
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "prepare"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, DIR=str(tmp_path)))  # a folder holding more than a prepare's files
+    assert p.returncode == 1 and p.stderr.startswith(f"error: DIR={tmp_path} holds {tmp_path}/"), p.stderr
+    assert gguf.exists() and squad.exists()  # (it was deleted whole)
     p = sh("part2")  # (no nvidia-smi on PATH)
     assert p.returncode == 1 and p.stderr.startswith("error: part2 runs on the GPU machine (no nvidia-smi"), p.stderr
     smi = tmp_path / "bin" / "nvidia-smi"  # the GPU machine's, for the parts below
