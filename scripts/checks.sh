@@ -9,6 +9,14 @@ whole_numbers() {  # VAR...: each a whole number > 0 (SEED: >= 0); an empty or u
           echo ' (no leading 0)')$([[ $value =~ ^[0-9]{19,}$ ]] && echo ' of at most 18 digits')" >&2; exit 1; }  # 2^63)
   done
 }
+at_most() {  # POWER VAR...: each at most 2^POWER, train.py's and eval.py's own limit (steps 2^40, examples and
+  # batches 2^20), checked before the first run rather than by each run in turn
+  local power=$1 var; shift
+  for var in "$@"; do
+    [ -z "${!var:-}" ] || [ "${!var}" -le $(( 1 << power )) ] ||
+      { echo "error: $var=${!var}: want at most 2^$power (train.py's and eval.py's limit)" >&2; exit 1; }
+  done
+}
 arguments() {  # WORD "$@": -h / --help prints the script's header and settings, and exits 0; an argument other
   # than WORD (one optional word, such as --smoke; "": none) is a one-line error, before any work
   local word=$1 script=scripts/$(basename "$0"); shift

@@ -63,6 +63,7 @@ if [ "${1:-}" = "--smoke" ]; then
 fi
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 whole_numbers STEPS TEACHER_STEPS JOBS EXAMPLES MICRO EVAL_BATCH SEED DEADLINE GRACE
+at_most 40 STEPS TEACHER_STEPS && at_most 20 EXAMPLES
 [ "$STEPS" -ge 2 ] ||
   { echo "error: STEPS=$STEPS: want at least 2 (a pretraining stage and its QA stage share them)" >&2; exit 1; }
 python scripts/results_md.py --check RESULTS --out "$RESULTS"  # the report it writes last: checked before any run

@@ -26,6 +26,7 @@ SEED=${SEED:-1337}
 OUT=${OUT:-out/suite}
 RESULTS=${RESULTS:-RESULTS.md}   # the generated report; the plot goes beside it (.png)
 whole_numbers ITERS PRE_ITERS JOBS EXAMPLES SEED
+at_most 40 ITERS PRE_ITERS && at_most 20 EXAMPLES
 for var in DATA EVAL_DATA; do  # the tiny base's suite reads its synthetic set: a file without INIT_FROM is a slip
   if [ -n "${INIT_FROM:-}" ]; then
     [ -f "${!var:-}" ] || { echo "error: INIT_FROM needs $var=a QA file (${var}=${!var:-}: no such file)" >&2; exit 1; }

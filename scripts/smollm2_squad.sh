@@ -27,9 +27,10 @@ OUT=${OUT:-out/smollm2}
 RESULTS=${RESULTS:-RESULTS.md}
 CMD="ITERS=$ITERS BATCH=$BATCH LR=$LR EXAMPLES=$EXAMPLES COMPRESS=$COMPRESS bash scripts/smollm2_squad.sh"
 whole_numbers ITERS BATCH EXAMPLES
+at_most 40 ITERS && at_most 20 BATCH EXAMPLES
 [[ $COMPRESS =~ ^[01]$ ]] || { echo "error: COMPRESS=$COMPRESS: want 0 or 1" >&2; exit 1; }
-[[ $LR =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)(e-?[0-9]+)?$ ]] && awk -v lr="$LR" 'BEGIN { exit !(lr + 0 > 0) }' ||
-  { echo "error: LR=$LR: want a learning rate > 0, like 5e-4" >&2; exit 1; }  # (0 failed after the conversion)
+[[ $LR =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)(e-?[0-9]+)?$ ]] && awk -v lr="$LR" 'BEGIN { exit !(lr + 0 > 0 && lr + 0 <= 3.4e37) }' ||
+  { echo "error: LR=$LR: want a learning rate > 0 (at most 3.4e37), like 5e-4" >&2; exit 1; }  # (failed after converting)
 [ -f "$SQUAD" ] || { echo "error: SQUAD=$SQUAD: no such file" >&2; exit 1; }
 python scripts/results_md.py --check RESULTS --out "$RESULTS"  # the report it writes last: checked before any run
 clock() { date +%s; }

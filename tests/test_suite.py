@@ -392,8 +392,15 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
     for script, setting, args, want in (
             ("smollm2_squad.sh", "ITERS=-1", [], "ITERS=-1: want a whole number > 0"),  # (it converted first)
             ("smollm2_squad.sh", "COMPRESS=yes", [], "COMPRESS=yes: want 0 or 1"),
-            ("smollm2_squad.sh", "LR=fast", [], "LR=fast: want a learning rate > 0, like 5e-4"),
-            ("smollm2_squad.sh", "LR=0", [], "LR=0: want a learning rate > 0, like 5e-4"),  # (failed after converting)
+            ("smollm2_squad.sh", "LR=fast", [], "LR=fast: want a learning rate > 0 (at most 3.4e37), like 5e-4"),
+            *(("smollm2_squad.sh", f"LR={lr}", [], f"LR={lr}: want a learning rate > 0 (at most 3.4e37), like 5e-4")
+              for lr in ("0", "1e39", "1e400")),  # (failed after converting)
+            ("smollm2_squad.sh", "BATCH=1048577", [], "BATCH=1048577: want at most 2^20 (train.py's and eval.py's "
+                                                      "limit)"),  # (each after converting)
+            ("real_suite.sh", "EXAMPLES=1048577", ["--smoke"], "EXAMPLES=1048577: want at most 2^20 (train.py's and "
+                                                               "eval.py's limit)"),  # (after every run had trained)
+            ("reproduce.sh", "ITERS=1099511627777", [], "ITERS=1099511627777: want at most 2^40 (train.py's and "
+                                                        "eval.py's limit)"),  # (one line per run started)
             ("reproduce.sh", "ITERS=abc", [], "ITERS=abc: want a whole number > 0"),
             ("reproduce.sh", "JOBS=0", [], "JOBS=0: want a whole number > 0"),
             ("reproduce.sh", "ITERS=99999999999999999999", [],  # (bash's "integer expression expected" first)
