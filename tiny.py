@@ -37,9 +37,8 @@ BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_base")
 
 
 # -----------------------------------------------------------------------------
-# the synthetic benchmark (SPEC §2.6): biographies of invented people. Values avoid
-# long digit strings (a small tokenizer splits them into digits); each attribute has many
-# values, drawn uniformly, so the answer cannot be guessed without the context.
+# the synthetic benchmark (SPEC §2.6): biographies of invented people. Values avoid long digit strings (a small
+# tokenizer splits them); each attribute has many values, drawn uniformly: no answer is guessable without its context.
 
 FIRST_NAMES = """Ada Alan Alma Amir Anna Arlo Aurora Basil Bianca Boris Carmen Cedric Clara Dario Delia Dmitri Edith
 Elias Elsa Emil Farah Felix Flora Gideon Greta Hana Hugo Ilse Ines Ivan Jonas Juno Kai Kira Lars Leona Linus Lucia
@@ -338,10 +337,11 @@ class Base(torch.nn.Module):
 
     @staticmethod
     def check_config(cfg, bc):
-        if min(bc.d_model, bc.n_layers, bc.n_heads, bc.qa_per_context) < 1 or bc.d_model % (2 * bc.n_heads):
+        if min(bc.d_model, bc.n_layers, bc.n_heads, bc.qa_per_context) < 1 or bc.d_model % (2 * bc.n_heads) or \
+                bc.n_layers * bc.d_model ** 2 > 1 << 26:  # (10^8 wide ran out of memory after the old base had gone)
             raise SystemExit(f"error: --d_model {bc.d_model}, --n_layers {bc.n_layers}, --n_heads {bc.n_heads}, "
-                             f"--qa_per_context {bc.qa_per_context}: each must be >= 1, and d_model a multiple of "
-                             "2 x n_heads (RoPE rotates head-size pairs)")
+                             f"--qa_per_context {bc.qa_per_context}: each >= 1, d_model a multiple of 2 x n_heads (RoPE"
+                             " rotates head-size pairs), n_layers x d_model^2 at most 2^26 (trained from scratch here)")
         for flag, ok, want in (  # sentencepiece: 326 pieces are bytes, specials and characters; the corpus has ~3,700
                 ("vocab_size", 512 <= bc.vocab_size <= 3500, "lie in [512, 3500] (pieces the synthetic corpus holds)"),
                 ("context_weight", 0 <= bc.context_weight <= 1, "lie in [0, 1]"),

@@ -310,6 +310,12 @@ def test_a_folder_that_is_no_run_keeps_its_files_and_a_failed_base_leaves_no_tra
     assert json.loads((mine / "log.jsonl").read_text())["loss"] != 9.0
     old = tmp_path / "old_base"
     shutil.copytree(base_dir, old)
+    kept = {f.name: f.read_bytes() for f in old.iterdir()}
+    for flag in ("--d_model", "--n_layers"):  # (10^8 and 10^5 ran out of memory after a trained base's run.json went)
+        line = in_process(["--method", "base", "--out_dir", old, flag, 10 ** 8 if flag == "--d_model" else 10 ** 5,
+                           *FAST[:6]])
+        assert line.startswith("error: --d_model ") and "at most 2^26" in line, line
+        assert {f.name: f.read_bytes() for f in old.iterdir()} == kept
     line = in_process(["--method", "base", "--out_dir", old, "--attn_weight", 1e38, *FAST[:6]])
     assert line.startswith("error: step 1: the training loss is inf"), line
     assert not (old / "run.json").exists()
