@@ -420,7 +420,7 @@ def test_every_method_runs_on_gemma2(tmp_path, capsys):
     (["--method", "ata", "--huber_lambda", "inf"], "--huber_lambda inf one >= 0"),  # was a NaN loss
     (["--method", "ata", "--k_max", "100000"], "--k_max 100000: 1 to --max_context 600"),  # was killed for memory
     (["--method", "base", "--n_heads", "3"], "d_model a multiple of 2 x n_heads"),
-    (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each must be >= 1"),
+    (["--method", "base", "--qa_per_context", "0"], "--qa_per_context 0: each >= 1"),
     (["--method", "base", "--vocab_size", "300"], "--vocab_size 300 must lie in [512, 3500]"),
     (["--method", "base", "--vocab_size", "9999"], "--vocab_size 9999 must lie in [512, 3500]"),  # (a traceback)
     (["--method", "base", "--attn_weight", "-1"], "--attn_weight -1.0 must be a number >= 0"),
