@@ -657,6 +657,7 @@ def inherit_resumed(c, m, explicit, sources, own_start=False):
             continue
         now, saved = getattr(c, key), state["train"].get(key, getattr(c, key))
         if as_compared(key, now) == as_compared(key, saved):
+            setattr(c, key, saved)  # (its spelling: "" stays the shipped base wherever the repo moves)
             continue
         if key in explicit and key in PATH_FLAGS and saved and not os.path.exists(saved):  # moved: where it is now
             continue

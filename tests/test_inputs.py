@@ -482,7 +482,8 @@ def test_resume_of_a_tiny_base_run_takes_the_shipped_base_named(tmp_path):
     out = tmp_path / "run"
     assert in_process(["--method", "meanpool", *FAST, "--out_dir", out]) == ""
     assert in_process(["--out_dir", out, "--resume", "--max_iters", 2, "--init_from", tiny.BASE_DIR, "--quiet"]) == ""
-    assert json.loads((out / "run.json").read_text())["step"] == 2
+    state = json.loads((out / "run.json").read_text())
+    assert state["step"] == 2 and state["train"]["init_from"] == ""  # (as the run named it)
 
 
 def test_resume_keeps_what_was_written_and_continues_the_log(files, tmp_path):
