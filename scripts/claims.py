@@ -143,9 +143,10 @@ def judge(claim, results):
         a, b = value_of(claim.a, results, claim.metric), value_of(claim.b, results, claim.metric)
         if a is None or b is None:
             return {"a": a, "b": b, "verdict": "no data"}
-        floors = [(find_row(results, side) or {}).get("ppl_none") for side in (claim.a, claim.b)]
-        if claim.metric == "ppl_compressed" and None not in floors and a >= floors[0] and b >= floors[1]:
-            return {"a": a, "b": b, "verdict": "cannot tell (no CI)"}
+        if claim.metric == "ppl_compressed":  # (a number as a side has no floor: never vacuous)
+            floors = [(find_row(results, side) or {}).get("ppl_none") for side in (claim.a, claim.b)]
+            if None not in floors and a >= floors[0] and b >= floors[1]:
+                return {"a": a, "b": b, "verdict": "cannot tell (no CI)"}
         if claim.kind == "~":
             ok = abs(a / b - claim.paper_a / claim.paper_b) <= claim.margin
         else:
