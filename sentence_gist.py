@@ -257,7 +257,7 @@ class SentenceGist(nn.Module):
 def perplexity(method, texts, base=None):
     """Perplexity of each text's second half (cut at the sentence end nearest the middle) given (a) "full": the first
     half read by `base` (eval.py's: as loaded; default the method's), no adapter, no gists; (b) "none": no first half
-    (`base` reads the prefix, or an end of text: the floor a cache must beat); (c) "compressed": its cache, the
+    (`base` reads the prefix, or an end of text; ours: the floor a cache must beat); (c) "compressed": its cache, the
     second half gisted, a sentence's first token scored from its gist (App. C.3). "ratio": tokens / slots."""
     base, ce, dev = method.base if base is None else base, torch.nn.functional.cross_entropy, method.gist.device
     nll, count, ratios = {"full": 0.0, "none": 0.0, "compressed": 0.0}, 0, []
