@@ -4,6 +4,7 @@ is lost; --resume continues the log where its checkpoint was taken."""
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -656,10 +657,20 @@ def test_ctrl_c_during_an_evaluation_is_one_line_and_130(tmp_path, sig):
     run_dir = tmp_path / "mp"
     assert in_process(["--method", "meanpool", "--max_iters", 1, "--batch_size", 2, "--eval_examples", 0, "--quiet",
                        "--device", "cpu", "--out_dir", run_dir]) == ""
-    p = subprocess.run(["timeout", "--preserve-status", "-s", sig, "10", sys.executable, "eval.py", str(run_dir),
-                        "--n", "20000"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode == 130 and p.stderr.strip() == "interrupted: the runs evaluated before it keep their " \
-        "metrics.json", p.stderr[-2000:]
+    p = subprocess.Popen([sys.executable, "eval.py", str(run_dir), "--n", "20000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    # wait until it handles SIGTERM, which it does from just before its main (SigCgt: the mask of handled signals)
+    status, deadline = Path(f"/proc/{p.pid}/status"), time.time() + 60
+    while p.poll() is None and time.time() < deadline:
+        handled = int(re.search(r"SigCgt:\s*(\w+)", status.read_text())[1], 16)
+        if handled >> (signal.SIGTERM - 1) & 1:
+            break
+        time.sleep(0.05)
+    time.sleep(1)  # (evaluating by now, most likely; anywhere in its main reads the same)
+    p.send_signal(getattr(signal, "SIG" + sig))
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip() == "interrupted: the runs evaluated before it keep their " \
+        "metrics.json", err[-2000:]
     assert not (run_dir / "metrics.json").exists()
 
 
