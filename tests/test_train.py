@@ -676,6 +676,29 @@ def test_dtype_flag_sets_autocast_and_a_real_bases_weights(base_dir):
         assert train.run_dtypes(train.TrainConfig(**kw), device) == expected, (kw, device)
 
 
+def test_class_lines_are_what_inspect_finds():
+    """make_parser reads each config's field comments from train.class_lines, a scan that skips inspect.getsource's
+    parse of the whole module: the same lines (but its decorators and trailing blank lines) for every config class
+    a command reads."""
+    import dataclasses
+    import inspect
+    import eval as evaluate
+
+    @dataclasses.dataclass
+    class Nested:  # (in a function, as a fork's test may define one: inspect's lines)
+        window: str = "last"
+
+    def from_class(lines):
+        lines = [line.rstrip("\n") for line in lines]
+        while not lines[-1].strip():
+            lines.pop()
+        return lines[[line.lstrip().startswith("class ") for line in lines].index(True):]
+
+    classes = [train.TrainConfig, evaluate.EvalConfig, Nested] + [c.Config for c in train.method_registry().values()]
+    for c in classes:
+        assert from_class(train.class_lines(c)) == from_class(inspect.getsource(c).splitlines()), c
+
+
 def test_a_config_subclassing_another_keeps_its_fields_help():
     """A fork's method may subclass another's config (README: Add a method): the inherited flags keep their help."""
     import dataclasses
