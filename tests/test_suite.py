@@ -464,8 +464,9 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
     (stubs / "nvidia-smi").write_text(f'#!/bin/sh\ncase "$*" in\n  *"-l 1"*) echo $$ > {pid}; i=0;'
                                       ' while [ $i -lt 90 ]; do echo "5, 100"; echo sampling >&2; sleep 1;'
                                       ' i=$((i+1)); done ;;\n  *) echo 143771 ;;\nesac\n')
-    (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *"--method teacher"*) exit 5 ;;\nesac\n'
-                                  f'exec {sys.executable} "$@"\n')
+    # python: the model's conversion a stand-in that makes none, the teacher one that fails
+    (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *smollm2.py*) exit 0 ;;\n'
+                                  f'  *"--method teacher"*) exit 5 ;;\nesac\nexec {sys.executable} "$@"\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), ONLY="meanpool",
