@@ -1150,11 +1150,11 @@ def read_records(path, cfg, text=False):
     stats = {}
     items = (data.read_text(path, skip_bad=cfg.skip_bad, stats=stats) if text else
              data.read_dataset(path, distractors=cfg.hotpot_distractors, skip_bad=cfg.skip_bad, stats=stats))
-    if stats.keys() - {"records"}:
-        print(f"note: {path}: {stats}", file=sys.stderr)
-    if not items:
+    if not items:  # (one line: the counts are in it)
         raise SystemExit(f"error: {path!r} holds no {'text' if text else 'usable records'}"
                          + (f" ({stats})" if stats else ""))
+    if stats.keys() - {"records"}:
+        print(f"note: {path}: {stats}", file=sys.stderr)
     return items
 
 

@@ -751,3 +751,16 @@ def test_a_run_of_another_method_is_not_an_init_from(files, tmp_path):
     assert not (tmp_path / "pic").exists()
     assert in_process(["--method", "meanpool", "--init_from", mp, "--data", files / "squad.json", *FAST,
                        "--out_dir", tmp_path / "again"]) == ""
+
+
+def test_a_file_whose_every_record_is_skipped_is_one_line(tmp_path, capsys):
+    """SQuAD v2 with unanswerable questions alone: the error, with the reader's counts, is the only line (a note of
+    the same counts came before it)."""
+    qas = [{"id": f"q{i}", "question": "Where?", "answers": [], "is_impossible": True} for i in range(3)]
+    doc = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": "Paris is in France.", "qas": qas}]}]}
+    (tmp_path / "v2.json").write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--method", "teacher", "--data", str(tmp_path / "v2.json"), "--out_dir", str(tmp_path / "out")])
+    assert str(e.value.code).startswith(f"error: '{tmp_path / 'v2.json'}' holds no usable records (")
+    assert "'unanswerable': 3" in str(e.value.code) and capsys.readouterr().err == ""
+    assert not (tmp_path / "out").exists()
