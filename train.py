@@ -706,7 +706,8 @@ def recipe_table(resolved):
 
 def check_inputs(stages, cls):
     """A resolved run's values (check_stage), files (check_files) and run dirs (check_out_dirs), and what its
-    stages read of them, before any work."""
+    stages read of them, before any work; returns the notes the checks make, for after every check (an error is
+    the only line)."""
     for c, m, sources in stages:
         check_stage(c, m, cls)
         for flag, needs in getattr(cls, "SWITCHED", {}).items():  # a flag that only acts under another switch
@@ -715,8 +716,7 @@ def check_inputs(stages, cls):
         for flag in ("ratio", "eval_ratio"):  # (a recipe's R = 4..128 may pass a short context)
             if sources.get(flag) == "flag" and getattr(c, flag):
                 check_ratio_fits(getattr(c, flag), c.max_context, flag)
-    check_files(*stages[0][:2])
-    check_out_dirs(stages)
+    notes = check_files(*stages[0][:2]) + check_out_dirs(stages)
     (cfg, _, _), (last, _, _) = stages[0], stages[-1]
     if cfg.pretrain_data and not any(text_objective(c) for c, _, _ in stages):
         raise SystemExit(f"error: --pretrain_data is read by a text stage (pic ae+lm, sac or sentence_gist lm); this "
@@ -725,6 +725,7 @@ def check_inputs(stages, cls):
     if hasattr(cls, "compress") and last.eval_examples and getattr(last, flag) and data.holds_text(getattr(last, flag)):
         raise SystemExit(f"error: --{flag} {getattr(last, flag)} is text: the final evaluation asks questions; name a "
                          "QA file with --eval_data, or --eval_examples 0")
+    return notes
 
 
 def check_stage(cfg, mcfg, cls):
@@ -785,14 +786,16 @@ def check_method_config(cfg, mcfg, cls):
 
 def check_files(cfg, mcfg):
     """The files a run names, looked at before any work: one line naming the flag and file that is wrong. Their
-    contents are checked where they are read (data before the model, the model before the first step)."""
+    contents are checked where they are read (data before the model, the model before the first step). Returns
+    its notes."""
+    notes = []
     for flag in ("data", "eval_data", "pretrain_data"):
         path = getattr(cfg, flag)
         if path and not os.path.isfile(path):
             raise SystemExit(f"error: --{flag} {path!r}: {not_a_file(path)}")
     if cfg.data and cfg.eval_data and same_file(cfg.data, cfg.eval_data):
-        print(f"note: --eval_data {cfg.eval_data} is --data's file: validation and the final evaluation read the "
-              "questions training reads", file=sys.stderr)
+        notes.append(f"note: --eval_data {cfg.eval_data} is --data's file: validation and the final evaluation read "
+                     "the questions training reads")
     for flag, path in (("init_from", tiny.base_path(cfg.init_from)), ("encoder", getattr(mcfg, "encoder", "")),
                        ("decoder", getattr(mcfg, "decoder", ""))):
         if path and not os.path.isfile(os.path.join(path, "config.json")) and not tiny.needs_training(path):
@@ -801,8 +804,8 @@ def check_files(cfg, mcfg):
     doc = read_json(config) if os.path.isfile(config) else {}  # (a broken one: its line when the model loads)
     positions = doc.get("max_position_embeddings") if isinstance(doc, dict) else None
     if isinstance(positions, int) and cfg.max_context + cfg.max_answer > positions and cfg.max_context < 1 << 20:
-        print(f"note: --max_context {cfg.max_context} and --max_answer {cfg.max_answer} reach past the {positions} "
-              f"positions {config} was trained at (max_position_embeddings)", file=sys.stderr)
+        notes.append(f"note: --max_context {cfg.max_context} and --max_answer {cfg.max_answer} reach past the "
+                     f"{positions} positions {config} was trained at (max_position_embeddings)")
     turn = data.CHAT_FORMATS.get(cfg.prompt, ())
     if turn and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would train before its QA stage failed)
         if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
@@ -830,12 +833,14 @@ def check_files(cfg, mcfg):
         if data.prompt_format(tok, taught) != data.prompt_format(tok, cfg.prompt):
             raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
                              "prompts (drop the flag to take its format)")
+    return notes
 
 
 def check_out_dirs(stages):
     """No stage writes into (or below) a checkpoint the run reads: --init_from (by default the shipped tiny base),
     --teacher, --encoder, --decoder (a --method base run writes a base: its own dir is the one it makes); nor
-    replaces a run of another method (one of its own starts anew there)."""
+    replaces a run of another method (one of its own starts anew there). Returns its notes."""
+    notes = []
     (cfg, mcfg, _), out_dirs = stages[0], [os.path.realpath(c.out_dir) for c, _, _ in stages]
     reads = {} if cfg.method == "base" else {"init_from": cfg.init_from or tiny.BASE_DIR, "teacher": cfg.teacher,
                                              **{flag: getattr(mcfg, flag, "") for flag in ("encoder", "decoder")}}
@@ -855,8 +860,9 @@ def check_out_dirs(stages):
             raise SystemExit(f"error: --out_dir {c.out_dir!r} holds a {others[0]} and no run.json: not a train.py run "
                              "dir (a run replaces its files); give this run another dir")
         if there and not c.resume:
-            print(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts anew and "
-                  "replaces it (--resume continues it)", file=sys.stderr)
+            notes.append(f"note: {c.out_dir} holds a --method {c.method} run (step {there['step']}); this one starts "
+                         "anew and replaces it (--resume continues it)")
+    return notes
 
 
 def logs_step_one(log):
@@ -1514,7 +1520,7 @@ def main(argv):
     stages = resolve(cfg, mcfg, explicit, cls, world=int(os.environ.get("WORLD_SIZE", 1)))
     # one run at a time in a run's dirs (two at once mixed their logs and files): rank 0 holds them from here
     with locked([c.out_dir for c, _, _ in stages]) if os.environ.get("RANK", "0") == "0" else nullcontext():
-        check_inputs(stages, cls)
+        notes = check_inputs(stages, cls)
         items = [stage_data(c) for c, _, _ in stages]
         hashes = [data_hash(stage_items) for stage_items in items]
         for (c, _, _), digest in zip(stages, hashes):
@@ -1522,6 +1528,8 @@ def main(argv):
             if kept and kept != digest:  # (the same paths, other records: step s would read other data)
                 raise SystemExit(f"error: --resume: {c.out_dir} trained on other records than its data files hold "
                                  "now (rewritten since?); restore them, or start anew without --resume")
+        for note in notes:  # (after every input is checked and read: an error is the only line)
+            print(note, file=sys.stderr)
         ddp, rank, world, device = init_distributed(cfg)
         recipe, text = recipe_table(stages)
         if rank == 0:

@@ -755,7 +755,7 @@ def test_a_run_of_another_method_is_not_an_init_from(files, tmp_path):
 
 def test_a_file_whose_every_record_is_skipped_is_one_line(tmp_path, capsys):
     """SQuAD v2 with unanswerable questions alone: the error, with the reader's counts, is the only line (a note of
-    the same counts came before it)."""
+    the same counts came before it, and a note of the checks before the data is read)."""
     qas = [{"id": f"q{i}", "question": "Where?", "answers": [], "is_impossible": True} for i in range(3)]
     doc = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": "Paris is in France.", "qas": qas}]}]}
     (tmp_path / "v2.json").write_text(json.dumps(doc))
@@ -764,3 +764,9 @@ def test_a_file_whose_every_record_is_skipped_is_one_line(tmp_path, capsys):
     assert str(e.value.code).startswith(f"error: '{tmp_path / 'v2.json'}' holds no usable records (")
     assert "'unanswerable': 3" in str(e.value.code) and capsys.readouterr().err == ""
     assert not (tmp_path / "out").exists()
+    ckpt = hf_checkpoint(tmp_path / "hf")  # (2,048 positions: --max_context 2000's note waits for the checks)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="holds no usable records"):
+        train.main(["--method", "teacher", "--init_from", ckpt, "--max_context", "2000", "--data",
+                    str(tmp_path / "v2.json"), "--out_dir", str(tmp_path / "out")])
+    assert capsys.readouterr().err == ""
