@@ -490,10 +490,12 @@ def test_real_suite_counts_a_run_killed_after_the_deadline_as_stopped(tmp_path, 
     stub = tmp_path / "bin" / "python"
     stub.parent.mkdir()
     stub.write_text(f'#!/bin/bash\ncase "$*" in\n  *smollm2.py*|*"--method teacher"*) exit 0 ;;\n'
-                    f'  *"/meanpool "*) trap "" INT; sleep 100 ;;\nesac\nexec {sys.executable} "$@"\n')
+                    f'  *"/meanpool "*) touch {tmp_path / "began"}; trap "" INT; sleep 100 ;;\nesac\n'
+                    f'exec {sys.executable} "$@"\n')
     stub.chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), ONLY="meanpool", DEADLINE="3",
                GRACE="1", PATH=f"{stub.parent}:{os.environ['PATH']}")
     p = subprocess.run(["bash", str(ROOT / "scripts" / "real_suite.sh"), "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert "   meanpool: stopped at the deadline" in p.stdout and "failed" not in p.stderr, p.stdout + p.stderr
+    assert (tmp_path / "began").exists()  # (killed: not a run the deadline had passed before it started)
