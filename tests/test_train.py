@@ -442,8 +442,8 @@ def test_every_method_runs_on_gemma2(tmp_path, capsys):
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path):
     # --method base takes no --init_from: there a check that fails trains one step in tmp_path, not the repo's out/.
-    # Every run dir is in tmp_path (the lock on out/METHOD made and removed it in the repo, which a test beside this
-    # one, checking that out/ is writable, saw vanish); argv's own --out_dir comes later and wins
+    # Every run dir is in tmp_path: the lock on out/METHOD made out/ in the repo and removed it again, and a test
+    # beside this one, checking that out/ was writable, saw it vanish. argv's own --out_dir comes later and wins
     real = ["--init_from", "/nonexistent"] if "base" not in argv else ["--out_dir", tmp_path, "--max_iters", 1]
     assert message in cli_error(["--out_dir", tmp_path / "out"] + argv + real)  # argparse's errors too
 
