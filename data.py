@@ -632,7 +632,8 @@ def _count(stats, key, n=1):
 def _parsed(path, items, parse, skip_bad, stats, unit=""):
     """Records from parse(raw) for each (n, raw) item (items=None: the JSON lines of a JSONL(.gz) file); its
     ValueError becomes "path:line: what is wrong", or "path: question 3: ..." where the items are the units of one
-    JSON file (unit: "question", "record"); skip_bad: counts it. Records without an id get "file:n"."""
+    JSON file (unit: "question", "record"); skip_bad: counts it. Records without an id get "file:n@CRC", the CRC of
+    their context and question."""
     for line, raw in _jsonl(path) if items is None else items:
         try:
             records = parse(json.loads(raw) if items is None else raw)
@@ -646,8 +647,9 @@ def _parsed(path, items, parse, skip_bad, stats, unit=""):
             if isinstance(r, dict) and r["answers"] and not any(map(normalize_answer, r["answers"])):
                 _count(stats, "unscorable")  # "The", "A", ".": SQuAD's scoring empties them, so an empty prediction
                 continue  # would match (beside a real answer they stay, as in the official script: SQuAD dev has 3)
-            if isinstance(r, dict) and not r["id"]:
-                r["id"] = f"{Path(path).name}:{line}" + (f":{k}" if len(records) > 1 else "")
+            if isinstance(r, dict) and not r["id"]:  # (the text's CRC: another file's dev.jsonl:3 never pairs with it)
+                text_crc = zlib.crc32(f"{r['context']}\0{r['question']}".encode())
+                r["id"] = f"{Path(path).name}:{line}" + (f":{k}" if len(records) > 1 else "") + f"@{text_crc:08x}"
             _count(stats, "records")
             yield r
 

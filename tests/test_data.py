@@ -6,6 +6,7 @@ import json
 import random
 import re
 import zipfile
+import zlib
 from collections import Counter
 
 import pytest
@@ -555,7 +556,7 @@ def test_read_jsonl_and_text(tmp_path):
     with pytest.raises(ValueError, match=r"g\.jsonl:3: missing field 'answers'"):
         list(data.read_dataset(p))
     (r,) = data.read_jsonl(p, skip_bad=True)
-    assert r["id"] == "g.jsonl:1" and r["chunks"] == ["A.", "B."]
+    assert r["id"].startswith("g.jsonl:1@") and r["chunks"] == ["A.", "B."]
     p.write_text(p.read_text().splitlines()[0] + "\n" + json.dumps({"context": " ", "question": "q", "answers": ["a"]}))
     with pytest.raises(ValueError, match=r"g\.jsonl:2: empty context: nothing to compress"):
         list(data.read_dataset(p))
@@ -612,13 +613,21 @@ def test_a_text_stage_reads_text_files_gzipped_or_not_and_a_qa_files_contexts(tm
 
 
 def test_every_record_gets_an_id_of_its_own(tmp_path):
-    """eval.py pairs rows by question id: a missing one is named by its place (the reader's), a repeated one gets
-    #2, #3, ..., past those the file holds itself."""
-    qas = [{"question": "q", "answers": [{"text": "A b", "answer_start": 0}], **({"id": i} if i is not None else {})}
-           for i in ("a", None, "a", "a#2", None)]
-    p = tmp_path / "s.json"
-    p.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "A b.", "qas": qas}]}]}))
-    assert [r["id"] for r in data.read_dataset(p)] == ["a", "s.json:2", "a#3", "a#2", "s.json:5"]
+    """eval.py pairs rows by question id: a missing one is named by its place (the reader's) and the CRC of its
+    context and question, a repeated one gets #2, #3, ..., past those the file holds itself. Another dataset's file
+    of the same name shares no id-less id with it (compare.py paired them, question 2 with question 2); a copy of
+    the file elsewhere shares them all."""
+    def squad(question):
+        qas = [{"question": question, "answers": [{"text": "A b", "answer_start": 0}],
+                **({"id": i} if i is not None else {})} for i in ("a", None, "a", "a#2", None)]
+        return json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "A b.", "qas": qas}]}]})
+    for d, question in (("one", "q"), ("copy", "q"), ("other", "Who?")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "s.json").write_text(squad(question))
+    crc = f"{zlib.crc32(b'A b.' + bytes(1) + b'q'):08x}"
+    ids = {d: [r["id"] for r in data.read_dataset(tmp_path / d / "s.json")] for d in ("one", "copy", "other")}
+    assert ids["one"] == ids["copy"] == ["a", f"s.json:2@{crc}", "a#3", "a#2", f"s.json:5@{crc}"]
+    assert set(ids["one"]) & set(ids["other"]) == {"a", "a#2", "a#3"}  # (the file's own ids pair as they are)
     ids = [r["id"] for r in data.unique_ids([{"id": i} for i in ("a#2", "a", "a", "a", "", "a#3", "4")])]
     assert ids == ["a#2", "a", "a#4", "a#5", "4", "a#3", "4#2"]
 
