@@ -101,11 +101,14 @@ def bootstrap_ci(values, n=2000, seed=0):
 
 def paired_diff_ci(scores_a, scores_b, n=2000, seed=0):
     """Scores {question id: value} of two rows -> their means "a", "b" over the "n" ids both have,
-    "diff" = a - b and its paired-bootstrap 95% interval "ci". ValueError when they share none."""
+    "diff" = a - b and its paired-bootstrap 95% interval "ci". ValueError when they share none, or where a value is
+    not finite (a diverged run's NLL)."""
     ids = sorted(scores_a.keys() & scores_b.keys())
     if not ids:
         raise ValueError(f"the two rows share no question ids ({len(scores_a)} and {len(scores_b)} questions)")
     a, b = (np.array([s[i] for i in ids], dtype=np.float64) for s in (scores_a, scores_b))
+    if bad := int((~np.isfinite(a - b)).sum()):
+        raise ValueError(f"{bad} of the {len(ids)} shared questions have a value that is not finite (a diverged run)")
     return {"a": float(a.mean()), "b": float(b.mean()), "diff": float((a - b).mean()),
             "ci": bootstrap_ci(a - b, n, seed), "n": len(ids)}
 
@@ -562,7 +565,8 @@ def earlier_results(path):
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {path}: cannot read it as an eval.py --out JSON ({e})")
     if not isinstance(results, list) or not results:
-        what = "one run's metrics.json" if isinstance(results, dict) else f"{results!r:.40}"
+        what = f"{results!r:.40}" if not isinstance(results, dict) else "a run's run.json (name its dir)" if \
+            "train" in results else "one run's metrics.json (name its dir)" if "rows" in results else "a JSON object"
         raise SystemExit(f"error: {path}: not an eval.py --out JSON, a list of runs: {what}")
     for i, res in enumerate(results):
         if why := result_error(res):
@@ -754,8 +758,8 @@ def check_flags(ecfg, given):
     if wrong:
         modes = ("evaluating runs", "one-shot mode (--context, --memory, --question)")
         raise SystemExit(f"error: --{wrong[0]} applies to {modes[not ecfg.one_shot]}, not to {modes[ecfg.one_shot]}")
-    for flag in sorted(given & {"question", "context", "memory", "out", "save_memory", "eval_data"}):  # (an unset
-        # shell variable, say: --out "" wrote nothing, --eval_data "" read the run's own)
+    for flag in sorted(given & {"question", "context", "memory", "out", "save_memory", "eval_data", "ratio"}):  # (an
+        # unset shell variable, say: --out "" wrote nothing, --eval_data "" and --ratio "" read the run's own)
         if not getattr(ecfg, flag).strip():
             raise SystemExit(f"error: --{flag} is empty" + (" (leave it out to ask what the text is about)"
                                                                if flag == "question" else ""))
@@ -836,6 +840,11 @@ def main(argv):
     run_dirs = list({os.path.realpath(p): p for p in run_dirs}.values())  # a run named twice is read once
     # every results file read, every run dir seen and its questions read, before any run is evaluated
     read = {r: earlier_results(r) if r.endswith(".json") else cached_result(r, ecfg) for r in run_dirs}
+    named = {}  # run -> where it is named: a dir, or an earlier --out JSON's rows (the table listed it twice)
+    for r in run_dirs:
+        for run in [res["run"] for res in read[r]] if r.endswith(".json") else [r]:
+            if (first := named.setdefault(os.path.realpath(run), r)) != r:
+                raise SystemExit(f"error: the run {run} is named twice, by {first} and by {r}: name it once")
     unread = sorted(given - {"runs", "out"})
     if unread and all(r.endswith(".json") for r in run_dirs):  # (no run is evaluated, so none reads them)
         raise SystemExit(f"error: --{unread[0]} evaluates run dirs; {run_dirs[0]} is an earlier --out JSON, read as "

@@ -168,7 +168,8 @@ def judge(claim, results):
 
 
 def paired(scores_a, scores_b):
-    """eval.paired_diff_ci of two rows' scores, or None where they share no question (read on other questions)."""
+    """eval.paired_diff_ci of two rows' scores, or None where they share no question (read on other questions) or
+    a value is not finite (a diverged run's NLL)."""
     try:
         return evaluate.paired_diff_ci(scores_a, scores_b)
     except ValueError:

@@ -87,6 +87,13 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     assert again == json.load(open(tmp_path / "all.json"))
     with pytest.raises(SystemExit, match=r"^error: --n evaluates run dirs; .*all.json is an earlier --out JSON"):
         evaluate.main([str(tmp_path / "all.json"), "--n", "7"])  # (it reprinted the table, --n unread)
+    for twice in ([tmp_path / "all.json", tmp_path / "a"], [tmp_path / "all.json", tmp_path / "again.json"]):
+        with pytest.raises(SystemExit, match=f"^error: the run {tmp_path / 'a'} is named twice, by "):
+            evaluate.main([str(p) for p in twice])  # (the table listed its rows twice, and --out kept both)
+    for argv, why in ((["--ratio", ""], "--ratio is empty"),  # (it read the run's own ratios)
+                      ([], "not an eval.py --out JSON, a list of runs: a run's run.json (name its dir)")):
+        with pytest.raises(SystemExit, match=re.escape(why)):
+            evaluate.main([str(tmp_path / ("a" if argv else "a/run.json"))] + argv)
     results[1]["rows"][0]["f1_norm"] = float("nan")  # a teacher that gains nothing over no context: no share of it
     assert evaluate.table(results).splitlines()[-1].split(" | ")[4] == "-"  # (was "nan")
     results[0]["teacher"].update(context_bytes=4096.0, ttft_ms=12.34)  # SPEC §4: a Memory against the full context
@@ -182,6 +189,9 @@ def test_paired_diff_ci_excludes_or_includes_zero():
     assert evaluate.paired_diff_ci(better, b) == evaluate.paired_diff_ci(better, b, seed=0)
     with pytest.raises(ValueError, match="share no question ids"):
         evaluate.paired_diff_ci({"x": 1.0}, {"y": 1.0})
+    for bad in (float("nan"), float("inf")):  # a diverged run's NLL (numpy warned on two lines, then "+nan [...]")
+        with pytest.raises(ValueError, match="1 of the 2 shared questions have a value that is not finite"):
+            evaluate.paired_diff_ci({"x": 1.0, "y": bad}, {"x": 0.0, "y": 1.0})
 
 
 class FakeBase:
@@ -722,7 +732,7 @@ def test_results_md_is_generated_whole(tmp_path, base_dir):
     (tmp_path / "results.json").write_text(json.dumps(results))
     out = tmp_path / "report" / "RESULTS.md"
     out.parent.mkdir()
-    out.write_text("hand-written history\n")
+    out.write_text(results_md.REPORT_TITLE + "\n\nhand-written history\n")  # (another file is refused: below)
     args = [str(tmp_path / "results.json"), "--out", str(out), "--base", str(base_dir), "--command", "bash x.sh",
             "--wall_s", "125"]
     results_md.main(args)
@@ -752,7 +762,7 @@ def test_results_md_keeps_other_commands_sections(tmp_path):
     suite's regeneration of the file keeps it while dropping hand-written text."""
     results_md = load_script("results_md")
     out, body = tmp_path / "RESULTS.md", tmp_path / "body.md"
-    out.write_text("hand-written history\n")
+    out.write_text(results_md.REPORT_TITLE + "\n\nhand-written history\n")
     body.write_text("first table\n")
     results_md.main(["--section", "SmolLM2", "--body", str(body), "--out", str(out)])
     body.write_text("second table\n")
@@ -766,7 +776,7 @@ def test_results_md_keeps_other_commands_sections(tmp_path):
     text = out.read_text()
     assert text.startswith("# Results: the reproduction suite") and "hand-written" not in text
     assert "<!-- section: SmolLM2 -->\n## SmolLM2\n\nsecond table\n<!-- end section -->" in text
-    with pytest.raises(SystemExit, match="--body .*: file not found"):
+    with pytest.raises(SystemExit, match="--body .*: no such file"):
         results_md.main(["--section", "x", "--body", str(tmp_path / "missing.md"), "--out", str(out)])
     before = out.read_text()
     for args in ([str(tmp_path / "results.json"), "--section", "x", "--body", str(body)],  # which one to write?
@@ -990,8 +1000,11 @@ def test_scripts_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     broken.mkdir()
     (broken / "run.json").write_text("{oops")
     (tmp_path / "broken.json").write_text(json.dumps([dict(results[0], run=str(broken), rows=results[0]["rows"][:1])]))
-    out = tmp_path / "RESULTS.md"
-    out.write_text("kept\n")
+    out, kept = tmp_path / "RESULTS.md", results_md.REPORT_TITLE + "\n\nkept\n"
+    out.write_text(kept)
+    readme = tmp_path / "README.md"  # (named as --out, it was replaced by the report, exit 0)
+    readme.write_text("# a project\n")
+    os.mkfifo(tmp_path / "fifo.md")  # (reading it waited forever)
     (tmp_path / "empty.md").write_text("\n")
     (tmp_path / "marked.md").write_text("text\n<!-- end section -->\n")
     (tmp_path / "latin.md").write_bytes(b"caf\xe9\n")
@@ -1001,7 +1014,15 @@ def test_scripts_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
             (claims.main, ["--seeds", tmp_path / "junk.json"], "unknown flag --seeds; usage: python scripts/claims.py"),
             (results_md.main, [tmp_path / "junk.json", "--out", out], "junk.json: not an eval.py --out JSON: run 0"),
             (results_md.main, [tmp_path / "junk.json", "--out", tmp_path], "is a folder; name a file"),
-            (results_md.main, ["--section", "S", "--body", tmp_path, "--out", out], "--body"),
+            (results_md.main, ["--section", "S", "--body", tmp_path, "--out", out], f"--body '{tmp_path}': a folder"),
+            (results_md.main, ["--section", "", "--body", tmp_path / "marked.md", "--out", out], "--section is empty"),
+            (results_md.main, ["--check", "", "--out", out], "--check is empty"),
+            (results_md.main, [tmp_path / "junk.json", "--check", "RESULTS", "--out", out],
+             "--check only checks --out; "),
+            *((results_md.main, argv + ["--out", tmp_path / "fifo.md"], "fifo.md': not a regular file")
+              for argv in ([tmp_path / "junk.json"], ["--check", "RESULTS"])),
+            *((results_md.main, argv + ["--out", readme], "README.md': it holds text this did not write")
+              for argv in ([tmp_path / "junk.json"], ["--check", "RESULTS"], ["--section", "S", "--body", out])),
             (results_md.main, ["--section", "S", "--body", tmp_path / "empty.md", "--out", out], "empty.md: empty"),
             (results_md.main, ["--section", "S", "--body", tmp_path / "marked.md", "--out", out], "a section marker"),
             (results_md.main, ["--section", "S", "--body", tmp_path / "latin.md", "--out", out], "not UTF-8 text"),
@@ -1016,7 +1037,7 @@ def test_scripts_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
             (hf_generate.main, [tmp_path, "--memory", "m", "--question", " "], "--question is empty"),
             (hf_generate.main, [tmp_path, "--memory", "m", "--question", "why\udcff"], "--question is not UTF-8 text")):
         assert message in _one_line(main, argv), argv
-    assert out.read_text() == "kept\n"
+    assert out.read_text() == kept and readme.read_text() == "# a project\n"
     capsys.readouterr()
     claims.main(["--help"])
     assert "python scripts/claims.py out/suite/results.json " in capsys.readouterr().out
@@ -1043,4 +1064,4 @@ def test_scripts_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
         p = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode != 0 and p.stderr == f"error: {broken}/run.json:1: invalid JSON: Expecting property name " \
             "enclosed in double quotes\n", (script, p.stderr[-2000:])
-    assert out.read_text() == "kept\n"
+    assert out.read_text() == kept
