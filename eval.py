@@ -409,6 +409,8 @@ def cached_result(run_dir, ecfg):
     if not os.path.isfile(os.path.join(run_dir, "run.json")):
         raise SystemExit(f"error: {run_dir!r} is not a run dir (no run.json)")
     cached = os.path.join(run_dir, "metrics.json")
+    if os.path.exists(cached) and not os.path.isfile(cached):  # (the scores were written there after the work)
+        raise SystemExit(f"error: {cached}: {train.not_a_file(cached)}; eval.py writes the run's scores there")
     if ecfg.recompute or not os.path.exists(cached):
         return None
     try:
@@ -560,6 +562,8 @@ def teacher_normalised(row, teacher, noctx):
 def earlier_results(path):
     """The runs of an earlier --out JSON (a suite's first part, scripts/real_suite.sh PRIOR; scripts/claims.py's and
     results_md.py's input), as they are."""
+    if not path.strip():  # (an unset shell variable: it read the folder "")
+        raise SystemExit("error: a results JSON named '': name an eval.py --out JSON")
     try:
         results = read_json(path)
     except (OSError, ValueError) as e:

@@ -19,6 +19,8 @@ from model import read_json  # noqa: E402
 
 def rows_of(path):
     """{name: row} of a metrics.json or a combined --out JSON; a method row is named "method@ratio"."""
+    if not path.strip():  # (an unset shell variable: it read the folder "")
+        raise SystemExit("error: a results JSON named '': name a metrics.json or an eval.py --out JSON")
     try:
         results = read_json(path)
         rows = {}

@@ -90,6 +90,10 @@ def test_table_has_one_row_per_method_and_ratio(tmp_path):
     for twice in ([tmp_path / "all.json", tmp_path / "a"], [tmp_path / "all.json", tmp_path / "again.json"]):
         with pytest.raises(SystemExit, match=f"^error: the run {tmp_path / 'a'} is named twice, by "):
             evaluate.main([str(p) for p in twice])  # (the table listed its rows twice, and --out kept both)
+    (tmp_path / "b" / "metrics.json").unlink()
+    (tmp_path / "b" / "metrics.json").mkdir()  # (the scores were to be written there, after the run was evaluated)
+    with pytest.raises(SystemExit, match=r"b/metrics.json: a folder, not a file; eval.py writes the run's scores"):
+        evaluate.main([str(tmp_path / "a"), str(tmp_path / "b")])
     for argv, why in ((["--ratio", ""], "--ratio is empty"),  # (it read the run's own ratios)
                       ([], "not an eval.py --out JSON, a list of runs: a run's run.json (name its dir)")):
         with pytest.raises(SystemExit, match=re.escape(why)):
@@ -1012,6 +1016,8 @@ def test_scripts_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
             (claims.main, [tmp_path / "junk.json"], "junk.json: not an eval.py --out JSON: run 0: missing key"),
             (claims.main, [tmp_path / "two_rows.json"], "run out/suite/gist-8 has 2 rows and a claim names it alone"),
             (claims.main, ["--seeds", tmp_path / "junk.json"], "unknown flag --seeds; usage: python scripts/claims.py"),
+            (claims.main, [""], "a results JSON named '': name an eval.py --out JSON"),  # (cannot read . (Is a ...))
+            (compare.main, ["", tmp_path / "junk.json"], "a results JSON named '': name a metrics.json"),
             (results_md.main, [tmp_path / "junk.json", "--out", out], "junk.json: not an eval.py --out JSON: run 0"),
             (results_md.main, [tmp_path / "junk.json", "--out", tmp_path], "is a folder; name a file"),
             (results_md.main, ["--section", "S", "--body", tmp_path, "--out", out], f"--body '{tmp_path}': a folder"),
