@@ -29,7 +29,7 @@ Choices the paper leaves open, made here:
 - Several ratios (--ratio 4,16): one encoder pass (layout), losses summed; kd's teacher: the decoder, full context.
 - Two stages (§4.1.2, §4.2.1; `recipe`): ae+lm into OUT_DIR/pretrain, then qa from it; ae+lm at batch 16, where the
   paper states none but its 90k steps over one epoch of 11.52M texts imply 128 (8x a step's compute; 1/8 the data);
-  qa at lr 1e-4, batch 16, one pass of SQuAD's 86,821 (§4.2.1 defers to PCC, which states none of them).
+  qa at lr 1e-4, batch 16, one pass of SQuAD's 86,821 (§3.4.2 defers to PCC, which states none of them).
 - Unstated values: train.py's (cosine to 0.1 lr, 5 % warmup, no decay, clip 1, betas 0.9/0.95), LoRA 16/16, 1024 tokens.
 - Tiny base: tiny.py's aids (KD per slot first where the slots are fixed; then output).
 """
