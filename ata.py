@@ -20,8 +20,8 @@ Choices the paper leaves open, made here:
   its length. c_j start at the embeddings' scale; the probe's MLP is min(4d, 1024) wide, its output in 64 tokens.
 - [BOS] (eq. 9): the tokenizer's BOS, its EOS when it has none (Qwen); a BOS also starts the encoder input.
 - Probe: q = W h_last attends over the input tokens only (k is needed before c_1 exists, §3.2); MLP([h_last, pooled]).
-- In `rel` and `qa+rel`, lam * Huber's gradients reach the encoder too: §3.5 trains both on one loss (eq. 8, §A.1);
-  §3.4's "operate independently" read as the design (k from the probe, r without retraining). lam = 1e-4: small.
+- In `rel` and `qa+rel`, lam * Huber's gradients reach the encoder too (w/o AAC: no controller, none): §3.5 trains
+  both on one loss (eq. 8, §A.1); §3.4's "operate independently" read as the design (k from the probe, r as is).
 - In `qa` the encoder trains on eq. 11's CE alone (and the tiny base's aids): its last layer's o / MLP adapters feed
   only the probe and stay as `rel` left them; the probe, which eq. 11 leaves out, keeps fitting the encoder's states,
   detached: k at inference reads the finetuned encoder, and a `qa` run alone (the tiny base's) has a probe.
@@ -61,7 +61,7 @@ class ATAConfig:
     huber_lambda: float = 1e-4      # lam in eq. 8
     huber_delta: float = 10.0       # delta in eq. 10
     rel_ratios: str = "1,5,10,20,50"  # policy ratios r drawn per training batch in `rel` (Table 4)
-    no_aac: bool = False            # Table 2 ablation: k = fixed_k always, no probe
+    no_aac: bool = False            # Table 2 ablation: k = fixed_k always; no probe term (the probe is not read)
     fixed_k: int = 6                # k under --no_aac (Table 2 "w/o AAC": 6.00)
     no_selective: bool = False      # Table 2 ablation: reconstruct the whole context
     no_prefix: bool = False         # qa: no prefix K/V (BOS, chat header) before the memory (the tiny base's)
@@ -148,9 +148,9 @@ class ATA(nn.Module):
         self.base, self.cfg, self.tok, self.run = base, cfg, tok, run
         d = base.config.hidden_size
         base.add_adapter("encoder", cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-        # eq. 11 (qa) has no probe term: the last layer's o / MLP adapters shape only the probe's input (no K/V) and
-        # get no gradient; frozen (DDP wants one for every trainable tensor), they stay as `rel` left them
-        if "rel" not in run.objective.split("+"):
+        # eq. 11 (qa) and w/o AAC have no probe term: the last layer's o / MLP adapters shape only the probe's input (no
+        # K/V) and get no gradient; frozen (DDP wants one for every trainable tensor), they stay as `rel` left them
+        if "rel" not in run.objective.split("+") or cfg.no_aac:
             last = base.model.layers[-1]
             for lora in (last.self_attn.o_proj, last.mlp.gate_up_proj, last.mlp.down_proj):
                 for p in (lora.lora_A["encoder"], lora.lora_B["encoder"]):
@@ -254,8 +254,8 @@ class ATA(nn.Module):
         """Training loss: (CE sum over target tokens + lam * Huber sum, n tokens, metrics)."""
         teacher_head = self.aid.teacher(batch)[1] if self.aid is not None and "qa" in self.run.objective else None
         h, kv = self.encode(batch)
-        rel = "rel" in self.run.objective.split("+")
-        L_hat, L = self.length(batch, h if rel else h.detach()), batch["rel_len"]  # (eq. 11: no probe term)
+        aac = "rel" in self.run.objective.split("+") and not self.cfg.no_aac  # (eq. 11, w/o AAC: no probe term)
+        L_hat, L = self.length(batch, h if aac else h.detach()), batch["rel_len"]  # (detached: the probe still learns)
         probe = huber(L_hat, L, self.cfg.huber_delta)
         total, n, metrics = self.cfg.huber_lambda * probe, 0, {"probe_mae": (L_hat - L).abs().mean().item()}
         if teacher_head is not None:  # tiny.py's aid 2 on the encoder pass just run, per answer token

@@ -121,12 +121,13 @@ def test_loss_terms_and_ablations(base_dir):
 
 def test_qa_trains_the_encoder_on_eq_11_alone(base_dir):
     """eq. 11 (qa) has no probe term: lam * Huber trains the probe on detached states and leaves the encoder's gradient
-    as CE's; in rel (eq. 8) it reaches the encoder."""
+    as CE's; in rel (eq. 8) it reaches the encoder, but not under --no_aac (Table 2's "w/o AAC" has no controller:
+    it did)."""
     lora = "base.model.layers.0.self_attn.qkv_proj.lora_A.encoder"
-    for objective, reaches in (("qa", False), ("rel", True)):
+    for objective, flags, reaches in (("qa", {}, False), ("rel", {}, True), ("rel", {"no_aac": True}, False)):
         grads = []
         for lam in (0.0, 0.5):
-            m, batch = _method(base_dir, objective=objective, huber_lambda=lam)
+            m, batch = _method(base_dir, objective=objective, huber_lambda=lam, **flags)
             m(batch, [10])[0].backward()
             params = dict(m.named_parameters())
             grads.append(params[lora].grad.clone())
