@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 79's GPU checks in four device calls of at most 9 minutes each; every command's output goes to
-# $OUT/<name>.txt (the device tool's returned folder; default out/gpu_bench), each command under its own timeout.
+# $OUT/<name>.txt (the device tool's returned folder; default out/gpu_bench, --smoke's out/gpu_bench-smoke), each
+# command under its own timeout.
 # A session's 15 minutes of device time (the machine's start included) hold about two parts: run them in order,
 # a later session going on from the first part not run. Each call names kind="nvidia-h200": eager meanpool kd at
 # Llama-3.1-8B shapes peaks at 104 GB (BENCHMARKS.md); on a GPU under 100 GiB (an H100) the 8B training rows run
@@ -25,9 +26,10 @@ case "${1:-}:${2:-}:${3:-}" in  # before anything is written
 esac
 [ "${2:-}" = --smoke ] || command -v nvidia-smi > /dev/null ||  # (part1 trained 8B shapes on the CPU)
   { echo "error: gpu_bench.sh $1 runs on a GPU machine (no nvidia-smi here); --smoke runs it on the CPU" >&2; exit 1; }
-OUT=${OUT:-out/gpu_bench}
-mkdir -p "$OUT"
 SMOKE=$([ "${2:-}" = --smoke ] && echo 1 || echo "")
+OUT=${OUT:-out/gpu_bench}${SMOKE:+-smoke}  # (a smoke run into the GPU's folder replaced its files with CPU rows)
+[ -n "${OUT// }" ] && mkdir -p "$OUT" 2> /dev/null && [ -w "$OUT" ] ||  # (it went on, exit 0, writing nothing)
+  { echo "error: OUT=$OUT: not a folder this can make or write to" >&2; exit 1; }
 ROWS="meanpool kd,meanpool kd per ratio,tokens kd,tokens kd per ratio"
 SHAPE=$([ -n "$SMOKE" ] && echo "--tiny" || echo "--shapes llama-3.1-8b")
 export PYTHONUNBUFFERED=1  # a step its timeout stops keeps the rows it printed

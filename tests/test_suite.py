@@ -300,13 +300,20 @@ def test_device_suite_sends_the_gguf_in_two_parts(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_bench_smoke_runs_every_step(tmp_path):
-    """scripts/gpu_bench.sh part1 to part4 --smoke: every step runs to rc 0 at the tiny shapes and writes its file;
-    part4's CUDA graphs, on a CPU, stop at their flag's one-line error."""
-    env = dict(os.environ, OUT=str(tmp_path))
+    """scripts/gpu_bench.sh part1 to part4 --smoke: every step runs to rc 0 at the tiny shapes and writes its file,
+    into OUT-smoke (it replaced a GPU run's files in OUT); part4's CUDA graphs, on a CPU, stop at their flag's
+    one-line error. An OUT that is a file is one line (it went on, exit 0, writing nothing)."""
+    env = dict(os.environ, OUT=str(tmp_path / "gb"))
     for args in (["part5"], ["part1", "--smok"]):  # (part5 wrote device.txt; part1 ran on a GPU, --smok unread)
         p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), *args], cwd=ROOT, env=env,
                            capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.startswith("usage:") and not list(tmp_path.iterdir()), args
+    (tmp_path / "gb-smoke").write_text("a file\n")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "part2", "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr == f"error: OUT={tmp_path / 'gb-smoke'}: not a folder this can make or " \
+        "write to\n", p.stderr
+    (tmp_path / "gb-smoke").unlink()
     smi = tmp_path / "bin" / "nvidia-smi"  # part1 on an 80 GB GPU: the 8B training rows at half the batch
     smi.parent.mkdir()
     smi.write_text("#!/bin/sh\necho 81559\n")
@@ -317,16 +324,18 @@ def test_gpu_bench_smoke_runs_every_step(tmp_path):
                            env={**env, "PATH": path}, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         half = "train rows at --train_batch 4: this GPU has 79 GiB"
-        assert (half in (tmp_path / "device.txt").read_text()) == (part == "part1"), part
-    steps = (tmp_path / "steps.txt").read_text().splitlines()
+        assert (half in (tmp_path / "gb-smoke" / "device.txt").read_text()) == (part == "part1"), part
+    assert not (tmp_path / "gb").exists()
+    out = tmp_path / "gb-smoke"
+    steps = (out / "steps.txt").read_text().splitlines()
     assert [s.split(":")[0] for s in steps] == ["gpu_tests", "train", "attention", "ttft", "twins", "gpu_graph_tests",
                                                 "train_graphs"]
     assert all(": rc 0," in s for s in steps[:-1]) and ": rc 1," in steps[-1], steps
-    assert "--cuda_graphs needs --compile" in (tmp_path / "train_graphs.txt").read_text()
-    train_rows = (tmp_path / "train.txt").read_text()
+    assert "--cuda_graphs needs --compile" in (out / "train_graphs.txt").read_text()
+    train_rows = (out / "train.txt").read_text()
     assert "meanpool kd per ratio" in train_rows and "tokens kd per ratio" in train_rows
-    assert "sentence_gist" in (tmp_path / "attention.txt").read_text() and "speed-up" in (tmp_path / "ttft.txt").read_text()
-    assert "ours / HF + peft" in (tmp_path / "twins.txt").read_text()
+    assert "sentence_gist" in (out / "attention.txt").read_text() and "speed-up" in (out / "ttft.txt").read_text()
+    assert "ours / HF + peft" in (out / "twins.txt").read_text()
 
 
 def test_real_suite_settings_are_one_line_before_any_work(tmp_path):
