@@ -33,7 +33,8 @@ case $(last --method "$@") in teacher|base)
 esac
 JOBS=${JOBS:-2}                  # runs at a time, one thread each
 whole_numbers JOBS
-[[ $SEEDS =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "error: seeds $SEEDS: want whole numbers, like 1337,1,2" >&2; exit 1; }
+[[ $SEEDS =~ ^[0-9]{1,18}(,[0-9]{1,18})*$ ]] ||  # (train.py's 2^63 refused a long one after the seeds before it trained)
+  { echo "error: seeds $SEEDS: want whole numbers of at most 18 digits, like 1337,1,2" >&2; exit 1; }
 twice=$(tr , '\n' <<< "$SEEDS" | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -z "$twice" ] || { echo "error: seeds $SEEDS: $twice twice (two runs would train into one dir)" >&2; exit 1; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -56,6 +57,7 @@ for s in ${SEEDS//,/ }; do
   python train.py "$@" --seed "$s" --out_dir "$OUT/seed$s" --quiet $resume >> "$OUT/seed$s.log" 2>&1 & pids+=($!)
 done
 while reap; do :; done
+n=$(last --eval_examples "$@")  # (a run resumed with nothing to train keeps the --eval_examples it began with)
 for d in "${dirs[@]}"; do  # one table per seed (its own questions and teacher), read from metrics.json
-  echo "== $d"; python eval.py "$d"
+  echo "== $d"; python eval.py "$d" ${n:+--n "$n"}
 done

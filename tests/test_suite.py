@@ -56,6 +56,10 @@ def test_seeds_runs_one_setting_per_seed_with_a_table_each(base_dir, tmp_path):
         assert json.load(open(tmp_path / "seeds" / f"seed{s}" / "run.json"))["train"]["seed"] == s
         assert f"== {tmp_path / 'seeds' / f'seed{s}'}" in p.stdout
     # (the same command again resumes each seed's run: test_suite_scripts_resume_their_own_runs_..., below)
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "1", "--method", "meanpool", "--init_from",
+                        str(base_dir), "--max_iters", "2", "--batch_size", "2", "--eval_examples", "6"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)  # (its table kept the first command's 4)
+    assert p.returncode == 0 and json.load(open(tmp_path / "seeds" / "seed1" / "metrics.json"))["asked"]["n"] == 6
     p = subprocess.run(["bash", str(ROOT / "scripts" / "seeds.sh"), "3", "--method", "nope"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert p.returncode != 0 and "seed3 failed" in p.stderr
@@ -419,7 +423,10 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             *(("seeds.sh", "JOBS=1", ["1", "--method", "pic", flag, "3", "--max_iters", "1"],
                f"{flag}: seeds.sh sets each run's --seed and --out_dir (OUT={tmp_path}/out/seedN)")
               for flag in ("--seed", "--out_dir")),  # (each was overridden in silence)
-            ("seeds.sh", "SEED=1", ["1,b", "--method", "pic"], "seeds 1,b: want whole numbers, like 1337,1,2"),
+            ("seeds.sh", "SEED=1", ["1,b", "--method", "pic"], "seeds 1,b: want whole numbers of at most 18 digits, "
+                                                                "like 1337,1,2"),
+            ("seeds.sh", "SEED=1", ["3,99999999999999999999"], "seeds 3,99999999999999999999: want whole numbers of at "
+                                                               "most 18 digits, like 1337,1,2"),  # (after 3 trained)
             ("seeds.sh", "SEED=1", ["1,01"], "seeds 1,01: 1 twice (two runs would train into one dir)"),  # (they did)
             ("seeds.sh", "SEED=1", ["1,2", "--eval_examples=0"], "--eval_examples 0: seeds.sh's table reads each "
                                                                  "run's evaluation"),  # (after every run had trained)
