@@ -52,10 +52,14 @@ def known(what, value, supported, where=""):
         raise ValueError(f"{where}unknown {what} {value!r}; supported: {', '.join(supported)}")
 
 
-def read_json(path):
-    """A JSON file; a broken one is a ValueError naming it and the line."""
+def check_not_a_pipe(path):
     if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):  # (reading a FIFO waits forever)
         raise ValueError(f"{path}: not a regular file (a pipe or device: save it to a file)")
+
+
+def read_json(path):
+    """A JSON file; a broken one is a ValueError naming it and the line."""
+    check_not_a_pipe(path)
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -68,6 +72,7 @@ def read_json(path):
 
 def read_tensors(path, device="cpu"):
     """The tensors of one safetensors file; a missing or broken one is a ValueError naming it."""
+    check_not_a_pipe(path)
     try:
         return load_file(path, device=str(device))
     except (SafetensorError, OSError) as e:
@@ -76,6 +81,7 @@ def read_tensors(path, device="cpu"):
 
 def tensor_names(path):
     """The tensor names of a safetensors file, from its header alone: read_tensors's error where it is broken."""
+    check_not_a_pipe(path)
     try:
         with safe_open(path, "pt") as f:
             return list(f.keys())
@@ -845,7 +851,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"{config}: missing key {key!r} "
                                  "(a PEFT LoRA adapter has r, lora_alpha, target_modules)")
         for key, ok, want in (("r", type(c["r"]) is int and c["r"] > 0, "an integer > 0"),  # (a ZeroDivisionError)
-                              ("lora_alpha", type(c["lora_alpha"]) in (int, float) and c["lora_alpha"] > 0, "> 0"),
+                              ("lora_alpha", type(c["lora_alpha"]) in (int, float) and 0 < c["lora_alpha"] <= 1 << 16,
+                               "in (0, 65536], as --lora_alpha"),  # (1e6 trained on a teacher scaled 62,500 times)
                               ("target_modules", isinstance(c["target_modules"], list), "a list of module names"),
                               ("bias", c.get("bias", "none") == "none", '"none"'),
                               *((k, not c.get(k), "unset: this LoRA has none") for k in UNREAD_PEFT)):  # (ignored)

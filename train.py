@@ -1499,6 +1499,8 @@ def one_line_errors(advice):
         if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)):
             raise
         raise SystemExit(f"error: out of memory ({(str(e).splitlines() or [''])[0][:200]}): {advice}") from None
+    except MemoryError:  # (Python's own: building a huge batch of examples)
+        raise SystemExit(f"error: out of memory (the host's): {advice}") from None
 
 
 def main(argv):

@@ -455,9 +455,10 @@ def test_lora_matches_peft(ckpt, lora):
 
 
 def test_an_adapter_this_lora_cannot_read_is_one_line(llama, tmp_path):
-    """A PEFT adapter load_adapter would misread: r 0 (a ZeroDivisionError), options LoRALinear lacks (ignored), a
-    target_modules string (read letter by letter), tensors left out (an empty file was the plain base) or not
-    finite (a NaN loss blamed on --lr): one line naming the file."""
+    """A PEFT adapter load_adapter would misread: r 0 (a ZeroDivisionError), lora_alpha past --lora_alpha's 65536 (a
+    teacher scaled 62,500 times trained in silence), options LoRALinear lacks (ignored), a target_modules string
+    (read letter by letter), tensors left out (an empty file was the plain base) or not finite (a NaN loss blamed on
+    --lr): one line naming the file."""
     model = copy.deepcopy(llama)
     model.add_adapter("a", r=2, alpha=4)
     model.save_adapter("a", str(tmp_path / "good"))
@@ -466,6 +467,7 @@ def test_an_adapter_this_lora_cannot_read_is_one_line(llama, tmp_path):
     nan = {k: v.clone().fill_(float("nan")) if i == 0 else v for i, (k, v) in enumerate(tensors.items())}
     for name, config, state, message in (
             ("r0", dict(good, r=0), tensors, "key 'r' is 0, expected an integer > 0"),
+            ("alpha", dict(good, lora_alpha=1e6), tensors, "key 'lora_alpha' is 1000000.0, expected in (0, 65536]"),
             ("dora", dict(good, use_dora=True), tensors, "key 'use_dora' is True, expected unset"),
             ("bias", dict(good, bias="all"), tensors, "key 'bias' is 'all'"),
             ("string", dict(good, target_modules="q_proj"), tensors, "key 'target_modules' is 'q_proj', expected a "),
