@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import eval as evaluate
+import model
 import tiny
 import train
 from common import ROOT, hf_checkpoint, load_script, run, squad_file
@@ -211,6 +212,18 @@ def test_out_of_memory_is_one_line(tmp_path):
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # (--lora_r 30000: ~5 GB to train)
     assert p.returncode == 1 and p.stderr.startswith("error: out of memory (") and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_python_memory_error_and_a_piped_checkpoint_are_one_line(tmp_path):
+    """Python's own MemoryError (a batch of 10^6 examples built on the host) was a traceback; a model.safetensors
+    that is a pipe made train.py wait forever."""
+    with pytest.raises(SystemExit, match=r"^error: out of memory \(the host's\): lower --batch_size$"):
+        with train.one_line_errors("lower --batch_size"):
+            raise MemoryError
+    os.mkfifo(tmp_path / "model.safetensors")
+    for read in (model.read_tensors, model.tensor_names):
+        with pytest.raises(ValueError, match="model.safetensors: not a regular file"):
+            read(str(tmp_path / "model.safetensors"))
 
 
 def test_a_tiny_stage_the_method_lacks_is_one_line(tmp_path):
