@@ -166,7 +166,7 @@ def random_standin(out_dir, texts, seed=0):
 def split_squad(path, out_dir, heldout_articles=10, seed=0):
     """SQuAD v1.1 (JSON or .zip) split by article: `heldout_articles` titles drawn with
     `seed` go to squad-heldout.json, the rest to squad-train.json (no context is in both; a file already
-    holding its part is left as it is).
+    holding its part is left as it is, one holding another split is an error).
     The held-out paragraphs come in a seeded order, each under its article's title, so that
     eval.py's first n questions span every held-out article (in title order, 1,000 spanned 5).
     Returns {"train", "heldout"}: (path, articles, questions)."""
@@ -183,8 +183,7 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
     if not 0 < heldout_articles < len(articles):
         raise SystemExit(f"error: {path} has {len(articles)} articles; cannot hold out {heldout_articles}")
     held = set(random.Random(seed).sample(range(len(articles)), heldout_articles))  # (positions: titles may repeat)
-    os.makedirs(out_dir, exist_ok=True)
-    out = {}
+    out, texts = {}, {}
     for name, keep in (("train", lambda i: i not in held), ("heldout", lambda i: i in held)):
         part = [a for i, a in enumerate(articles) if keep(i)]
         out[name] = (os.path.join(out_dir, f"squad-{name}.json"), len(part),
@@ -192,10 +191,16 @@ def split_squad(path, out_dir, heldout_articles=10, seed=0):
         if name == "heldout":
             part = [{"title": a["title"], "paragraphs": [p]} for a in part for p in a["paragraphs"]]
             random.Random(seed).shuffle(part)
-        text = json.dumps({"version": doc.get("version", "1.1"), "data": part})  # (json.dump encodes in Python)
-        if not (os.path.isfile(out[name][0]) and open(out[name][0], encoding="utf-8").read() == text):
-            with open(out[name][0], "w", encoding="utf-8") as f:  # (the same split kept: eval.py's cached rows
-                f.write(text)  # name the file's size and time)
+        texts[name] = json.dumps({"version": doc.get("version", "1.1"), "data": part})  # (json.dump encodes in Python)
+    for name, (target, _, _) in out.items():  # (another split replaced in silence: a run trained on the old one would
+        if os.path.exists(target) and open(target, encoding="utf-8").read() != texts[name]:  # read its questions)
+            raise SystemExit(f"error: {target} holds another split (another --squad or --heldout_articles): runs "
+                             "trained on it would be read on their own training questions; split into another folder")
+    os.makedirs(out_dir, exist_ok=True)
+    for name, (target, _, _) in out.items():
+        if not os.path.exists(target):  # (the same split kept: eval.py's cached rows name the file's size and time)
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(texts[name])
     return out
 
 
@@ -257,7 +262,8 @@ def main(argv):
     if args.heldout_articles is not None and not args.squad:
         raise SystemExit("error: --heldout_articles splits --squad's articles: give --squad")
     if args.squad:  # first: a broken file stops the script before the conversion's half minute
-        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, 10 if args.heldout_articles is None else args.heldout_articles).items():
+        held = 10 if args.heldout_articles is None else args.heldout_articles
+        for name, (path, arts, qs) in split_squad(args.squad, args.out_dir, held).items():
             print(f"{path}: {arts} articles, {qs} questions")
     if args.random and not (model and standin):  # (one there is kept, as a converted model is: runs trained on it)
         import data

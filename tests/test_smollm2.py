@@ -88,7 +88,9 @@ def test_a_file_that_is_not_squad_is_one_line(tmp_path):
 
 
 def test_articles_of_one_title_split_by_position_and_json_lines_or_shards_are_one_line(tmp_path):
-    """Articles that share a title (the split drew titles: 4 of one held out 1 and trained on none); a .jsonl --squad
+    """Articles that share a title (the split drew titles: 4 of one held out 1 and trained on none); another split
+    into a dir that holds one (it was replaced, so runs trained on the old one read their own questions); a .jsonl
+    --squad
     (its line said to name it .jsonl); a dir of a sharded checkpoint (the conversion wrote over its config)."""
     qa = {"context": "Ann lives in Oslo.", "qas": [{"id": "q", "question": "Where?", "answers": [
         {"text": "Oslo", "answer_start": 13}]}]}
@@ -96,6 +98,12 @@ def test_articles_of_one_title_split_by_position_and_json_lines_or_shards_are_on
         dict(qa, qas=[dict(qa["qas"][0], id=f"q{i}")])]} for i in range(4)]}))
     out = smollm2.split_squad(str(tmp_path / "s.json"), str(tmp_path / "out"), heldout_articles=1)
     assert [(n, q) for _, n, q in out.values()] == [(3, 3), (1, 1)]
+    split = {path: open(path).read() for path, _, _ in out.values()}
+    smollm2.split_squad(str(tmp_path / "s.json"), str(tmp_path / "out"), heldout_articles=1)  # the same split: kept
+    for squad, held in ((tmp_path / "s.json", 2), (out["train"][0], 1)):  # (each replaced the split in silence)
+        with pytest.raises(SystemExit, match=r"squad-train.json holds another split \(another --squad or --held"):
+            smollm2.split_squad(str(squad), str(tmp_path / "out"), heldout_articles=held)
+    assert {path: open(path).read() for path in split} == split
     (tmp_path / "s.jsonl").write_text(json.dumps(qa) + "\n")
     with pytest.raises(SystemExit, match="--squad .*s.jsonl: JSON lines; give SQuAD v1.1's JSON file"):
         smollm2.split_squad(str(tmp_path / "s.jsonl"), str(tmp_path / "out"))
