@@ -172,8 +172,14 @@ touch "$OUT/times.txt"
 # 2) the teacher (meanpool_multi_ratio §5.1: finetuned, then frozen; Table 6), then the compressors from it
 echo "== teacher: --method teacher --max_iters $TEACHER_STEPS"
 t=$SECONDS trained=$(grep -c "" "$OUT/teacher/log.jsonl" 2> /dev/null || true)
-train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --micro_batch 32 ||
-  { echo "error: the teacher did not finish (rc $?); see $OUT/teacher.log" >&2; exit 1; }
+others=$(find "$OUT" -mindepth 2 -maxdepth 2 -name run.json ! -path "$OUT/teacher/*" 2> /dev/null | head -n 1)
+[ -z "$others" ] || [ "${trained:-0}" = "$TEACHER_STEPS" ] || {  # (trained on in place, it voided every run beside it)
+  echo "error: TEACHER_STEPS=$TEACHER_STEPS: the teacher in $OUT trained ${trained:-0} steps and runs there distilled" \
+       "it ($(dirname "$others"), ...): give another OUT, or TEACHER_STEPS=${trained:-0}" >&2; exit 1; }
+train_one teacher --method teacher --max_iters "$TEACHER_STEPS" --micro_batch 32 || {
+  rc=$?  # (the reason was in the log alone)
+  echo "error: the teacher did not finish (rc $rc): $(tail -n 1 "$OUT/teacher.log" 2> /dev/null) (all of it:" \
+       "$OUT/teacher.log)" >&2; exit 1; }
 [ "${trained:-0}" = "$TEACHER_STEPS" ] || took teacher "   teacher: train $(( SECONDS - t )) s"
 pids=() names=()
 for spec in "${RUNS[@]}"; do

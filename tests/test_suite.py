@@ -471,6 +471,31 @@ def test_real_suite_reads_a_converted_model_again_without_its_gguf(tmp_path, sma
 
 
 @pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
+def test_real_suite_keeps_a_teacher_that_runs_beside_it_distilled(tmp_path, small_squad):
+    """Another TEACHER_STEPS on an OUT whose runs distilled its teacher: one line, and the teacher is not trained (it
+    trained on in place, and every run beside it failed on its changed --teacher). `python` stubs the conversion and
+    the teacher."""
+    stubs, calls = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir()
+    (stubs / "python").write_text(f'#!/bin/sh\ncase "$*" in\n  *smollm2.py*) exit 0 ;;\n'
+                                  f'  *"--method teacher"*) echo "$*" >> {calls}; exit 0 ;;\nesac\n'
+                                  f'exec {sys.executable} "$@"\n')
+    (stubs / "python").chmod(0o755)
+    out = tmp_path / "real-smoke"
+    for run in ("teacher", "meanpool"):
+        (out / run).mkdir(parents=True)
+        (out / run / "run.json").write_text("{}")
+    (out / "teacher" / "log.jsonl").write_text('{"step": 1}\n')
+    env = dict(os.environ, OUT=str(tmp_path / "real"), SQUAD=str(small_squad), TEACHER_STEPS="2",
+               PATH=f"{stubs}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", "scripts/real_suite.sh", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and p.stderr == f"error: TEACHER_STEPS=2: the teacher in {out} trained 1 steps and runs " \
+        f"there distilled it ({out / 'meanpool'}, ...): give another OUT, or TEACHER_STEPS=1\n", p.stderr
+    assert not calls.exists()
+
+
+@pytest.mark.skipif(not SQUAD_ZIP.exists(), reason="assets absent")
 def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tmp_path, small_squad):
     """The GPU sampler (nvidia-smi -l 1) ends with the suite: left running after the teacher failed, it held the
     pipe device_suite.sh reads through `tee`, and the device call waited out its whole time limit."""
@@ -489,7 +514,7 @@ def test_real_suite_leaves_no_sampler_holding_its_pipe_when_the_teacher_fails(tm
                PATH=f"{stubs}:{os.environ['PATH']}")
     p = subprocess.run(["bash", "-c", "bash scripts/real_suite.sh --smoke 2>&1 | cat"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)  # (the sampler alone would run 90 s)
-    assert "error: the teacher did not finish (rc 5)" in p.stdout and "sampling" not in p.stdout, p.stdout[-2000:]
+    assert "error: the teacher did not finish (rc 5): " in p.stdout and "sampling" not in p.stdout, p.stdout[-2000:]
     time.sleep(0.5)
     status = f"/proc/{pid.read_text().strip()}/status"
     alive = os.path.exists(status) and "\nState:\tZ" not in open(status).read()  # (a zombie has ended)
