@@ -806,10 +806,12 @@ def check_files(cfg, mcfg):
     if isinstance(positions, int) and cfg.max_context + cfg.max_answer > positions and cfg.max_context < 1 << 20:
         notes.append(f"note: --max_context {cfg.max_context} and --max_answer {cfg.max_answer} reach past the "
                      f"{positions} positions {config} was trained at (max_position_embeddings)")
-    turn = data.CHAT_FORMATS.get(cfg.prompt, ())
-    if turn and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would train before its QA stage failed)
-        if not all(map(data.load_tokenizer(tiny.base_path(cfg.init_from)).has_special, turn)):
-            raise SystemExit(f"error: --prompt {cfg.prompt}: the tokenizer of {tiny.base_path(cfg.init_from)} has no "
+    if cfg.prompt in ("auto", *data.CHAT_FORMATS) and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would
+        tok = data.load_tokenizer(tiny.base_path(cfg.init_from))  # train before its QA stage failed)
+        fmt = data.prompt_format(tok, cfg.prompt)  # (auto: the chat template's turns, which the model loaded first)
+        if not all(map(tok.has_special, turn := data.CHAT_FORMATS.get(fmt, ()))):
+            raise SystemExit(f"error: --prompt {cfg.prompt}" + (f" (its chat template's {fmt})" if fmt != cfg.prompt
+                             else "") + f": the tokenizer of {tiny.base_path(cfg.init_from)} has no "
                              f"{' and '.join(turn)} tokens")
     other = (run_state(cfg.init_from) or {"train": {"method": "base"}})["train"]["method"]
     if other == "teacher" != cfg.method:

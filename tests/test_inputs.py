@@ -752,6 +752,20 @@ def test_a_compressor_distils_its_teacher_in_the_prompt_format_it_was_trained_on
         assert json.load(open(out / "run.json"))["train"]["prompt"] == taken
 
 
+def test_a_chat_template_whose_turn_tokens_the_tokenizer_lacks_is_one_line(files, tmp_path):
+    """--prompt auto reads the chat template's format: one whose turn tokens the tokenizer lacks (a Llama 3 template
+    beside a ChatML tokenizer) is one line before the model loads (it failed at the first batch, naming no file)."""
+    chat = tmp_path / "chat"
+    hf_checkpoint(chat, chat=True)
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|start_header_id|>{{ m['content'] }}<|eot_id|>{% endfor %}"
+    (chat / "tokenizer_config.json").write_text(json.dumps(config))
+    line = in_process(["--method", "meanpool", "--init_from", chat, "--data", files / "squad.json", *FAST,
+                       "--out_dir", tmp_path / "out"])
+    assert line == f"error: --prompt auto (its chat template's llama3): the tokenizer of {chat} has no " \
+        "<|start_header_id|> and <|eot_id|> tokens" and not (tmp_path / "out").exists(), line
+
+
 def test_a_run_of_another_method_is_not_an_init_from(files, tmp_path):
     """--init_from another method's run: one line (pic trained from the base under it, the run's weights dropped in
     silence); a run of the same method continues from its weights ("after kd")."""
