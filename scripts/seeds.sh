@@ -33,7 +33,7 @@ case $(last --method "$@") in teacher|base)
 esac
 JOBS=${JOBS:-2}                  # runs at a time, one thread each
 whole_numbers JOBS
-[[ $SEEDS =~ ^[0-9]{1,18}(,[0-9]{1,18})*$ ]] ||  # (train.py's 2^63 refused a long one after the seeds before it trained)
+[[ $SEEDS =~ ^[0-9]{1,18}(,[0-9]{1,18})*$ ]] ||  # (train.py refused a long one after the seeds before it trained)
   { echo "error: seeds $SEEDS: want whole numbers of at most 18 digits, like 1337,1,2" >&2; exit 1; }
 twice=$(tr , '\n' <<< "$SEEDS" | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -z "$twice" ] || { echo "error: seeds $SEEDS: $twice twice (two runs would train into one dir)" >&2; exit 1; }
