@@ -44,3 +44,5 @@ stop_runs() {  # trap stop_runs EXIT: on exit (a run failed, Ctrl-C) the runs st
   # (SIGTERM, as train.py's Ctrl-C; a job may be a subshell running one); the same command again resumes them
   for p in $(jobs -p); do pkill -TERM -P "$p" 2> /dev/null || true; kill "$p" 2> /dev/null || true; done  # (set -e)
 }
+[ -z "${OUT:-}" ] || [ -n "${OUT// }" ] ||  # (OUT=" " made a folder " -smoke" in the repo)
+  { echo "error: OUT='$OUT': a blank name; name a folder" >&2; exit 1; }

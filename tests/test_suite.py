@@ -437,6 +437,8 @@ def test_reproduce_seeds_and_smollm2_squad_settings_are_one_line_before_any_work
             ("seeds.sh", f"OUT={tmp_path / 'squad.json'}", ["1"],
              f"OUT={tmp_path / 'squad.json'}: cannot make this folder (a file is in its way?)"),  # (mkdir's own words)
             ("reproduce.sh", "EXAMPLES=08", [], "EXAMPLES=08: want a whole number > 0 (no leading 0)"),  # (bash: octal)
+            *((script, "OUT= ", args, "OUT=' ': a blank name; name a folder")  # (" -smoke" made in the repo)
+              for script, args in (("reproduce.sh", ["--smoke"]), ("seeds.sh", ["1"]), ("real_suite.sh", ["--smoke"]))),
             *((script, f"RESULTS={tmp_path / 'squad.json' / 'R.md'}", args,  # (it failed after every run)
                f"RESULTS '{tmp_path / 'squad.json' / 'R.md'}': {tmp_path / 'squad.json'} is a file, not a folder")
               for script, args in (("reproduce.sh", ["--smoke"]), ("real_suite.sh", []), ("smollm2_squad.sh", []))),
