@@ -806,12 +806,13 @@ def check_files(cfg, mcfg):
     if isinstance(positions, int) and cfg.max_context + cfg.max_answer > positions and cfg.max_context < 1 << 20:
         notes.append(f"note: --max_context {cfg.max_context} and --max_answer {cfg.max_answer} reach past the "
                      f"{positions} positions {config} was trained at (max_position_embeddings)")
-    if cfg.prompt in ("auto", *data.CHAT_FORMATS) and not tiny.needs_training(cfg.init_from):  # (pic's ae+lm would
-        tok = data.load_tokenizer(tiny.base_path(cfg.init_from))  # train before its QA stage failed)
+    base = tiny.base_path(cfg.init_from)  # (its tokenizer read once, for the prompt checks below; pic's ae+lm would
+    tok = None if tiny.needs_training(cfg.init_from) else data.load_tokenizer(base)  # train before QA failed)
+    if tok is not None and cfg.prompt in ("auto", *data.CHAT_FORMATS):
         fmt = data.prompt_format(tok, cfg.prompt)  # (auto: the chat template's turns, which the model loaded first)
         if not all(map(tok.has_special, turn := data.CHAT_FORMATS.get(fmt, ()))):
             raise SystemExit(f"error: --prompt {cfg.prompt}" + (f" (its chat template's {fmt})" if fmt != cfg.prompt
-                             else "") + f": the tokenizer of {tiny.base_path(cfg.init_from)} has no "
+                             else "") + f": the tokenizer of {base} has no "
                              f"{' and '.join(turn)} tokens")
     other = (run_state(cfg.init_from) or {"train": {"method": "base"}})["train"]["method"]
     if other == "teacher" != cfg.method:
@@ -830,8 +831,7 @@ def check_files(cfg, mcfg):
         if theirs != ours and os.path.isdir(theirs):  # (gone: moved, or on another machine; not checked)
             raise SystemExit(f"error: --teacher {cfg.teacher} was trained on the base {theirs}; this run's is {ours}")
     taught = teacher_prompt(cfg.teacher)
-    if taught and taught != cfg.prompt and not tiny.needs_training(cfg.init_from):
-        tok = data.load_tokenizer(tiny.base_path(cfg.init_from))
+    if taught and taught != cfg.prompt and tok is not None:
         if data.prompt_format(tok, taught) != data.prompt_format(tok, cfg.prompt):
             raise SystemExit(f"error: --prompt {cfg.prompt}: --teacher {cfg.teacher} was trained on --prompt {taught} "
                              "prompts (drop the flag to take its format)")
